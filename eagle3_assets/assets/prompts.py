@@ -1,0 +1,50 @@
+"""prompts: the dataset source normalised into chat messages with stable ids; bad rows quarantined."""
+
+import dagster as dg
+
+from resources import ProjectConfigResource, StorageResource
+
+from ..core.ingest import quarantine_reasons, write_prompts
+from .common import GROUP, counts_table
+
+
+def build_prompts_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        name="prompts",
+        partitions_def=partitions,
+        group_name=GROUP,
+        kinds={"python", "parquet"},
+        description="Source rows (ShareGPT, OpenAI messages or instruction format) as chat messages ending in a "
+        "user turn, one row per prompt with a stable id; unusable rows go to quarantine.parquet with the reason.",
+    )
+    def prompts(
+        context: dg.AssetExecutionContext, project: ProjectConfigResource, storage: StorageResource
+    ) -> dg.MaterializeResult:
+        cfg = project.load()
+        key = context.partition_key
+        ds = cfg.dataset(key)
+        layout = storage.layout(key)
+        source = cfg.resolve_path(ds.source)
+        result = write_prompts(
+            source, layout.prompts, layout.quarantine, ds.format, ds.fields.model_dump(), ds.system_prompt
+        )
+        context.log.info(
+            f"{key}: {result.outcomes['ok']} prompts from {result.n_source_rows} rows of {source}"
+        )
+        reasons = quarantine_reasons(result.quarantine)
+        return dg.MaterializeResult(
+            metadata={
+                "dagster/row_count": result.prompts.height,
+                "source": dg.MetadataValue.path(str(source)),
+                "format": ds.format,
+                "source_rows": result.n_source_rows,
+                "prompts": result.outcomes["ok"],
+                "duplicates_dropped": result.outcomes["duplicate"],
+                "quarantined": result.outcomes["quarantined"],
+                "quarantine_reasons": counts_table(reasons, "reason"),
+                "path": dg.MetadataValue.path(str(layout.prompts)),
+                "quarantine_path": dg.MetadataValue.path(str(layout.quarantine)),
+            }
+        )
+
+    return prompts

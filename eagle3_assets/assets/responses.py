@@ -1,0 +1,108 @@
+"""responses: the target model's answers, through whichever inference resource is configured."""
+
+import dagster as dg
+
+from resources import InferenceResource, ProjectConfigResource, StorageResource, TargetTokenizerResource
+
+from ..core.engine import EngineSettings
+from ..core.generation import GenerationPlan, GenerationSummary, generate_responses
+from ..core.protocol import Sampling
+from .common import GROUP, counts_table
+
+
+class ResponsesRunConfig(dg.Config):
+    """Per-run knobs (set in the launchpad); the dataset's budget and max_tokens come from eagle3.yaml."""
+
+    limit: int | None = None  # answer at most this many new prompts in this run
+    retry_permanent_failures: bool = False  # send prompts again that failed with a permanent error
+
+
+def summary_metadata(s: GenerationSummary) -> dict:
+    r = s.report
+    md: dict = {
+        "dagster/row_count": s.n_responses,
+        "backend": s.backend,
+        "prompts": s.n_prompts,
+        "answered_total": s.n_responses,
+        "answered_before_this_run": s.already_done,
+        "sent_this_run": r.sent if r else 0,
+        "failures_total": s.n_failures,
+        "skipped_permanent_failures": s.skipped_permanent,
+        "stop_reason": s.stop_reason,
+        "completion_tokens_total": s.prior.completion_tokens + (r.completion_tokens if r else 0),
+        "cost_usd_total": round(s.prior.cost_usd + (r.cost_usd if r else 0.0), 6),
+        "run_id": s.run_id,
+    }
+    if r:
+        md.update(
+            {
+                "completion_tokens_this_run": r.completion_tokens,
+                "cost_usd_this_run": round(r.cost_usd, 6),
+                "requests_per_s": round(r.succeeded / r.elapsed_s, 2) if r.elapsed_s else 0.0,
+                "tokens_per_s": round(r.completion_tokens / r.elapsed_s, 1) if r.elapsed_s else 0.0,
+                "elapsed_s": round(r.elapsed_s, 1),
+                "attempts": r.attempts,
+                "providers": counts_table(dict(r.providers.most_common()), "provider"),
+                "finish_reasons": counts_table(dict(r.finish_reasons.most_common()), "finish_reason"),
+                "errors_by_kind": counts_table(dict(r.errors.most_common()), "error_kind"),
+                "failure_kinds": counts_table(dict(r.failure_kinds.most_common()), "error_kind"),
+                "latency_s": dg.MetadataValue.json(
+                    {k: round(v, 3) for k, v in r.latency_percentiles().items()}
+                ),
+            }
+        )
+    return md
+
+
+def build_responses_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        name="responses",
+        deps=["prompts"],
+        partitions_def=partitions,
+        group_name=GROUP,
+        kinds={"python", "parquet"},
+        pool="llm_api",
+        description="The target model's answer to every prompt (text, reasoning, finish reason, usage, cost and "
+        "output token ids where the backend returns them). Resumable: an answered prompt is never sent again; "
+        "stops at the dataset's token/dollar budget.",
+    )
+    def responses(
+        context: dg.AssetExecutionContext,
+        config: ResponsesRunConfig,
+        project: ProjectConfigResource,
+        storage: StorageResource,
+        inference: InferenceResource,
+        target: TargetTokenizerResource,
+    ) -> dg.MaterializeResult:
+        cfg = project.load()
+        key = context.partition_key
+        ds = cfg.dataset(key)
+        sampling = cfg.sampling_for(key)
+        plan = GenerationPlan(
+            key=key,
+            max_tokens=ds.max_tokens,
+            budget_tokens=ds.budget_tokens,
+            budget_usd=ds.budget_usd,
+            sampling=Sampling(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed),
+            retry_permanent_failures=config.retry_permanent_failures,
+            limit=config.limit,
+        )
+        chat = target.chat_tokenizer()
+        settings = EngineSettings(
+            max_concurrency=inference.max_concurrency, max_retries=inference.max_retries
+        )
+        summary = generate_responses(
+            storage.layout(key),
+            plan,
+            inference.create_backend(chat),
+            chat,
+            settings,
+            log=context.log.info,
+            extra_preflight=target.problems(),
+        )
+        return dg.MaterializeResult(
+            metadata=summary_metadata(summary)
+            | {"path": dg.MetadataValue.path(str(storage.layout(key).responses_dir))}
+        )
+
+    return responses

@@ -1,0 +1,57 @@
+"""tokens: exact input ids and loss masks of every answered conversation."""
+
+import dagster as dg
+
+from resources import ProjectConfigResource, StorageResource, TargetTokenizerResource
+
+from ..core.tokens import build_tokens
+from .common import GROUP, counts_table
+
+
+def build_tokens_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        name="tokens",
+        deps=["responses"],
+        partitions_def=partitions,
+        group_name=GROUP,
+        kinds={"python", "parquet"},
+        description="Prompt + answer rendered with the target's chat template and tokenized: input_ids, loss_mask "
+        "(1 on the generated tokens incl. end-of-turn), and reference_match against the ids the model produced.",
+    )
+    def tokens(
+        context: dg.AssetExecutionContext,
+        project: ProjectConfigResource,
+        storage: StorageResource,
+        target: TargetTokenizerResource,
+    ) -> dg.MaterializeResult:
+        cfg = project.load()
+        key = context.partition_key
+        layout = storage.layout(key)
+        s = build_tokens(
+            layout,
+            target.chat_tokenizer(),
+            cfg.tokens.train_all_assistant_turns,
+            cfg.tokens.prefer_reference_ids,
+            cfg.tokens.batch_size,
+            log=context.log.info,
+        )
+        rate = s.match_rate
+        context.log.info(
+            f"{key}: {s.n_rows} conversations, {s.n_tokens:,} tokens; reference match "
+            + (f"{100 * rate:.2f}% of {s.n_reference}" if rate is not None else "n/a (no reference ids)")
+        )
+        return dg.MaterializeResult(
+            metadata={
+                "dagster/row_count": s.n_rows,
+                "tokens": s.n_tokens,
+                "loss_tokens": s.n_loss_tokens,
+                "errors": s.n_errors,
+                "reference_rows": s.n_reference,
+                "reference_match_rate": float(rate) if rate is not None else dg.MetadataValue.null(),
+                "mismatch_kinds": counts_table(dict(s.mismatch_kinds), "mismatch"),
+                "ids_source": counts_table(dict(s.ids_source), "source"),
+                "path": dg.MetadataValue.path(str(layout.tokens)),
+            }
+        )
+
+    return tokens

@@ -1,0 +1,100 @@
+"""`eagle3`: the commands beside the Dagster UI (demo, preflight, importing responses, exports, pools)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from .config import ConfigError, config_path, load_config
+
+
+def _resources(args: argparse.Namespace):
+    from .definitions import build_resources
+
+    path = Path(args.config).resolve() if args.config else config_path()
+    cfg = load_config(path, args.backend)
+    return cfg, build_resources(cfg, str(path))
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """Everything a paid run needs, checked without sending a request."""
+    cfg, res = _resources(args)
+    problems = list(res["target"].problems())
+    if not problems:
+        backend = res["inference"].create_backend(res["target"].chat_tokenizer())
+        problems += asyncio.run(backend.preflight())
+    for key in cfg.datasets:
+        source = cfg.resolve_path(cfg.datasets[key].source)
+        if not source.exists():
+            problems.append(f"datasets.{key}.source: {source} does not exist")
+    if problems:
+        print("preflight failed:\n- " + "\n- ".join(problems))
+        return 1
+    print(
+        f"preflight ok: backend {cfg.backend}, {len(cfg.datasets)} datasets, tokenizer {cfg.target.tokenizer}"
+    )
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .core.importer import import_responses
+
+    cfg, res = _resources(args)
+    cfg.dataset(args.dataset)
+    layout = res["storage"].layout(args.dataset)
+    if not layout.prompts.exists():
+        print(
+            f"materialise prompts for {args.dataset} first (dagster asset materialize -m eagle3_assets.definitions "
+            f"--select prompts --partition {args.dataset})"
+        )
+        return 1
+    s = import_responses(layout, Path(args.file), res["target"].chat_tokenizer(), model=args.model)
+    print(
+        f"{args.dataset}: imported {s.imported} of {s.rows} rows ({s.completion_tokens:,} completion tokens)"
+    )
+    if s.rejected:
+        print(f"rejected {sum(s.rejected.values())}: {dict(s.rejected)}; details in {s.rejected_path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main
+
+    return main(args.datasets or None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle3", description=__doc__)
+    p.add_argument("--config", help="config file (default: $EAGLE3_CONFIG or ./eagle3.yaml)")
+    p.add_argument(
+        "--backend", choices=["local", "openrouter", "sglang"], help="override the config's backend"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("preflight", help="check config, key, endpoint, model and tokenizer; sends nothing")
+    imp = sub.add_parser(
+        "import-responses", help="import a JSONL of responses produced elsewhere into a dataset"
+    )
+    imp.add_argument("--dataset", required=True)
+    imp.add_argument("--model", default="imported", help="model name stored when a row names none")
+    imp.add_argument("file")
+    demo = sub.add_parser("demo", help="the main job over all (or the given) datasets, then a summary table")
+    demo.add_argument("datasets", nargs="*")
+    return p
+
+
+COMMANDS = {"preflight": cmd_preflight, "import-responses": cmd_import, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

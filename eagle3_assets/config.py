@@ -1,0 +1,255 @@
+"""The project config (`eagle3.yaml`): one validated object, loaded once per process.
+
+Unknown keys are errors that name the key, so a typo (`budget_tokns`) fails before any paid request instead of
+silently running with a default. Relative paths are resolved against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+CONFIG_ENV = "EAGLE3_CONFIG"
+BACKEND_ENV = "EAGLE3_BACKEND"
+DEFAULT_CONFIG_NAME = "eagle3.yaml"
+BUILTIN_SMOLLM2 = "builtin:smollm2"
+BackendName = Literal["local", "openrouter", "sglang"]
+_PARTITION_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the fix."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StorageConfig(Strict):
+    root: str = "data"
+
+
+class TargetConfig(Strict):
+    tokenizer: str = BUILTIN_SMOLLM2
+    model: str = BUILTIN_SMOLLM2
+    trust_remote_code: bool = False
+    revision: str | None = None
+    # Passed to the chat template, e.g. {"thinking": true} for Kimi K2.5.
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # The end-of-turn token the template emits after an answer. Default: the tokenizer's eos token.
+    end_of_turn_token: str | None = None
+    # Optional hard-coded id (e.g. a serving stack's stop id); preflight checks it decodes to end_of_turn_token.
+    end_of_turn_id: int | None = None
+    # Used when the template has no reasoning field of its own: reasoning is rendered between these strings.
+    think_open: str = "<think>"
+    think_close: str = "</think>"
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)
+    seed: int | None = None
+
+
+class OpenRouterConfig(Strict):
+    base_url: str = "https://openrouter.ai/api/v1"
+    api_key_env: str = "OPENROUTER_API_KEY"
+    model: str = "moonshotai/kimi-k2.5"
+    provider: dict[str, Any] = Field(default_factory=dict)
+    max_concurrency: int = Field(2000, ge=1)
+    # OpenRouter's reasoning request object; null sends none.
+    reasoning: dict[str, Any] | None = Field(default_factory=lambda: {"enabled": True})
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    request_timeout_s: float = Field(900.0, gt=0)
+    max_retries: int = Field(8, ge=0)
+    app_url: str = "https://github.com/eagle3-assets"
+    app_title: str = "eagle3-assets"
+
+
+class SGLangConfig(Strict):
+    base_url: str = "http://127.0.0.1:30000"
+    max_concurrency: int = Field(512, ge=1)
+    request_timeout_s: float = Field(900.0, gt=0)
+    max_retries: int = Field(8, ge=0)
+    extra_sampling_params: dict[str, Any] = Field(default_factory=dict)
+
+
+class LocalConfig(Strict):
+    batch_size: int = Field(16, ge=1)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_retries: int = Field(1, ge=0)
+
+
+class BackendsConfig(Strict):
+    openrouter: OpenRouterConfig = Field(default_factory=OpenRouterConfig)
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    local: LocalConfig = Field(default_factory=LocalConfig)
+
+
+class InstructionFields(Strict):
+    instruction: str = "instruction"
+    input: str = "input"
+    system: str | None = None
+
+
+class DatasetConfig(Strict):
+    source: str
+    format: Literal["messages", "sharegpt", "instruction"]
+    budget_tokens: int = Field(10_000_000, ge=0)
+    budget_usd: float | None = Field(None, ge=0)
+    max_tokens: int = Field(4096, ge=1)
+    fields: InstructionFields = Field(default_factory=InstructionFields)
+    system_prompt: str | None = None
+    sampling: SamplingConfig | None = None
+    description: str = ""
+
+
+class TokensConfig(Strict):
+    # Train on every assistant turn of multi-turn prompts, not only the generated one.
+    train_all_assistant_turns: bool = False
+    # Where the backend returned the ids it generated, store those (ground truth) rather than the reconstruction.
+    prefer_reference_ids: bool = True
+    batch_size: int = Field(2048, ge=1)
+
+
+class ChecksConfig(Strict):
+    min_reference_match_rate: float = Field(0.99, ge=0, le=1)
+    max_truncated_share: float = Field(0.5, ge=0, le=1)
+    max_failure_share: float = Field(0.05, ge=0, le=1)
+    max_degenerate_share: float = Field(0.2, ge=0, le=1)
+
+
+class HiddenStatesConfig(Strict):
+    aux_layers: list[int] | None = None  # default: [1, L//2-1, L-4]
+    shard_bytes: int = Field(2 * 1024**3, ge=1024)
+    max_tokens_per_batch: int = Field(16384, ge=16)
+    max_seq_len: int = Field(32768, ge=16)
+    device: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+class AutomationConfig(Strict):
+    top_up_cron: str | None = "0 */6 * * *"
+
+
+class PoolsConfig(Strict):
+    llm_api: int = Field(1, ge=1)
+    gpu: int = Field(1, ge=1)
+
+
+class ProjectConfig(Strict):
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    backend: BackendName = "local"
+    backends: BackendsConfig = Field(default_factory=BackendsConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    datasets: dict[str, DatasetConfig]
+    tokens: TokensConfig = Field(default_factory=TokensConfig)
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
+    hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
+    automation: AutomationConfig = Field(default_factory=AutomationConfig)
+    pools: PoolsConfig = Field(default_factory=PoolsConfig)
+    # Folder of the config file; relative paths resolve against it. Set by the loader.
+    base_dir: str = Field("", exclude=True)
+
+    @field_validator("datasets")
+    @classmethod
+    def _keys_are_partition_keys(cls, v: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:
+        if not v:
+            raise ValueError("at least one dataset is required")
+        for key in v:
+            if not _PARTITION_KEY.match(key):
+                raise ValueError(
+                    f"dataset key {key!r} must match {_PARTITION_KEY.pattern} (it is a partition key)"
+                )
+        return v
+
+    # -- derived values -------------------------------------------------------------------------------------
+    def resolve_path(self, p: str) -> Path:
+        path = Path(os.path.expanduser(p))
+        return path if path.is_absolute() else Path(self.base_dir) / path
+
+    @property
+    def storage_root(self) -> Path:
+        return self.resolve_path(self.storage.root)
+
+    def dataset(self, key: str) -> DatasetConfig:
+        try:
+            return self.datasets[key]
+        except KeyError:
+            raise ConfigError(
+                f"unknown dataset {key!r}; the config defines {', '.join(self.datasets)}"
+            ) from None
+
+    def sampling_for(self, key: str) -> SamplingConfig:
+        return self.dataset(key).sampling or self.sampling
+
+
+def _format_error(err: ValidationError, path: Path) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key '{loc}' (check the spelling; see design §3 for the keys)")
+        elif e["type"] == "missing":
+            lines.append(f"{path}: missing required key '{loc}'")
+        else:
+            lines.append(f"{path}: key '{loc}': {e['msg']}")
+    return "\n".join(lines)
+
+
+def config_path() -> Path:
+    explicit = os.environ.get(CONFIG_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    here = Path.cwd() / DEFAULT_CONFIG_NAME
+    if here.exists():
+        return here.resolve()
+    # The checkout's own config, so `dagster dev` works from any folder.
+    return (Path(__file__).resolve().parent.parent / DEFAULT_CONFIG_NAME).resolve()
+
+
+def load_config(path: str | Path | None = None, backend_override: str | None = None) -> ProjectConfig:
+    """Read, validate and resolve a config file. `EAGLE3_BACKEND` overrides `backend`."""
+    path = Path(path).expanduser().resolve() if path else config_path()
+    if not path.exists():
+        raise ConfigError(f"config file {path} not found; create it or set {CONFIG_ENV} to its path")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    backend = backend_override or os.environ.get(BACKEND_ENV)
+    if backend:
+        raw["backend"] = backend
+    if "base_dir" in raw:
+        raise ConfigError(f"{path}: unknown key 'base_dir'")
+    raw["base_dir"] = str(path.parent)
+    try:
+        cfg = ProjectConfig.model_validate(raw)
+    except ValidationError as e:
+        msg = _format_error(e, path)
+        if backend and "backend" in msg:
+            msg += f"\n(the backend came from {BACKEND_ENV}={backend!r}; allowed: local, openrouter, sglang)"
+        raise ConfigError(msg) from None
+    return cfg
+
+
+@lru_cache(maxsize=8)
+def _cached(path: str, backend: str | None, mtime: float) -> ProjectConfig:
+    return load_config(path, backend)
+
+
+def get_config() -> ProjectConfig:
+    """The process-wide config (re-read when the file or the environment changes)."""
+    path = config_path()
+    mtime = path.stat().st_mtime if path.exists() else 0.0
+    return _cached(str(path), os.environ.get(BACKEND_ENV), mtime)

@@ -1,0 +1,1 @@
+"""Plain-Python core of the pipeline: no Dagster import anywhere below this package."""

@@ -1,0 +1,363 @@
+"""Exact token ids and loss masks of conversations, rebuilt with the target's own chat template.
+
+How it works: the template is rendered once per conversation *shape* (roles, which turns carry reasoning) with
+sentinels in place of every text; the rendered string is cut into control tokens (added-token strings the template
+itself wrote) and text runs (template text plus message text), cached as a plan. Each conversation then fills the
+plan's text runs with its own text, all runs are encoded in one batch without added-token matching, and the ids are
+spliced with the control ids.
+
+The generated turn is its own segment: it starts right after the generation prompt (where the model started to
+write) and ends with the end-of-turn token when the answer finished, so its ids are what the model emitted and
+can be compared with the ids a server returned. Only trained segments get loss-mask 1.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .text_encoder import TextEncoder, make_text_encoder
+
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_SENTINEL = re.compile(f"{_OPEN}(\\d+)([cr]){_CLOSE}")
+
+
+class TemplateError(ValueError):
+    """The conversation cannot be rendered exactly (its reason goes to tokens_errors.parquet)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    content: str
+    reasoning: str | None = None
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class TokenizedConversation:
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8
+    answer_start: int  # the generated turn spans input_ids[answer_start:]
+    n_prompt_tokens: int
+
+    @property
+    def answer_ids(self) -> np.ndarray:
+        return self.input_ids[self.answer_start :]
+
+
+# A plan item: a control id, or a text run made of literal strings and (message index, 'c'|'r') references.
+Fragment = str | tuple[int, str]
+Item = tuple[int, None] | tuple[None, tuple[Fragment, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    regions: tuple[tuple[tuple[Item, ...], bool], ...]  # (items, trained)
+
+
+class ChatTokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        end_of_turn_token: str | None = None,
+        think_open: str = "<think>",
+        think_close: str = "</think>",
+        encoder: TextEncoder | None = None,
+    ):
+        self.tok = tokenizer
+        self.encoder = encoder or make_text_encoder(tokenizer)
+        self.kwargs = dict(chat_template_kwargs or {})
+        self.eot_token = end_of_turn_token or tokenizer.eos_token
+        if not self.eot_token:
+            raise TemplateError("the tokenizer has no eos token: set target.end_of_turn_token in the config")
+        self.eot_id = self.encoder.control_ids.get(self.eot_token)
+        self.think_open, self.think_close = think_open, think_close
+        template = tokenizer.chat_template or ""
+        if not template:
+            raise TemplateError("the tokenizer has no chat template: use a chat model's tokenizer")
+        self.template_has_reasoning = "reasoning_content" in template
+        strings = sorted(self.encoder.control_ids, key=len, reverse=True)
+        self._control_re = re.compile("|".join(re.escape(s) for s in strings)) if strings else None
+        self._plans: dict[tuple, _Plan] = {}
+        self._verified: set[tuple] = set()
+
+    # -- rendering ------------------------------------------------------------------------------------------
+    def _sentinel_messages(self, roles: Sequence[str], reasoning: Sequence[bool]) -> list[dict[str, str]]:
+        msgs = []
+        for i, (role, has_r) in enumerate(zip(roles, reasoning, strict=True)):
+            content = f"{_OPEN}{i}c{_CLOSE}"
+            msg = {"role": role, "content": content}
+            if has_r:
+                r = f"{_OPEN}{i}r{_CLOSE}"
+                if self.template_has_reasoning:
+                    msg["reasoning_content"] = r
+                else:
+                    msg["content"] = f"{self.think_open}{r}{self.think_close}{content}"
+            msgs.append(msg)
+        return msgs
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs
+        )
+
+    def _render_shape(self, roles: Sequence[str], reasoning: Sequence[bool], gen: bool) -> str:
+        return self.render(self._sentinel_messages(roles, reasoning), gen)
+
+    # -- planning -------------------------------------------------------------------------------------------
+    def _cut_answer(self, text: str, finished: bool, nonempty: set[tuple[int, str]]) -> str:
+        """The part of the rendered answer turn that the model itself wrote."""
+        sentinels = list(_SENTINEL.finditer(text))
+        if finished:
+            last_end = sentinels[-1].end() if sentinels else 0
+            pos = text.find(self.eot_token, last_end)
+            if pos < 0:
+                raise TemplateError(f"the template writes no {self.eot_token!r} after an assistant answer")
+            return text[: pos + len(self.eot_token)]
+        written = [m for m in sentinels if (int(m.group(1)), m.group(2)) in nonempty]
+        return text[: written[-1].end()] if written else ""
+
+    def _items(self, text: str) -> tuple[Item, ...]:
+        items: list[Item] = []
+        frags: list[Fragment] = []
+
+        def template_text(chunk: str) -> None:
+            pos = 0
+            if self._control_re is not None:
+                for m in self._control_re.finditer(chunk):
+                    if m.start() > pos:
+                        frags.append(chunk[pos : m.start()])
+                    if frags:
+                        items.append((None, tuple(frags)))
+                        frags.clear()
+                    items.append((self.encoder.control_ids[m.group(0)], None))
+                    pos = m.end()
+            if pos < len(chunk):
+                frags.append(chunk[pos:])
+
+        pos = 0
+        for m in _SENTINEL.finditer(text):
+            template_text(text[pos : m.start()])
+            frags.append((int(m.group(1)), m.group(2)))
+            pos = m.end()
+        template_text(text[pos:])
+        if frags:
+            items.append((None, tuple(frags)))
+        return tuple(items)
+
+    def _plan(
+        self, roles: tuple[str, ...], reasoning: tuple[bool, ...], answer: tuple | None, train_all: bool
+    ) -> _Plan:
+        key = (roles, reasoning, answer, train_all)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        n_prompt = len(roles) - (1 if answer is not None else 0)
+        prompt_text = self._render_shape(roles[:n_prompt], reasoning[:n_prompt], True)
+        # Boundaries (start, end) of trained turns inside the prompt, then the generated turn.
+        spans: list[tuple[int, int]] = []
+        if train_all:
+            for k in range(n_prompt):
+                if roles[k] != "assistant":
+                    continue
+                head = self._render_shape(roles[:k], reasoning[:k], True)
+                turn = self._render_shape(roles[: k + 1], reasoning[: k + 1], False)
+                if not (prompt_text.startswith(head) and turn.startswith(head)):
+                    raise TemplateError(f"the template renders turn {k} differently in later context")
+                nonempty = {(k, "c"), (k, "r")}
+                cut = self._cut_answer(turn[len(head) :], True, nonempty)
+                spans.append((len(head), len(head) + len(cut)))
+        full_text = prompt_text
+        if answer is not None:
+            finished, nonempty = answer
+            full = self._render_shape(roles, reasoning, False)
+            if not full.startswith(prompt_text):
+                raise TemplateError(
+                    "the template renders the prompt differently once an answer follows it "
+                    "(check target.chat_template_kwargs, e.g. the thinking switch)"
+                )
+            answer_text = full[len(prompt_text) :]
+            last = len(roles) - 1
+            if reasoning[last] and f"{_OPEN}{last}r{_CLOSE}" not in answer_text:
+                # The template drops the reasoning of the final turn (Kimi K2.5 does): write the turn in the
+                # thinking form the model itself produced it in.
+                opener = "" if prompt_text.endswith(self.think_open) else self.think_open
+                answer_text = (
+                    f"{opener}{_OPEN}{last}r{_CLOSE}{self.think_close}{_OPEN}{last}c{_CLOSE}{self.eot_token}"
+                )
+            cut = self._cut_answer(answer_text, finished, set(nonempty))
+            full_text = prompt_text + cut
+            spans.append((len(prompt_text), len(full_text)))
+        regions: list[tuple[tuple[Item, ...], bool]] = []
+        pos = 0
+        for start, end in spans:
+            if start < pos:
+                raise TemplateError("assistant turns overlap in the rendered conversation")
+            if start > pos:
+                regions.append((self._items(full_text[pos:start]), False))
+            regions.append((self._items(full_text[start:end]), True))
+            pos = end
+        if pos < len(full_text) or not regions:
+            regions.append((self._items(full_text[pos:]), False))
+        plan = _Plan(tuple(regions))
+        self._plans[key] = plan
+        return plan
+
+    # -- tokenizing -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _shape(messages: Sequence[dict[str, Any]], answer: Answer | None) -> tuple:
+        roles = tuple(m["role"] for m in messages) + (("assistant",) if answer is not None else ())
+        reasoning = tuple(bool(m.get("reasoning")) for m in messages)
+        if answer is not None:
+            reasoning += (bool(answer.reasoning),)
+        return roles, reasoning
+
+    def _values(self, messages: Sequence[dict[str, Any]], answer: Answer | None) -> list[tuple[str, str]]:
+        vals = [(m["content"], m.get("reasoning") or "") for m in messages]
+        if answer is not None:
+            vals.append((answer.content or "", answer.reasoning or ""))
+        return vals
+
+    def _verify_shape(
+        self,
+        key: tuple,
+        messages: Sequence[dict[str, Any]],
+        answer: Answer | None,
+        plan: _Plan,
+        values: list[tuple[str, str]],
+    ) -> None:
+        """Once per shape: the template must place text verbatim (no trimming or rewriting of content)."""
+        if key in self._verified:
+            return
+        roles, reasoning = key[0], key[1]
+        real = []
+        for i, (role, has_r) in enumerate(zip(roles, reasoning, strict=True)):
+            content, r = values[i]
+            msg = {"role": role, "content": content}
+            if has_r:
+                if self.template_has_reasoning:
+                    msg["reasoning_content"] = r
+                else:
+                    msg["content"] = f"{self.think_open}{r}{self.think_close}{content}"
+            real.append(msg)
+        n_prompt = len(roles) - (1 if answer is not None else 0)
+        rendered = self.render(real, add_generation_prompt=answer is None)
+        sentinel = self._render_shape(roles, reasoning, answer is None)
+        filled = _SENTINEL.sub(lambda m: values[int(m.group(1))][0 if m.group(2) == "c" else 1], sentinel)
+        if rendered != filled:
+            raise TemplateError(
+                "the chat template rewrites message text (e.g. trims it); exact rebuild impossible"
+            )
+        del n_prompt, plan
+        self._verified.add(key)
+
+    def tokenize(
+        self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool = False
+    ) -> list[TokenizedConversation | TemplateError]:
+        """Tokenize many conversations in one batch; a conversation that cannot be rendered yields its error."""
+        plans: list[tuple[_Plan, list[tuple[str, str]]] | TemplateError] = []
+        texts: list[str] = []
+        for messages, answer in conversations:
+            try:
+                roles, reasoning = self._shape(messages, answer)
+                values = self._values(messages, answer)
+                ans_key = None
+                if answer is not None:
+                    last = len(roles) - 1
+                    nonempty = tuple(
+                        k for k, v in (((last, "c"), answer.content), ((last, "r"), answer.reasoning)) if v
+                    )
+                    ans_key = (answer.finished, nonempty)
+                plan = self._plan(roles, reasoning, ans_key, train_all)
+                self._verify_shape((roles, reasoning, ans_key, train_all), messages, answer, plan, values)
+            except TemplateError as e:
+                plans.append(e)
+                continue
+            except Exception as e:  # a template that raises on this input
+                plans.append(TemplateError(f"chat template failed: {type(e).__name__}: {e}"))
+                continue
+            plans.append((plan, values))
+            for items, _ in plan.regions:
+                for cid, frags in items:
+                    if cid is None:
+                        texts.append(
+                            "".join(
+                                f if isinstance(f, str) else values[f[0]][0 if f[1] == "c" else 1]
+                                for f in frags
+                            )
+                        )
+        encoded = self.encoder.encode_texts(texts)
+        out: list[TokenizedConversation | TemplateError] = []
+        t = 0
+        for entry in plans:
+            if isinstance(entry, TemplateError):
+                out.append(entry)
+                continue
+            plan, _ = entry
+            ids: list[int] = []
+            mask_runs: list[tuple[int, bool]] = []
+            answer_start = 0
+            for items, trained in plan.regions:
+                start = len(ids)
+                for cid, _frags in items:
+                    if cid is None:
+                        ids.extend(encoded[t])
+                        t += 1
+                    else:
+                        ids.append(cid)
+                mask_runs.append((len(ids) - start, trained))
+                if trained:
+                    answer_start = start
+            arr = np.asarray(ids, dtype=np.int32)
+            mask = np.repeat(
+                np.array([1 if tr else 0 for _, tr in mask_runs], dtype=np.int8), [n for n, _ in mask_runs]
+            )
+            last_trained = plan.regions[-1][1]
+            start = answer_start if last_trained else len(ids)
+            out.append(TokenizedConversation(arr, mask, start, start))
+        return out
+
+    def prompt_ids(self, prompts: Sequence[Sequence[dict[str, Any]]]) -> list[list[int] | TemplateError]:
+        """The generation prompt of each conversation, as the model must see it."""
+        res = self.tokenize([(p, None) for p in prompts])
+        return [r if isinstance(r, TemplateError) else r.input_ids.tolist() for r in res]
+
+    # -- sanity ---------------------------------------------------------------------------------------------
+    def special_token_problems(self, configured_id: int | None = None) -> list[str]:
+        """Fatal configuration problems with the end-of-turn token (checked before any request)."""
+        problems: list[str] = []
+        eot, eot_id = self.eot_token, self.eot_id
+        if eot_id is None:
+            problems.append(
+                f"end-of-turn token {eot!r} is not an added token of the tokenizer; "
+                "set target.end_of_turn_token to the string the template writes after an answer"
+            )
+            return problems
+        decoded = self.encoder.decode([eot_id])
+        if decoded != eot:
+            problems.append(f"end-of-turn id {eot_id} decodes to {decoded!r}, not {eot!r}")
+        if eot_id not in self.encoder.special_ids:
+            problems.append(
+                f"end-of-turn token {eot!r} (id {eot_id}) is not a special token of the tokenizer"
+            )
+        if configured_id is not None and configured_id != eot_id:
+            other = self.encoder.decode([configured_id])
+            problems.append(
+                f"target.end_of_turn_id {configured_id} decodes to {other!r}, but the template ends a turn with "
+                f"{eot!r} (id {eot_id}); set end_of_turn_id to {eot_id} or remove it"
+            )
+        try:
+            probe = self.tokenize([([{"role": "user", "content": "hi"}], Answer("hello", None, True))])[0]
+        except Exception as e:
+            problems.append(f"the chat template cannot render a simple conversation: {e}")
+        else:
+            if isinstance(probe, TemplateError):
+                problems.append(f"the chat template cannot render a simple conversation: {probe}")
+            elif int(probe.input_ids[-1]) != eot_id:
+                problems.append(f"the chat template does not end an answer with {eot!r}")
+        return problems

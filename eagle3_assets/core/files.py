@@ -1,0 +1,78 @@
+"""Crash-safe file writes: a reader sees the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp)` on a hidden temporary file beside `path`, fsync it, then rename it into place.
+
+    The temporary name does not end in the target's suffix, so globs such as `responses/*.parquet` never see it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_parquet(df: pl.DataFrame, path: Path) -> Path:
+    return atomic_write(path, lambda tmp: df.write_parquet(tmp, compression="zstd", statistics=True))
+
+
+def write_json(obj: Any, path: Path) -> Path:
+    text = json.dumps(obj, indent=2, sort_keys=False, default=str, ensure_ascii=False)
+    return atomic_write(path, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
+
+
+def write_text(text: str, path: Path) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def remove_stale_temporaries(folder: Path, older_than_s: float = 600.0) -> int:
+    """Delete temporaries a killed process left behind (never renamed, so nothing refers to them).
+
+    Only old ones: a temporary that is seconds old may belong to a writer that is still alive.
+    """
+    n = 0
+    if folder.is_dir():
+        now = time.time()
+        for p in folder.glob(".*.tmp"):
+            try:
+                if now - p.stat().st_mtime > older_than_s:
+                    p.unlink(missing_ok=True)
+                    n += 1
+            except FileNotFoundError:
+                pass
+    return n

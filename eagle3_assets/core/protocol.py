@@ -1,0 +1,129 @@
+"""The one small protocol every inference backend implements, and the error classes the engine acts on.
+
+A backend turns a `CompletionRequest` into a `Completion` or raises an `InferenceError` whose `kind` tells the
+engine what to do: retry (maybe after a shared cool-down), record a permanent failure for that prompt, or stop
+the whole run (bad key, no credits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    id: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    # The prompt rendered by the target's chat template, for backends that take token ids (SGLang, embedded).
+    prompt_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    content: str
+    finish_reason: str  # stop | length | content_filter | error | ...
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+    reasoning: str | None = None
+    provider: str | None = None
+    cost_usd: float | None = None
+    output_ids: list[int] | None = None
+    native_finish_reason: str | None = None
+    reasoning_tokens: int | None = None
+    cached_tokens: int | None = None
+    request_id: str | None = None
+    latency_s: float = 0.0
+
+
+class ErrorKind(StrEnum):
+    RATE_LIMITED = "rate_limited"  # 429: shared cool-down, retry
+    OVERLOADED = "overloaded"  # 503 / no provider: shared cool-down, retry
+    SERVER = "server"  # other 5xx, error object in a 200 body: retry
+    TIMEOUT = "timeout"  # 408, client timeout: retry
+    CONNECTION = "connection"  # reset, refused: retry
+    MALFORMED = "malformed"  # unparsable or empty body: retry
+    BAD_REQUEST = "bad_request"  # 400, 403 moderation, 404 model: permanent for this prompt
+    CONTEXT_LENGTH = "context_length"  # prompt + max_tokens too long: permanent for this prompt
+    AUTH = "auth"  # 401: stop the run
+    OUT_OF_CREDITS = "out_of_credits"  # 402 without Retry-After: stop the run
+    INTERNAL = "internal"  # a bug on our side while handling a response: permanent, visible
+
+    @property
+    def retryable(self) -> bool:
+        return self in _RETRYABLE
+
+    @property
+    def fatal(self) -> bool:
+        return self in (ErrorKind.AUTH, ErrorKind.OUT_OF_CREDITS)
+
+    @property
+    def slows_everyone(self) -> bool:
+        """Errors that mean the provider wants less traffic from us, not just this request retried."""
+        return self in (ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED)
+
+
+_RETRYABLE = {
+    ErrorKind.RATE_LIMITED,
+    ErrorKind.OVERLOADED,
+    ErrorKind.SERVER,
+    ErrorKind.TIMEOUT,
+    ErrorKind.CONNECTION,
+    ErrorKind.MALFORMED,
+}
+
+
+class InferenceError(Exception):
+    def __init__(
+        self, kind: ErrorKind, message: str, retry_after: float | None = None, status: int | None = None
+    ):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retry_after = retry_after
+        self.status = status
+
+    def __str__(self) -> str:
+        prefix = f"HTTP {self.status} " if self.status else ""
+        return f"{prefix}{self.kind.value}: {self.message}"
+
+
+class FatalRunError(RuntimeError):
+    """The run cannot go on (bad key, out of credits); the message says what to do."""
+
+
+@runtime_checkable
+class InferenceBackend(Protocol):
+    """What the generation engine needs from a backend."""
+
+    name: str  # "local" | "openrouter" | "sglang"
+    model: str  # the model name stored with each response
+    wants_prompt_ids: bool  # requests must carry prompt_ids rendered by the target tokenizer
+
+    async def start(self) -> None:
+        """Open sessions, load weights; called once inside the engine's event loop."""
+
+    async def preflight(self) -> list[str]:
+        """Cheap checks before any paid request; returns problems (each a one-line fix), empty when ready."""
+
+    async def complete(self, request: CompletionRequest) -> Completion: ...
+
+    async def close(self) -> None: ...
+
+
+def describe(obj: Any, limit: int = 300) -> str:
+    """A short printable excerpt of a body or object for error messages."""
+    text = obj if isinstance(obj, str) else repr(obj)
+    return text if len(text) <= limit else text[:limit] + "…"

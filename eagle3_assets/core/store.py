@@ -1,0 +1,157 @@
+"""Append-only Parquet tables in a folder: the journal of responses and failures (design §4).
+
+Rows arrive as immutable part files, each written atomically, so a kill -9 can lose only rows not yet flushed
+and can never leave a half-written file that a reader picks up. `compact()` folds the parts into one file with
+one row per key; a crash inside it at worst leaves a duplicate that readers and the next compaction drop.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from .files import remove_stale_temporaries, write_parquet
+
+RESPONSE_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String,
+    "backend": pl.String,
+    "model": pl.String,
+    "provider": pl.String,
+    "content": pl.String,
+    "reasoning": pl.String,
+    "finish_reason": pl.String,
+    "prompt_tokens": pl.Int64,
+    "completion_tokens": pl.Int64,
+    "cost_usd": pl.Float64,
+    "output_ids": pl.List(pl.Int32),
+    "native_finish_reason": pl.String,
+    "reasoning_tokens": pl.Int64,
+    "cached_tokens": pl.Int64,
+    "request_id": pl.String,
+    "latency_s": pl.Float64,
+    "created_at": pl.Float64,  # unix seconds
+    "run_id": pl.String,
+    "source": pl.String,  # "generated" or "imported:<file name>"
+}
+
+FAILURE_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String,
+    "error_kind": pl.String,
+    "message": pl.String,
+    "attempts": pl.Int32,
+    "permanent": pl.Boolean,
+    "backend": pl.String,
+    "status": pl.Int32,
+    "created_at": pl.Float64,
+    "run_id": pl.String,
+}
+
+
+class BusyError(RuntimeError):
+    """Another process is writing this table (it would send the same prompts and pay twice)."""
+
+
+class JournalTable:
+    """A folder of Parquet parts with a key column; the union of the parts is the table."""
+
+    def __init__(self, folder: Path, schema: dict[str, pl.DataType], key: str = "id"):
+        self.folder = Path(folder)
+        self.schema = schema
+        self.key = key
+        self._seq = 0
+
+    # -- reading --------------------------------------------------------------------------------------------
+    def files(self) -> list[Path]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(p for p in self.folder.glob("*.parquet") if not p.name.startswith("."))
+
+    def scan(self, columns: list[str] | None = None) -> pl.LazyFrame:
+        files = self.files()
+        if not files:
+            return pl.DataFrame(schema=self.schema).lazy().select(columns or list(self.schema))
+        frames = [self._conform(pl.scan_parquet(f)) for f in files]
+        lf = pl.concat(frames, how="vertical_relaxed")
+        return lf.select(columns) if columns else lf
+
+    def _conform(self, lf: pl.LazyFrame) -> pl.LazyFrame:
+        """Parts written by older versions may lack newer columns: add them as nulls."""
+        have = lf.collect_schema()
+        cols = [
+            pl.col(name).cast(dtype) if name in have else pl.lit(None, dtype=dtype).alias(name)
+            for name, dtype in self.schema.items()
+        ]
+        return lf.select(cols)
+
+    def keys(self) -> set[str]:
+        return set(self.scan([self.key]).collect()[self.key].to_list())
+
+    def read(self, keep: str = "first") -> pl.DataFrame:
+        """The table with one row per key (`keep`: which copy wins when a crash left two)."""
+        return self.scan().unique(subset=[self.key], keep=keep, maintain_order=True).collect()
+
+    # -- writing --------------------------------------------------------------------------------------------
+    def append(self, rows: pl.DataFrame | dict[str, list[Any]]) -> Path | None:
+        df = rows if isinstance(rows, pl.DataFrame) else pl.DataFrame(rows, schema=self.schema)
+        if df.height == 0:
+            return None
+        self._seq += 1
+        name = f"part-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.parquet"
+        return write_parquet(df.select(list(self.schema)), self.folder / name)
+
+    def compact(self, keep: str = "first", drop_keys: Iterable[str] | None = None) -> int:
+        """Fold all parts into one file with one row per key; returns the row count.
+
+        The new file is in place before the old parts go, so a crash in between duplicates rows, never loses them.
+        """
+        remove_stale_temporaries(self.folder)
+        files = self.files()
+        if not files:
+            return 0
+        df = self.read(keep=keep)
+        if drop_keys is not None:
+            drop = pl.Series(self.key, list(drop_keys), dtype=pl.String)
+            df = df.filter(~pl.col(self.key).is_in(drop.implode()))
+        if len(files) == 1 and df.height == pl.scan_parquet(files[0]).select(pl.len()).collect().item():
+            return df.height
+        if df.height:
+            write_parquet(df, self.folder / f"data-{time.time_ns():020d}.parquet")
+        for f in files:
+            f.unlink(missing_ok=True)
+        return df.height
+
+    @contextmanager
+    def exclusive(self, what: str):
+        """Hold an advisory lock for the duration of a run; the OS drops it if the process dies."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lock_path = self.folder / ".lock"
+        fh = open(lock_path, "a+")  # noqa: SIM115 (held across the yield, closed in finally)
+        try:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                fh.close()
+                raise BusyError(
+                    f"{what} is already running ({holder}); wait for it or stop it first"
+                ) from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()} on {os.uname().nodename}")
+            fh.flush()
+            yield
+        finally:
+            if not fh.closed:
+                fh.close()
+
+
+def empty_columns(schema: dict[str, pl.DataType]) -> dict[str, list[Any]]:
+    return {name: [] for name in schema}

@@ -1,0 +1,217 @@
+"""tokens: every answered conversation as `input_ids` + `loss_mask`, checked against the ids the model produced.
+
+Where a backend returned its output ids (embedded model, SGLang, imported data) those are ground truth: the row
+keeps them (unless configured otherwise) and `reference_match` says whether the reconstruction from text gave the
+same ids. Text-only answers (OpenRouter) get the reconstruction, `reference_match` null.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from .chat_tokens import Answer, ChatTokenizer, TemplateError, TokenizedConversation
+from .files import write_parquet
+from .layout import DatasetLayout
+from .store import RESPONSE_SCHEMA, JournalTable
+
+TOKENS_ERRORS_SCHEMA = {"id": pl.String, "reason": pl.String}
+
+
+TAIL_TOKENS = 3  # a truncated answer's last pre-token may merge differently once the text is cut
+
+
+@dataclass
+class Comparison:
+    match: bool
+    # None | "truncation_tail" (a cut answer's last tokens) | "invalid_utf8" (bytes text cannot carry) |
+    # "bpe_split" (same text, other ids) | "text_differs"
+    kind: str | None = None
+    first_diff: int | None = None
+
+    @property
+    def explained(self) -> bool:
+        """Matches, or differs only where text cannot say which ids were produced (the cut of a truncated answer)."""
+        return self.match or self.kind == "truncation_tail"
+
+
+def normalise_reference(ids: list[int], finished: bool, eot_id: int | None, stop_ids: set[int]) -> list[int]:
+    """Server output ids as the template would close them: a finished answer ends with the end-of-turn id."""
+    if finished and eot_id is not None:
+        if ids and ids[-1] in stop_ids and ids[-1] != eot_id:
+            return [*ids[:-1], eot_id]  # stopped on another stop id (e.g. eos): the turn still ends with eot
+        if not ids or ids[-1] != eot_id:
+            return [*ids, eot_id]
+    return ids
+
+
+def compare(
+    reconstructed: np.ndarray, reference: list[int], decode: Callable[[list[int]], str], finished: bool = True
+) -> Comparison:
+    ref = np.asarray(reference, dtype=np.int32)
+    if reconstructed.shape == ref.shape and np.array_equal(reconstructed, ref):
+        return Comparison(True)
+    n = min(len(ref), len(reconstructed))
+    diff = np.flatnonzero(reconstructed[:n] != ref[:n])
+    first = int(diff[0]) if diff.size else n
+    if not finished and first >= len(ref) - TAIL_TOKENS:
+        return Comparison(False, "truncation_tail", first)
+    ref_text = decode(reference)
+    if "\ufffd" in decode(reference[first:]):
+        return Comparison(False, "invalid_utf8", first)
+    same_text = decode(reconstructed.tolist()) == ref_text
+    return Comparison(False, "bpe_split" if same_text else "text_differs", first)
+
+
+def _list_column(arrays: list[np.ndarray], dtype: pa.DataType) -> pl.Series:
+    """A list column from numpy arrays through one flat buffer (no Python list per token)."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32 if lengths.sum() < 2**31 else np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    values = pa.array(flat.astype(dtype.to_pandas_dtype(), copy=False), type=dtype)
+    cls = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
+    return pl.from_arrow(cls.from_arrays(pa.array(offsets), values))
+
+
+@dataclass
+class TokensSummary:
+    n_rows: int = 0
+    n_errors: int = 0
+    n_reference: int = 0
+    n_match: int = 0
+    n_explained: int = 0
+    mismatch_kinds: Counter = field(default_factory=Counter)
+    ids_source: Counter = field(default_factory=Counter)
+    n_tokens: int = 0
+    n_loss_tokens: int = 0
+    errors: Counter = field(default_factory=Counter)
+
+    @property
+    def match_rate(self) -> float | None:
+        return self.n_match / self.n_reference if self.n_reference else None
+
+
+def build_tokens(
+    layout: DatasetLayout,
+    chat: ChatTokenizer,
+    train_all: bool = False,
+    prefer_reference: bool = True,
+    batch_size: int = 2048,
+    log: Callable[[str], None] = print,
+) -> TokensSummary:
+    prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
+    responses = (
+        JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
+        .read()
+        .select("id", "content", "reasoning", "finish_reason", "output_ids")
+    )
+    rows = prompts.join(responses, on="id", how="inner", maintain_order="left")
+    stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
+    summary = TokensSummary()
+    out: dict[str, list] = {
+        k: []
+        for k in (
+            "id",
+            "input_ids",
+            "loss_mask",
+            "reference_match",
+            "match_explained",
+            "ids_source",
+            "mismatch",
+            "first_diff",
+            "answer_start",
+            "finish_reason",
+        )
+    }
+    errors: list[dict] = []
+    for start in range(0, rows.height, batch_size):
+        chunk = rows.slice(start, batch_size)
+        ids = chunk["id"].to_list()
+        finished = [f == "stop" for f in chunk["finish_reason"].to_list()]
+        convs = [
+            (m, Answer(c or "", r, fin))
+            for m, c, r, fin in zip(
+                chunk["messages"].to_list(),
+                chunk["content"].to_list(),
+                chunk["reasoning"].to_list(),
+                finished,
+                strict=True,
+            )
+        ]
+        results = chat.tokenize(convs, train_all=train_all)
+        refs = chunk["output_ids"].to_list()
+        for pid, res, ref, fin, fr in zip(
+            ids, results, refs, finished, chunk["finish_reason"].to_list(), strict=True
+        ):
+            if isinstance(res, TemplateError):
+                errors.append({"id": pid, "reason": str(res)})
+                summary.errors[str(res)[:80]] += 1
+                continue
+            input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
+            out["id"].append(pid)
+            out["input_ids"].append(input_ids)
+            out["loss_mask"].append(mask)
+            out["reference_match"].append(None if cmp is None else cmp.match)
+            out["match_explained"].append(None if cmp is None else cmp.explained)
+            out["ids_source"].append(source)
+            out["mismatch"].append(None if cmp is None else cmp.kind)
+            out["first_diff"].append(None if cmp is None else cmp.first_diff)
+            out["answer_start"].append(res.answer_start)
+            out["finish_reason"].append(fr)
+            summary.ids_source[source] += 1
+            if cmp is not None:
+                summary.n_reference += 1
+                summary.n_match += cmp.match
+                summary.n_explained += cmp.explained
+                if cmp.kind:
+                    summary.mismatch_kinds[cmp.kind] += 1
+            summary.n_tokens += len(input_ids)
+            summary.n_loss_tokens += int(mask.sum())
+        log(f"tokens: {min(start + batch_size, rows.height):,}/{rows.height:,} conversations")
+    summary.n_rows = len(out["id"])
+    summary.n_errors = len(errors)
+    df = pl.DataFrame(
+        {
+            "id": pl.Series(out["id"], dtype=pl.String),
+            "input_ids": _list_column(out["input_ids"], pa.int32()),
+            "loss_mask": _list_column(out["loss_mask"], pa.int8()),
+            "reference_match": pl.Series(out["reference_match"], dtype=pl.Boolean),
+            "match_explained": pl.Series(out["match_explained"], dtype=pl.Boolean),
+            "n_tokens": pl.Series([len(a) for a in out["input_ids"]], dtype=pl.Int32),
+            "n_loss_tokens": pl.Series([int(m.sum()) for m in out["loss_mask"]], dtype=pl.Int32),
+            "answer_start": pl.Series(out["answer_start"], dtype=pl.Int32),
+            "ids_source": pl.Series(out["ids_source"], dtype=pl.String),
+            "mismatch": pl.Series(out["mismatch"], dtype=pl.String),
+            "first_diff": pl.Series(out["first_diff"], dtype=pl.Int32),
+            "finish_reason": pl.Series(out["finish_reason"], dtype=pl.String),
+        }
+    )
+    write_parquet(df, layout.tokens)
+    write_parquet(pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA), layout.tokens_errors)
+    return summary
+
+
+def _resolve_row(
+    res: TokenizedConversation,
+    ref: list[int] | None,
+    finished: bool,
+    chat: ChatTokenizer,
+    stop_ids: set[int],
+    prefer_reference: bool,
+) -> tuple[np.ndarray, np.ndarray, str, Comparison | None]:
+    if ref is None:
+        return res.input_ids, res.loss_mask, "reconstructed", None
+    reference = normalise_reference(list(ref), finished, chat.eot_id, stop_ids)
+    cmp = compare(res.answer_ids, reference, chat.encoder.decode, finished)
+    if cmp.match or not prefer_reference:
+        return res.input_ids, res.loss_mask, "reconstructed" if not cmp.match else "reference", cmp
+    head = res.input_ids[: res.answer_start]
+    ids = np.concatenate([head, np.asarray(reference, dtype=np.int32)])
+    mask = np.concatenate([res.loss_mask[: res.answer_start], np.ones(len(reference), dtype=np.int8)])
+    return ids, mask, "reference", cmp

@@ -1,0 +1,118 @@
+"""The one Definitions object: assets, checks, resources, jobs and automation, all built from eagle3.yaml."""
+
+from __future__ import annotations
+
+import warnings
+
+import dagster as dg
+
+from resources import (
+    InferenceResource,
+    LocalInference,
+    OpenRouterInference,
+    ProjectConfigResource,
+    SGLangInference,
+    StorageResource,
+    TargetTokenizerResource,
+)
+
+from .assets import build_prompts_asset, build_report_asset, build_responses_asset, build_tokens_asset
+from .checks import build_checks
+from .config import ProjectConfig, get_config
+from .partitions import dataset_partitions
+
+# Per-partition asset checks are a 1.13 preview; the project relies on them knowingly.
+warnings.filterwarnings("ignore", category=dg.PreviewWarning)
+warnings.filterwarnings("ignore", category=dg.BetaWarning)
+
+TRAINING_DATA_JOB = "training_data"
+OFFLINE_STAGES = ["prompts", "responses", "tokens", "validation_report"]
+
+
+def build_inference(cfg: ProjectConfig) -> InferenceResource:
+    """The configured backend's resource (EAGLE3_BACKEND overrides `backend`)."""
+    b = cfg.backends
+    if cfg.backend == "local":
+        return LocalInference(
+            model=cfg.target.model,
+            device=b.local.device,
+            batch_size=b.local.batch_size,
+            trust_remote_code=cfg.target.trust_remote_code,
+            base_dir=cfg.base_dir,
+            max_concurrency=2 * b.local.batch_size,
+            max_retries=b.local.max_retries,
+        )
+    if cfg.backend == "openrouter":
+        o = b.openrouter
+        return OpenRouterInference(
+            base_url=o.base_url,
+            api_key_env=o.api_key_env,
+            model=o.model,
+            provider=o.provider,
+            reasoning=o.reasoning,
+            extra_body=o.extra_body,
+            request_timeout_s=o.request_timeout_s,
+            max_concurrency=o.max_concurrency,
+            max_retries=o.max_retries,
+            app_url=o.app_url,
+            app_title=o.app_title,
+        )
+    s = b.sglang
+    return SGLangInference(
+        base_url=s.base_url,
+        request_timeout_s=s.request_timeout_s,
+        max_concurrency=s.max_concurrency,
+        max_retries=s.max_retries,
+        extra_sampling_params=s.extra_sampling_params,
+    )
+
+
+def build_resources(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
+    t = cfg.target
+    return {
+        "project": ProjectConfigResource(path=config_path, backend=cfg.backend),
+        "storage": StorageResource(root=str(cfg.storage_root)),
+        "target": TargetTokenizerResource(
+            tokenizer=t.tokenizer,
+            trust_remote_code=t.trust_remote_code,
+            revision=t.revision,
+            chat_template_kwargs=t.chat_template_kwargs,
+            end_of_turn_token=t.end_of_turn_token,
+            end_of_turn_id=t.end_of_turn_id,
+            think_open=t.think_open,
+            think_close=t.think_close,
+            base_dir=cfg.base_dir,
+        ),
+        "inference": build_inference(cfg),
+    }
+
+
+def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
+    partitions = dataset_partitions(cfg)
+    assets = [
+        build_prompts_asset(partitions),
+        build_responses_asset(partitions),
+        build_tokens_asset(partitions),
+        build_report_asset(partitions),
+    ]
+    training_data = dg.define_asset_job(
+        TRAINING_DATA_JOB,
+        selection=dg.AssetSelection.assets(*OFFLINE_STAGES),
+        partitions_def=partitions,
+        description="prompts → responses → tokens → validation_report for one dataset (the main job).",
+    )
+    return dg.Definitions(
+        assets=assets,
+        asset_checks=build_checks(partitions),
+        jobs=[training_data],
+        resources=build_resources(cfg, config_path),
+    )
+
+
+def _load() -> dg.Definitions:
+    from .config import config_path
+
+    return build_definitions(get_config(), str(config_path()))
+
+
+defs = _load()

@@ -1,0 +1,314 @@
+"""Real HTTP servers on loopback for the engine tests: an OpenRouter-like API that injects faults on command, and
+an SGLang-like native `/generate` server. Each runs its own event loop in a thread of the test process, so it
+outlives a client subprocess that a test kills with SIGKILL.
+
+Faults are scripted per prompt: the last user message may contain `[[fault1,fault2,...]]`; attempt n of that prompt
+gets fault n (then plain answers). Fault words: 429, 429ra=<s>, 503, 503ra=<s>, 500, 502, 408, 400, ctx (400 context
+length), 401, 402, 402ra=<s>, body429 / body502 (error object in a 200 body), reset (connection dropped), malformed,
+empty (empty 200 body), finisherror, nochoices, slow=<s>. `global_faults` applies a list to the first requests of
+any prompt (a storm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+FAULTS = re.compile(r"\[\[([^\]]*)\]\]")
+
+
+@dataclass
+class Hit:
+    prompt: str
+    at: float
+    attempt: int
+    fault: str | None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+class _ThreadedApp:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    def _app(self) -> web.Application:
+        raise NotImplementedError
+
+    def start(self) -> str:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self.base_url
+
+    async def _start(self) -> None:
+        self.runner = web.AppRunner(self._app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, backlog=4096)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class FakeOpenRouter(_ThreadedApp):
+    def __init__(
+        self,
+        key: str | None = None,
+        latency: float = 0.0,
+        model: str = "moonshotai/kimi-k2.5",
+        global_faults: list[str] | None = None,
+        completion_tokens: Any = None,
+        cost_per_token: float = 1e-6,
+        list_models: bool = True,
+    ):
+        super().__init__()
+        self.key = key
+        self.latency = latency
+        self.model = model
+        self.global_faults = list(global_faults or [])
+        self.completion_tokens = (
+            completion_tokens  # None: words of the answer; int; or callable(prompt) -> int
+        )
+        self.cost_per_token = cost_per_token
+        self.list_models = list_models
+        self.hits: list[Hit] = []
+        self.attempts: dict[str, int] = defaultdict(int)
+        self._global = 0
+        self.lock = threading.Lock()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api/v1"
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/api/v1/chat/completions", self.chat)
+        app.router.add_get("/api/v1/models", self.models)
+        app.router.add_get("/api/v1/key", self.key_info)
+        return app
+
+    # -- introspection for tests -------------------------------------------------------------------------------
+    def prompts_sent(self) -> list[str]:
+        with self.lock:
+            return [h.prompt for h in self.hits]
+
+    def hits_for(self, prompt_part: str) -> list[Hit]:
+        with self.lock:
+            return [h for h in self.hits if prompt_part in h.prompt]
+
+    # -- endpoints ----------------------------------------------------------------------------------------------
+    def _authorised(self, request: web.Request) -> bool:
+        return self.key is None or request.headers.get("Authorization") == f"Bearer {self.key}"
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response(
+                {"error": {"code": 401, "message": "No auth credentials found"}}, status=401
+            )
+        data = [{"id": self.model}, {"id": "openai/gpt-4o"}] if self.list_models else []
+        return web.json_response({"data": data})
+
+    async def key_info(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"error": {"code": 401, "message": "bad key"}}, status=401)
+        return web.json_response({"data": {"limit": 100, "limit_remaining": 50, "usage": 50}})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body["messages"][-1]["content"]
+        with self.lock:
+            self.attempts[prompt] += 1
+            attempt = self.attempts[prompt]
+            scripted = FAULTS.search(prompt)
+            faults = scripted.group(1).split(",") if scripted else []
+            fault = faults[attempt - 1].strip() if attempt <= len(faults) else None
+            if fault is None and self._global < len(self.global_faults):
+                fault = self.global_faults[self._global]
+                self._global += 1
+            self.hits.append(Hit(prompt, time.monotonic(), attempt, fault, dict(request.headers), body))
+        if self.latency:
+            await asyncio.sleep(self.latency)
+        if not self._authorised(request):
+            return web.json_response({"error": {"code": 401, "message": "User not found."}}, status=401)
+        if fault:
+            response = await self._fault(request, fault)
+            if response is not None:
+                return response
+        return web.json_response(self._answer(prompt, body))
+
+    def _answer(self, prompt: str, body: dict) -> dict:
+        clean = FAULTS.sub("", prompt).strip()
+        content = f"Answer to: {clean}"
+        if callable(self.completion_tokens):
+            tokens = int(self.completion_tokens(clean))
+        elif self.completion_tokens is not None:
+            tokens = int(self.completion_tokens)
+        else:
+            tokens = len(content.split()) + 3
+        return {
+            "id": f"gen-{abs(hash(prompt)) % 10**9}",
+            "model": self.model,
+            "provider": "FakeProvider",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "native_finish_reason": "stop",
+                    "message": {
+                        "role": "assistant",
+                        "content": content,
+                        "reasoning": f"Thinking about {clean}" if body.get("reasoning") else None,
+                    },
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 11,
+                "completion_tokens": tokens,
+                "total_tokens": 11 + tokens,
+                "cost": round(tokens * self.cost_per_token, 10),
+                "completion_tokens_details": {"reasoning_tokens": 3},
+            },
+        }
+
+    async def _fault(self, request: web.Request, fault: str) -> web.StreamResponse | None:
+        name, _, arg = fault.partition("=")
+        ra = {"Retry-After": arg} if arg else {}
+        err = lambda code, msg, status=None, headers=None, **extra: web.json_response(  # noqa: E731
+            {"error": {"code": code, "message": msg, **extra}}, status=status or code, headers=headers
+        )
+        if name in ("429", "429ra"):
+            return err(429, "Rate limit exceeded", headers=ra)
+        if name in ("503", "503ra"):
+            return err(503, "No instances available", headers=ra)
+        if name in ("500", "502", "408"):
+            return err(int(name), f"upstream error {name}")
+        if name == "400":
+            return err(400, "invalid parameter: temperature")
+        if name == "ctx":
+            return err(
+                400,
+                "This endpoint's maximum context length is 8192 tokens",
+                metadata={"error_type": "context_length_exceeded"},
+            )
+        if name == "401":
+            return err(401, "User not found.")
+        if name in ("402", "402ra"):
+            return err(402, "Insufficient credits", headers=ra)
+        if name.startswith("body"):
+            code = int(name[4:])
+            return err(code, "Provider returned error", status=200)
+        if name == "reset":
+            request.transport.close()
+            return web.Response(status=500)
+        if name == "malformed":
+            return web.Response(status=200, body=b'{"choices": [', content_type="application/json")
+        if name == "empty":
+            return web.Response(status=200, body=b"", content_type="application/json")
+        if name == "finisherror":
+            return web.json_response(
+                {
+                    "id": "gen-x",
+                    "model": self.model,
+                    "choices": [{"finish_reason": "error", "message": {"role": "assistant", "content": ""}}],
+                    "usage": {},
+                }
+            )
+        if name == "nochoices":
+            return web.json_response({"id": "gen-x", "model": self.model, "choices": []})
+        if name == "slow":
+            await asyncio.sleep(float(arg))
+            return None
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+class FakeSGLang(_ThreadedApp):
+    """Native SGLang API over a real tokenizer: answers "Echo <n tokens>" and returns its output ids."""
+
+    def __init__(
+        self, tokenizer: Any, eot_id: int, fail_first: int = 0, model_path: str = "HuggingFaceTB/SmolLM2"
+    ):
+        super().__init__()
+        self.tok = tokenizer
+        self.eot_id = eot_id
+        self.fail_first = fail_first
+        self.model_path = model_path
+        self.generate_bodies: list[dict] = []
+        self.calls: list[str] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_post("/generate", self.generate)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.calls.append("health")
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        self.calls.append("model_info")
+        return web.json_response(
+            {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
+        )
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append("generate")
+        self.generate_bodies.append(body)
+        if len(self.generate_bodies) <= self.fail_first:
+            return web.json_response({"error": {"message": "scheduler overloaded"}}, status=503)
+        params = body["sampling_params"]
+        if "max_new_tokens" not in params:
+            return web.json_response({"error": {"message": "max_new_tokens missing"}}, status=400)
+        n_in = len(body["input_ids"])
+        text = f"Echo of {n_in} tokens: the answer is 42.\n\n1. first\n2. second"
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        limit = params["max_new_tokens"]
+        if len(ids) + 1 <= limit:
+            out, finish = [*ids, self.eot_id], {"type": "stop", "matched": self.eot_id}
+        else:
+            out, finish = ids[:limit], {"type": "length", "length": limit}
+        return web.json_response(
+            {
+                "text": self.tok.decode(out, skip_special_tokens=True),
+                "output_ids": out,
+                "meta_info": {
+                    "id": f"req-{len(self.generate_bodies)}",
+                    "finish_reason": finish,
+                    "prompt_tokens": n_in,
+                    "completion_tokens": len(out),
+                    "cached_tokens": 0,
+                    "e2e_latency": 0.01,
+                },
+            }
+        )
+
+
+def dump_hits(server: FakeOpenRouter) -> str:
+    return json.dumps([(h.prompt[:40], h.attempt, h.fault) for h in server.hits], indent=1)

@@ -1,0 +1,228 @@
+"""The generation engine against real HTTP servers on loopback: faults per kind, cool-down, budget, preflight."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from eagle3_assets.core.engine import EngineSettings
+from eagle3_assets.core.generation import GenerationPlan, PreflightError, generate_responses
+from eagle3_assets.core.ingest import write_prompts
+from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.protocol import FatalRunError, Sampling
+from eagle3_assets.core.store import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
+from resources.inference.openrouter import OpenRouterInference
+
+from .conftest import user_rows, write_jsonl
+from .fake_servers import FakeOpenRouter, dump_hits
+
+KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
+KEY = "test-key-" + "x" * 24
+
+
+def dataset(tmp_path, texts: list[str], key: str = "B1") -> DatasetLayout:
+    layout = DatasetLayout(tmp_path / "data", key).ensure()
+    src = write_jsonl(tmp_path / f"{key}.jsonl", user_rows(texts))
+    write_prompts(src, layout.prompts, layout.quarantine, "messages")
+    return layout
+
+
+def run(
+    layout,
+    server,
+    chat,
+    *,
+    budget_tokens=10_000_000,
+    budget_usd=None,
+    concurrency=64,
+    retries=4,
+    max_tokens=100,
+    **resource,
+):
+    res = OpenRouterInference(
+        base_url=server.base_url,
+        api_key_env=KEY_ENV,
+        max_concurrency=concurrency,
+        max_retries=retries,
+        request_timeout_s=resource.pop("timeout", 30),
+        **resource,
+    )
+    plan = GenerationPlan(layout.key, max_tokens, budget_tokens, budget_usd, Sampling())
+    settings = EngineSettings(
+        max_concurrency=concurrency,
+        max_retries=retries,
+        backoff_base_s=0.02,
+        backoff_max_s=0.1,
+        flush_interval_s=0.2,
+        progress_interval_s=0.5,
+        fatal_grace_s=2,
+    )
+    return generate_responses(layout, plan, res.create_backend(chat), chat, settings, log=lambda m: None)
+
+
+def stored(layout):
+    return (
+        JournalTable(layout.responses_dir, RESPONSE_SCHEMA).read(),
+        JournalTable(layout.failures_dir, FAILURE_SCHEMA).read(keep="last"),
+    )
+
+
+@pytest.fixture
+def key_env(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+
+
+def test_every_fault_kind_is_handled_per_its_kind(tmp_path, chat, key_env):
+    retried = [
+        "429",
+        "429ra=0.2",
+        "503",
+        "503ra=0.2",
+        "500",
+        "502",
+        "408",
+        "body502",
+        "body429",
+        "reset",
+        "malformed",
+        "empty",
+        "finisherror",
+        "nochoices",
+        "402ra=0.2",
+    ]
+    texts = [f"retry {f} [[{f}]]" for f in retried]
+    texts += [
+        "permanent [[400]]",
+        "context [[ctx]]",
+        "plain question",
+        "two faults [[500,reset]]",
+        "gives up [[500,500,500,500,500,500]]",
+    ]
+    layout = dataset(tmp_path, texts)
+    with FakeOpenRouter(key=KEY) as server:
+        summary = run(layout, server, chat, retries=3)
+        responses, failures = stored(layout)
+        answered = {t for t in texts if t in set(_prompts_of(layout, responses["id"]))}
+        for t in [*texts[: len(retried)], "plain question", "two faults [[500,reset]]"]:
+            assert t in answered, (t, dump_hits(server))
+        kinds = dict(zip(_prompts_of(layout, failures["id"]), failures["error_kind"], strict=True))
+        assert kinds["permanent [[400]]"] == "bad_request"
+        assert kinds["context [[ctx]]"] == "context_length"
+        assert kinds["gives up [[500,500,500,500,500,500]]"] == "server"
+        perm = dict(zip(_prompts_of(layout, failures["id"]), failures["permanent"], strict=True))
+        assert (
+            perm["permanent [[400]]"]
+            and perm["context [[ctx]]"]
+            and not perm["gives up [[500,500,500,500,500,500]]"]
+        )
+        # Permanent errors are not retried; the one that gives up tried 1 + 3 retries.
+        assert len(server.hits_for("permanent")) == 1 and len(server.hits_for("gives up")) == 4
+        # Retry-After is honoured: the retry arrives after the delay the server asked for.
+        for word in ("429ra=0.2", "503ra=0.2", "402ra=0.2"):
+            hits = server.hits_for(f"retry {word}")
+            assert hits[1].at - hits[0].at >= 0.19, word
+        row = responses.row(0, named=True)
+        assert (
+            row["provider"] == "FakeProvider"
+            and row["cost_usd"] > 0
+            and row["reasoning"].startswith("Thinking")
+        )
+        assert row["model"] == "moonshotai/kimi-k2.5" and row["backend"] == "openrouter"
+        assert summary.report.errors["rate_limited"] >= 3
+    # Attribution headers and the key went to the server, the provider object as configured.
+    h = server.hits[0]
+    assert h.headers["Authorization"] == f"Bearer {KEY}" and h.headers["X-Title"] == "eagle3-assets"
+    assert "HTTP-Referer" in h.headers
+
+
+def _prompts_of(layout, ids) -> list[str]:
+    prompts = pl.read_parquet(layout.prompts)
+    by_id = {i: m[-1]["content"] for i, m in zip(prompts["id"], prompts["messages"].to_list(), strict=True)}
+    return [by_id[i] for i in ids]
+
+
+def test_provider_routing_and_reasoning_are_sent_as_configured(tmp_path, chat, key_env):
+    layout = dataset(tmp_path, ["hello"])
+    provider = {"order": ["moonshotai", "together"], "allow_fallbacks": False, "quantizations": ["fp8"]}
+    with FakeOpenRouter(key=KEY) as server:
+        run(layout, server, chat, provider=provider, reasoning={"effort": "high"}, extra_body={"seed": 7})
+    body = server.hits[0].body
+    assert body["provider"] == provider and body["reasoning"] == {"effort": "high"} and body["seed"] == 7
+    assert body["max_tokens"] == 100 and body["model"] == "moonshotai/kimi-k2.5"
+
+
+def test_401_stops_the_run_and_keeps_what_was_paid_for(tmp_path, chat, key_env):
+    texts = [f"q{i}" for i in range(40)] + ["bad key now [[401]]"] + [f"later {i}" for i in range(200)]
+    layout = dataset(tmp_path, texts)
+    with FakeOpenRouter(key=KEY, latency=0.05) as server:
+        with pytest.raises(FatalRunError, match="API key was rejected"):
+            run(layout, server, chat, concurrency=8)
+        responses, _ = stored(layout)
+        sent = len(server.hits)
+    assert 0 < responses.height < len(texts) - 1
+    assert sent < len(texts)  # stopped long before the end
+    # Everything stored was answered; nothing is lost or duplicated.
+    assert responses["id"].n_unique() == responses.height
+
+
+def test_402_without_retry_after_means_out_of_credits(tmp_path, chat, key_env):
+    layout = dataset(tmp_path, ["a", "b [[402]]", "c"])
+    with FakeOpenRouter(key=KEY) as server, pytest.raises(FatalRunError, match="out of credits"):
+        run(layout, server, chat, concurrency=1)
+
+
+def test_a_429_storm_pauses_every_worker_together(tmp_path, chat, key_env):
+    texts = [f"storm {i}" for i in range(30)]
+    layout = dataset(tmp_path, texts)
+    with FakeOpenRouter(key=KEY, global_faults=["429ra=0.5"]) as server:
+        run(layout, server, chat, concurrency=1)
+        hits = list(server.hits)
+    first = next(h for h in hits if h.fault)
+    later = [h for h in hits if h.at > first.at]
+    # No request reached the server during the cool-down the 429 asked for.
+    assert later and min(h.at for h in later) - first.at >= 0.45
+
+
+def test_budget_overshoot_stays_under_one_percent_over_thousands_of_requests(tmp_path, chat, key_env):
+    texts = [f"budget {i}" for i in range(4000)]
+    layout = dataset(tmp_path, texts)
+    budget = 150_000
+    with FakeOpenRouter(key=KEY, completion_tokens=lambda p: 20 + (hash(p) % 200)) as server:
+        summary = run(layout, server, chat, concurrency=500, budget_tokens=budget, max_tokens=220)
+    responses, _ = stored(layout)
+    used = int(responses["completion_tokens"].sum())
+    assert summary.stop_reason == "budget"
+    assert used <= budget * 1.01, used
+    assert used >= budget * 0.95, used  # and the budget is used, not abandoned early
+    assert responses.height < len(texts)
+
+
+def test_dollar_budget(tmp_path, chat, key_env):
+    layout = dataset(tmp_path, [f"usd {i}" for i in range(300)])
+    with FakeOpenRouter(key=KEY, completion_tokens=100, cost_per_token=1e-4) as server:  # $0.01 a request
+        run(layout, server, chat, concurrency=20, budget_usd=1.0)
+    responses, _ = stored(layout)
+    assert 0.9 <= responses["cost_usd"].sum() <= 1.01
+
+
+def test_resume_counts_other_backends_and_sends_nothing_twice(tmp_path, chat, key_env):
+    layout = dataset(tmp_path, [f"r{i}" for i in range(20)])
+    with FakeOpenRouter(key=KEY) as server:
+        run(layout, server, chat, concurrency=4)
+        first = len(server.hits)
+        summary = run(layout, server, chat, concurrency=4)
+        assert len(server.hits) == first == 20 and summary.todo == 0
+
+
+def test_preflight_fails_before_any_request(tmp_path, chat, monkeypatch):
+    layout = dataset(tmp_path, ["x"])
+    with FakeOpenRouter(key=KEY) as server:
+        monkeypatch.delenv(KEY_ENV, raising=False)
+        with pytest.raises(PreflightError, match="rejected the API key"):
+            run(layout, server, chat)
+        monkeypatch.setenv(KEY_ENV, KEY)
+        with pytest.raises(PreflightError, match="not listed"):
+            run(layout, server, chat, model="moonshotai/kimi-k9")
+        assert server.hits == []
+    with pytest.raises(PreflightError, match="cannot reach"):
+        run(layout, server, chat)  # the server is gone

@@ -1,0 +1,117 @@
+"""A partition materialised through Dagster's own API on the embedded model: outputs, resume, budget."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from eagle3_assets.config import load_config
+from eagle3_assets.definitions import TRAINING_DATA_JOB, build_definitions
+
+from .conftest import make_project, user_rows
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me one word that rhymes with cat.",
+    "What is 3 times 4?",
+    "Name a planet.",
+]
+
+
+def run_job(config_path, key, instance, run_config=None):
+    defs = build_definitions(load_config(config_path), str(config_path))
+    job = defs.resolve_job_def(TRAINING_DATA_JOB)
+    return job.execute_in_process(
+        partition_key=key, instance=instance, raise_on_error=False, run_config=run_config
+    )
+
+
+def materialization_metadata(result, asset):
+    mats = [m for m in result.asset_materializations_for_node(asset)]
+    return mats[-1].metadata
+
+
+@pytest.fixture
+def project(tmp_path):
+    rows = [*user_rows(QUESTIONS), '{"messages": broken json']
+    return make_project(
+        tmp_path, {"B3": {"rows": rows, "max_tokens": 16}, "B4": {"rows": user_rows(["Hi"]), "max_tokens": 8}}
+    )
+
+
+def test_partition_materialises_end_to_end_and_resumes_without_repeating_work(project, tmp_path):
+    with dg.instance_for_test() as instance:
+        result = run_job(project, "B3", instance)
+        assert result.success
+        root = tmp_path / "data" / "B3"
+        prompts = pl.read_parquet(root / "prompts.parquet")
+        assert prompts.height == 4
+        assert pl.read_parquet(root / "quarantine.parquet")["reason"].str.contains("bad JSON").all()
+        responses = pl.read_parquet(root / "responses" / "*.parquet")
+        assert sorted(responses["id"]) == sorted(prompts["id"])
+        for col in (
+            "id",
+            "backend",
+            "model",
+            "provider",
+            "content",
+            "reasoning",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "cost_usd",
+            "output_ids",
+        ):
+            assert col in responses.columns
+        assert responses.schema["output_ids"] == pl.List(pl.Int32)
+        assert set(responses["backend"]) == {"local"}
+        tokens = pl.read_parquet(root / "tokens.parquet")
+        assert tokens.schema["input_ids"] == pl.List(pl.Int32) and tokens.schema["loss_mask"] == pl.List(
+            pl.Int8
+        )
+        assert (tokens["input_ids"].list.len() == tokens["loss_mask"].list.len()).all()
+        assert tokens["reference_match"].is_not_null().all()
+        report = json.loads((root / "report.json").read_text())
+        for k in (
+            "n_prompts",
+            "n_responses",
+            "n_failures",
+            "budget_tokens",
+            "completion_tokens",
+            "cost_usd",
+            "reference_match_rate",
+        ):
+            assert k in report
+        assert report["n_prompts"] == 4 and report["n_responses"] == 4
+        assert report["completion_tokens"] == int(responses["completion_tokens"].sum())
+        checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+        assert len(checks) >= 5
+
+        files_before = sorted(p.name for p in (root / "responses").glob("*.parquet"))
+        again = run_job(project, "B3", instance)
+        assert again.success
+        md = materialization_metadata(again, "responses")
+        assert md["sent_this_run"].value == 0 and md["answered_before_this_run"].value == 4
+        assert sorted(p.name for p in (root / "responses").glob("*.parquet")) == files_before
+        assert pl.read_parquet(root / "responses" / "*.parquet").equals(responses)
+
+
+def test_budget_stops_dispatch(tmp_path):
+    rows = user_rows([f"Write a long story about the number {i}." for i in range(12)])
+    path = make_project(
+        tmp_path,
+        {"B1": {"rows": rows, "max_tokens": 16, "budget_tokens": 40}},
+        backends={"local": {"batch_size": 2}},
+    )
+    with dg.instance_for_test() as instance:
+        result = run_job(path, "B1", instance)
+        assert result.success
+    responses = pl.read_parquet(tmp_path / "data" / "B1" / "responses" / "*.parquet")
+    # Reservation starts at max_tokens per request in flight, so the budget is never exceeded.
+    assert 0 < responses.height < 12
+    assert responses["completion_tokens"].sum() <= 40
+    report = json.loads((tmp_path / "data" / "B1" / "report.json").read_text())
+    assert report["budget_tokens"] == 40 and report["completion_tokens"] <= 40
