@@ -139,6 +139,13 @@ class AutomationConfig(Strict):
     top_up_cron: str | None = "0 */6 * * *"
 
 
+class ExecutionConfig(Strict):
+    # in_process: one process runs a partition's steps in turn, sharing the loaded model and tokenizer (laptops,
+    # the demo); multiprocess: a process per step; k8s: a pod per step (k8s_job_executor, needs dagster-k8s).
+    executor: Literal["in_process", "multiprocess", "k8s"] = "in_process"
+    max_concurrent_steps: int = Field(4, ge=1)
+
+
 class PoolsConfig(Strict):
     llm_api: int = Field(1, ge=1)
     gpu: int = Field(1, ge=1)
@@ -156,6 +163,7 @@ class ProjectConfig(Strict):
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
     automation: AutomationConfig = Field(default_factory=AutomationConfig)
     pools: PoolsConfig = Field(default_factory=PoolsConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     # Folder of the config file; relative paths resolve against it. Set by the loader.
     base_dir: str = Field("", exclude=True)
 

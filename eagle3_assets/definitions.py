@@ -87,6 +87,17 @@ def build_resources(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
     }
 
 
+def build_executor(cfg: ProjectConfig) -> dg.ExecutorDefinition:
+    ex = cfg.execution
+    if ex.executor == "multiprocess":
+        return dg.multiprocess_executor.configured({"max_concurrent": ex.max_concurrent_steps})
+    if ex.executor == "k8s":
+        from dagster_k8s import k8s_job_executor  # installed in the Kubernetes image (deploy/k8s)
+
+        return k8s_job_executor.configured({"max_concurrent": ex.max_concurrent_steps})
+    return dg.in_process_executor
+
+
 def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     partitions = dataset_partitions(cfg)
     assets = [
@@ -106,6 +117,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         asset_checks=build_checks(partitions),
         jobs=[training_data],
         resources=build_resources(cfg, config_path),
+        executor=build_executor(cfg),
     )
 
 

@@ -5,7 +5,7 @@ outlives a client subprocess that a test kills with SIGKILL.
 Faults are scripted per prompt: the last user message may contain `[[fault1,fault2,...]]`; attempt n of that prompt
 gets fault n (then plain answers). Fault words: 429, 429ra=<s>, 503, 503ra=<s>, 500, 502, 408, 400, ctx (400 context
 length), 401, 402, 402ra=<s>, body429 / body502 (error object in a 200 body), reset (connection dropped), malformed,
-empty (empty 200 body), finisherror, nochoices, slow=<s>. `global_faults` applies a list to the first requests of
+empty (empty 200 body), finisherror, nochoices, slow=<s>, echokey (400 echoing the headers). `global_faults` applies a list to the first requests of
 any prompt (a storm).
 """
 
@@ -211,6 +211,8 @@ class FakeOpenRouter(_ThreadedApp):
                 "This endpoint's maximum context length is 8192 tokens",
                 metadata={"error_type": "context_length_exceeded"},
             )
+        if name == "echokey":  # a careless server that echoes the request headers in its error
+            return err(400, f"bad request with headers {dict(request.headers)}")
         if name == "401":
             return err(401, "User not found.")
         if name in ("402", "402ra"):

@@ -226,3 +226,52 @@ def test_preflight_fails_before_any_request(tmp_path, chat, monkeypatch):
         assert server.hits == []
     with pytest.raises(PreflightError, match="cannot reach"):
         run(layout, server, chat)  # the server is gone
+
+
+class _MustNotBeCalled:
+    name = "openrouter"
+    model = "m"
+    wants_prompt_ids = False
+
+    async def start(self):
+        raise AssertionError("a finished partition must not start the backend")
+
+    async def preflight(self):
+        raise AssertionError("a finished partition must not contact the backend")
+
+    async def complete(self, request):
+        raise AssertionError("nothing may be sent")
+
+    async def close(self):
+        pass
+
+
+def write_finished_partition(root, n: int) -> DatasetLayout:
+    """A dataset of n prompts, every one answered, written column-wise (as a 100k-prompt run leaves it)."""
+    layout = DatasetLayout(root, "B9").ensure()
+    ids = [f"id{i:07d}" for i in range(n)]
+    pl.DataFrame(
+        {"id": ids, "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(n)]},
+        schema={"id": pl.String, "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String}))},
+    ).write_parquet(layout.prompts)
+    cols = {k: [None] * n for k in RESPONSE_SCHEMA}
+    cols.update(
+        id=ids,
+        backend=["openrouter"] * n,
+        model=["m"] * n,
+        content=["a"] * n,
+        finish_reason=["stop"] * n,
+        completion_tokens=[10] * n,
+        prompt_tokens=[5] * n,
+    )
+    JournalTable(layout.responses_dir, RESPONSE_SCHEMA).append(pl.DataFrame(cols, schema=RESPONSE_SCHEMA))
+    return layout
+
+
+def test_rerunning_a_finished_100k_partition_sends_nothing(tmp_path, chat):
+    layout = write_finished_partition(tmp_path / "data", 100_000)
+    plan = GenerationPlan("B9", 100, 10**9, None, Sampling())
+    summary = generate_responses(
+        layout, plan, _MustNotBeCalled(), chat, EngineSettings(max_concurrency=8), log=lambda m: None
+    )
+    assert summary.todo == 0 and summary.report is None and summary.n_responses == 100_000

@@ -129,10 +129,16 @@ def generate_responses(
                 f"({len(done):,} answered before; budget {budget.describe()})"
             )
             writer = JournalWriter(journal, backend.name, run_id)
-            summary.report = asyncio.run(
-                _run_engine(backend, writer, budget, settings, todo, plan, chat, log, extra_preflight or [])
-            )
+            try:
+                summary.report = asyncio.run(
+                    _run_engine(
+                        backend, writer, budget, settings, todo, plan, chat, log, extra_preflight or []
+                    )
+                )
+            finally:  # also after a fatal stop: what was paid for is compacted into the table now
+                summary.n_responses, summary.n_failures = journal.finalize()
             summary.stop_reason = summary.report.stop_reason
+            return summary
         summary.n_responses, summary.n_failures = journal.finalize()
     return summary
 

@@ -161,8 +161,19 @@ class OpenRouterBackend:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         assert self._session is not None, "start() was not called"
-        body = await post_json(self._session, self.url, self._payload(request))
+        try:
+            body = await post_json(self._session, self.url, self._payload(request))
+        except InferenceError as e:
+            raise self._redacted(e) from None
         return parse_chat_completion(body, self.cfg.model)
+
+    def _redacted(self, e: InferenceError) -> InferenceError:
+        """A server that echoes the request back must not put the key into failures.parquet or the logs."""
+        key = os.environ.get(self.cfg.api_key_env)
+        if key and key in e.message:
+            e.message = e.message.replace(key, "[redacted]")
+            e.args = (e.message,)
+        return e
 
     async def close(self) -> None:
         if self._session is not None:
