@@ -21,11 +21,16 @@ QUESTIONS = [
 ]
 
 
-def run_job(config_path, key, instance, run_config=None):
+def run_job(config_path, key, instance, run_config=None, selection=None):
     defs = build_definitions(load_config(config_path), str(config_path))
     job = defs.resolve_job_def(TRAINING_DATA_JOB)
+    keys = [dg.AssetKey(s) for s in selection] if selection else None
     return job.execute_in_process(
-        partition_key=key, instance=instance, raise_on_error=False, run_config=run_config
+        partition_key=key,
+        instance=instance,
+        raise_on_error=False,
+        run_config=run_config,
+        asset_selection=keys,
     )
 
 

@@ -72,10 +72,6 @@ class ChatTokenizer:
         self.tok = tokenizer
         self.encoder = encoder or make_text_encoder(tokenizer)
         self.kwargs = dict(chat_template_kwargs or {})
-        self.eot_token = end_of_turn_token or tokenizer.eos_token
-        if not self.eot_token:
-            raise TemplateError("the tokenizer has no eos token: set target.end_of_turn_token in the config")
-        self.eot_id = self.encoder.control_ids.get(self.eot_token)
         self.think_open, self.think_close = think_open, think_close
         template = tokenizer.chat_template or ""
         if not template:
@@ -85,6 +81,25 @@ class ChatTokenizer:
         self._control_re = re.compile("|".join(re.escape(s) for s in strings)) if strings else None
         self._plans: dict[tuple, _Plan] = {}
         self._verified: set[tuple] = set()
+        self.eot_token = end_of_turn_token or self._detect_end_of_turn() or tokenizer.eos_token
+        if not self.eot_token:
+            raise TemplateError(
+                "cannot tell the end-of-turn token: set target.end_of_turn_token in the config"
+            )
+        self.eot_id = self.encoder.control_ids.get(self.eot_token)
+
+    def _detect_end_of_turn(self) -> str | None:
+        """The control token the template itself writes right after an assistant answer (Kimi: <|im_end|>, not
+        its eos [EOS]); None when the template writes none."""
+        if self._control_re is None:
+            return None
+        try:
+            text = self._render_shape(("user", "assistant"), (False, False), False)
+        except Exception:
+            return None
+        _, sep, tail = text.partition(f"{_OPEN}1c{_CLOSE}")
+        m = self._control_re.search(tail) if sep else None
+        return m.group(0) if m else None
 
     # -- rendering ------------------------------------------------------------------------------------------
     def _sentinel_messages(self, roles: Sequence[str], reasoning: Sequence[bool]) -> list[dict[str, str]]:

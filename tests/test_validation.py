@@ -1,0 +1,151 @@
+"""The validation report and the rules behind the checks; a failing blocking check stops the flow in Dagster."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import polars as pl
+
+from eagle3_assets.core import validation
+from eagle3_assets.core.report import build_report, is_degenerate, render_markdown, wilson_interval
+from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
+
+from .conftest import make_project, user_rows
+from .test_pipeline import run_job
+
+
+def tokens_frame(rows: list[dict]) -> pl.DataFrame:
+    base = {
+        "id": "x",
+        "input_ids": [1, 2],
+        "loss_mask": [0, 1],
+        "finish_reason": "stop",
+        "reference_match": True,
+        "match_explained": True,
+        "mismatch": None,
+    }
+    return pl.DataFrame(
+        [{**base, **r} for r in rows],
+        schema_overrides={
+            "input_ids": pl.List(pl.Int32),
+            "loss_mask": pl.List(pl.Int8),
+            "reference_match": pl.Boolean,
+            "match_explained": pl.Boolean,
+            "mismatch": pl.String,
+        },
+    )
+
+
+def test_lengths_and_end_of_turn_rules():
+    ok = tokens_frame([{"id": "a"}])
+    assert validation.lengths_match(ok).passed
+    assert not validation.lengths_match(tokens_frame([{"id": "b", "loss_mask": [0, 1, 1]}])).passed
+    assert validation.end_of_turn_present(ok, eot_id=2).passed
+    missing = tokens_frame([{"id": "c", "input_ids": [1, 5]}])
+    v = validation.end_of_turn_present(missing, eot_id=2)
+    assert not v.passed and v.metadata["missing_end_of_turn"] == 1 and "c" in v.metadata["examples"]
+    untrained = tokens_frame([{"id": "d", "loss_mask": [1, 0]}])
+    assert not validation.end_of_turn_present(untrained, eot_id=2).passed
+    truncated = tokens_frame([{"id": "e", "input_ids": [1, 5], "finish_reason": "length"}])
+    assert validation.end_of_turn_present(truncated, eot_id=2).passed
+
+
+def test_reference_match_rule_allows_noise_and_truncation_tails_but_not_defects():
+    def frame(n_ok, n_bad, kind="bpe_split"):
+        rows = [{}] * n_ok + [
+            {"reference_match": False, "match_explained": kind == "truncation_tail", "mismatch": kind}
+        ] * n_bad
+        return tokens_frame(rows)
+
+    assert validation.reference_match(frame(27, 1), 0.99).passed  # 96% of 28: within noise of 99%
+    assert not validation.reference_match(frame(900, 100), 0.99).passed  # 90% of 1000: a defect
+    assert validation.reference_match(frame(900, 100, "truncation_tail"), 0.99).passed
+    no_refs = tokens_frame([{"reference_match": None, "match_explained": None}])
+    assert validation.reference_match(no_refs, 0.99).passed
+    low, high = wilson_interval(27, 28)
+    assert low < 27 / 28 < high
+
+
+def test_degenerate_answers_are_detected():
+    assert is_degenerate("The cat sat on the mat. " * 40)
+    assert not is_degenerate("A short answer.")
+    natural = (
+        "Rivers carry sediment from mountains to the sea, shaping valleys and deltas over millennia. "
+        "Floods renew farmland but also threaten towns built on the plains; engineers answer with levees, "
+        "reservoirs and warning systems, each with costs that later generations inherit. Meanwhile fish "
+        "migrate upstream, birds nest in reeds and people fish, swim and trade along the banks."
+    )
+    assert not is_degenerate(natural)
+
+
+def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):
+    from eagle3_assets.core.layout import DatasetLayout
+
+    layout = DatasetLayout(tmp_path, "B1").ensure()
+    pl.DataFrame({"id": ["a", "b", "c"], "messages": [[{"role": "user", "content": "q"}]] * 3}).write_parquet(
+        layout.prompts
+    )
+    table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
+    rows = {k: [None] * 3 for k in RESPONSE_SCHEMA}
+    rows.update(
+        id=["a", "b", "a"],
+        backend=["local"] * 3,
+        model=["m"] * 3,
+        content=["ok", "loop " * 200, "ok"],
+        reasoning=["think", None, "think"],
+        finish_reason=["stop", "length", "stop"],
+        completion_tokens=[10, 100, 10],
+        cost_usd=[0.01, 0.02, 0.01],
+    )
+    table.append(pl.DataFrame(rows, schema=RESPONSE_SCHEMA))
+    pl.DataFrame(
+        {
+            "id": ["a", "b"],
+            "n_tokens": [20, 140],
+            "n_loss_tokens": [10, 100],
+            "reference_match": [True, False],
+            "match_explained": [True, True],
+            "mismatch": [None, "truncation_tail"],
+            "ids_source": ["reference"] * 2,
+            "finish_reason": ["stop", "length"],
+        }
+    ).write_parquet(layout.tokens)
+    r = build_report(layout, budget_tokens=1000, budget_usd=None)
+    assert r["n_prompts"] == 3 and r["n_responses"] == 2 and r["duplicate_ids"]["responses_files"] == 1
+    assert r["finish_reasons"] == {"stop": 1, "length": 1} and r["truncated_share"] == 0.5
+    assert r["degenerate_answers"] == 1 and r["reasoning_share"] == 0.5
+    assert r["completion_tokens"] == 110 and r["budget_used_share"] == 0.11 and r["cost_usd"] == 0.03
+    assert r["reference_match_rate"] == 0.5 and r["reference_match_rate_excluding_truncation_tails"] == 1.0
+    assert r["token_lengths"]["max"] == 140 and sum(h["count"] for h in r["token_length_histogram"]) == 2
+    md = render_markdown(r)
+    assert "█" in md and "## Finish reasons" in md and "truncation_tail" in md
+
+
+def test_a_failing_blocking_check_keeps_the_report_from_being_built(tmp_path, smol_tok):
+    from eagle3_assets.core.importer import import_responses
+    from eagle3_assets.core.layout import DatasetLayout
+    from resources import TargetTokenizerResource
+
+    path = make_project(tmp_path, {"B1": {"rows": user_rows([f"question {i}" for i in range(12)])}})
+    layout = DatasetLayout(tmp_path / "data", "B1")
+    with dg.instance_for_test() as instance:
+        assert run_job(path, "B1", instance, run_config=None, selection=["prompts"]).success
+        chat = TargetTokenizerResource().chat_tokenizer()
+        wrong = smol_tok("Something else entirely.", add_special_tokens=False)["input_ids"]
+        ids = pl.read_parquet(layout.prompts)["id"].to_list()
+        src = tmp_path / "answers.jsonl"
+        src.write_text(
+            "\n".join(json.dumps({"id": i, "response": "The answer.", "output_ids": wrong}) for i in ids)
+        )
+        assert import_responses(layout, src, chat).imported == 12
+        result = run_job(path, "B1", instance)
+        assert not result.success
+        evaluations = {
+            e.event_specific_data.check_name: e.event_specific_data.passed
+            for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        }
+        assert evaluations["tokens_reference_match"] is False
+        assert not result.asset_materializations_for_node("validation_report")
+    assert not layout.report_json.exists()
