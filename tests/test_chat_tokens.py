@@ -87,3 +87,20 @@ def test_bad_conversation_yields_error_not_exception(chat):
     assert not isinstance(res[0], TemplateError)
     assert isinstance(res[1], TemplateError)
     assert np.all(res[0].loss_mask[res[0].answer_start :] == 1)
+
+
+def test_reasoning_without_a_template_field_uses_the_configured_think_tags(chat, smol_tok):
+    """SmolLM2's template has no reasoning field: reasoning is written as <think>…</think> before the answer."""
+    res = chat.tokenize([(CONVERSATIONS[0], Answer("4", "2 plus 2", True))])[0]
+    text = "<think>2 plus 2</think>4"
+    assert res.answer_ids.tolist() == smol_tok(text, add_special_tokens=False)["input_ids"] + [2]
+    empty = chat.tokenize([(CONVERSATIONS[0], Answer("4", "", True))])[0]
+    assert empty.answer_ids.tolist() == smol_tok("4", add_special_tokens=False)["input_ids"] + [2]
+
+
+def test_surrounding_whitespace_and_tabs_are_kept(chat, smol_tok):
+    msgs = [{"role": "user", "content": "  padded\tquestion  "}]
+    res = chat.tokenize([(msgs, Answer("\tanswer with tab  "))])[0]
+    assert res.input_ids.tolist() == hf_ids(smol_tok, msgs, True) + smol_tok(
+        "\tanswer with tab  ", add_special_tokens=False
+    )["input_ids"] + [2]
