@@ -33,8 +33,23 @@ def conversations(n: int, seed: int = 0) -> list[tuple[list[dict], Answer]]:
     realistic length (1-12 paragraphs of real prompt text)."""
     rng = random.Random(seed)
     prompts: list[list[dict]] = []
-    for path, fmt in [(f"prompts/B{i}.jsonl", f) for i, f in zip(range(1, 9), ["sharegpt", "messages",
-                      "instruction", "instruction", "messages", "sharegpt", "instruction", "messages"], strict=True)]:
+    for path, fmt in [
+        (f"prompts/B{i}.jsonl", f)
+        for i, f in zip(
+            range(1, 9),
+            [
+                "sharegpt",
+                "messages",
+                "instruction",
+                "instruction",
+                "messages",
+                "sharegpt",
+                "instruction",
+                "messages",
+            ],
+            strict=True,
+        )
+    ]:
         prompts += ingest(REPO / path, fmt).prompts["messages"].to_list()
     paragraphs = [m["content"] for p in prompts for m in p]
     out = []
@@ -46,8 +61,10 @@ def conversations(n: int, seed: int = 0) -> list[tuple[list[dict], Answer]]:
 
 
 def _rendered(chat: ChatTokenizer, convs) -> list[str]:
-    return [chat.render([*m, {"role": "assistant", "content": a.content}], add_generation_prompt=False)
-            for m, a in convs]
+    return [
+        chat.render([*m, {"role": "assistant", "content": a.content}], add_generation_prompt=False)
+        for m, a in convs
+    ]
 
 
 def run(quick: bool = False) -> dict:
@@ -72,8 +89,11 @@ def run(quick: bool = False) -> dict:
     t0 = time.perf_counter()
     naive_tokens = 0
     for m, a in sample:
-        naive_tokens += len(tok.apply_chat_template([*m, {"role": "assistant", "content": a.content}],
-                                                    tokenize=True, return_dict=False))
+        naive_tokens += len(
+            tok.apply_chat_template(
+                [*m, {"role": "assistant", "content": a.content}], tokenize=True, return_dict=False
+            )
+        )
     naive_s = time.perf_counter() - t0
 
     stage_s = _whole_stage_seconds(chat, convs)
@@ -90,8 +110,12 @@ def run(quick: bool = False) -> dict:
     r["stage_vs_ceiling"] = r["stage_tok_s"] / r["ceiling_tok_s"]
     print(f"{n:,} conversations, {ours_tokens:,} tokens (SmolLM2 fast tokenizer, 2 cores)")
     print(f"{'':28}{'tokens/s':>12}{'vs ceiling':>12}")
-    for name, key in (("ceiling: encode_batch", "ceiling_tok_s"), ("ours: ChatTokenizer.tokenize", "ours_tok_s"),
-                      ("ours: whole tokens stage", "stage_tok_s"), ("naive: apply_chat_template", "naive_tok_s")):
+    for name, key in (
+        ("ceiling: encode_batch", "ceiling_tok_s"),
+        ("ours: ChatTokenizer.tokenize", "ours_tok_s"),
+        ("ours: whole tokens stage", "stage_tok_s"),
+        ("naive: apply_chat_template", "naive_tok_s"),
+    ):
         print(f"{name:28}{r[key]:>12,.0f}{r[key] / r['ceiling_tok_s']:>12.2f}")
     print(f"ours / naive: {r['ours_vs_naive']:.1f}x   (goal: ours >= 0.7 of the ceiling)")
     return r
@@ -104,8 +128,11 @@ def _whole_stage_seconds(chat: ChatTokenizer, convs) -> float:
         ids = [f"c{i}" for i in range(len(convs))]
         pl.DataFrame({"id": ids, "messages": [m for m, _ in convs]}).write_parquet(layout.prompts)
         cols = {k: [None] * len(convs) for k in RESPONSE_SCHEMA}
-        cols.update(id=ids, content=[a.content for _, a in convs],
-                    finish_reason=["stop" if a.finished else "length" for _, a in convs])
+        cols.update(
+            id=ids,
+            content=[a.content for _, a in convs],
+            finish_reason=["stop" if a.finished else "length" for _, a in convs],
+        )
         JournalTable(layout.responses_dir, RESPONSE_SCHEMA).append(pl.DataFrame(cols, schema=RESPONSE_SCHEMA))
         t0 = time.perf_counter()
         build_tokens(layout, chat, log=lambda m: None)

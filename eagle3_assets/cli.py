@@ -59,6 +59,35 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .core.export import export
+
+    cfg, res = _resources(args)
+    cfg.dataset(args.dataset)
+    folder = res["storage"].layout(args.dataset).hidden_states_dir
+    if not (folder / "index.parquet").exists():
+        print(f"no hidden states for {args.dataset} yet: materialise hidden_states for it first")
+        return 1
+    export(folder, Path(args.out), args.format)
+    return 0
+
+
+def cmd_hidden_states(args: argparse.Namespace) -> int:
+    """Extraction without Dagster (a GPU box, a debugging session); the asset runs the same functions."""
+    from .assets.hidden_states import extraction_settings
+    from .core.extraction import extract_dataset
+
+    cfg, res = _resources(args)
+    cfg.dataset(args.dataset)
+    _work, stats, index = extract_dataset(res["storage"].layout(args.dataset), extraction_settings(cfg))
+    rate = stats.tokens / stats.forward_s if stats.forward_s else 0.0
+    print(
+        f"{args.dataset}: {index.height} samples in the index; this run {stats.samples} samples, "
+        f"{stats.tokens:,} tokens, {rate:,.0f} tok/s in forwards, {stats.bytes_written:,} bytes"
+    )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main
 
@@ -79,12 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--dataset", required=True)
     imp.add_argument("--model", default="imported", help="model name stored when a row names none")
     imp.add_argument("file")
+    exp = sub.add_parser("export", help="write a dataset's hidden states in a training framework's layout")
+    exp.add_argument("--dataset", required=True)
+    exp.add_argument("--format", required=True, choices=["speculators", "specforge", "modelopt"])
+    exp.add_argument("--out", required=True)
+    hs = sub.add_parser(
+        "hidden-states", help="extract hidden states for a dataset in this process (no Dagster)"
+    )
+    hs.add_argument("--dataset", required=True)
     demo = sub.add_parser("demo", help="the main job over all (or the given) datasets, then a summary table")
     demo.add_argument("datasets", nargs="*")
     return p
 
 
-COMMANDS = {"preflight": cmd_preflight, "import-responses": cmd_import, "demo": cmd_demo}
+COMMANDS = {
+    "preflight": cmd_preflight,
+    "import-responses": cmd_import,
+    "export": cmd_export,
+    "hidden-states": cmd_hidden_states,
+    "demo": cmd_demo,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,11 +12,18 @@ from resources import (
     OpenRouterInference,
     ProjectConfigResource,
     SGLangInference,
+    StorageJsonIOManager,
     StorageResource,
     TargetTokenizerResource,
 )
 
-from .assets import build_prompts_asset, build_report_asset, build_responses_asset, build_tokens_asset
+from .assets import (
+    build_hidden_states_asset,
+    build_prompts_asset,
+    build_report_asset,
+    build_responses_asset,
+    build_tokens_asset,
+)
 from .checks import build_checks
 from .config import ProjectConfig, get_config
 from .partitions import dataset_partitions
@@ -26,6 +33,7 @@ warnings.filterwarnings("ignore", category=dg.PreviewWarning)
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
 
 TRAINING_DATA_JOB = "training_data"
+HIDDEN_STATES_JOB = "hidden_states_job"
 OFFLINE_STAGES = ["prompts", "responses", "tokens", "validation_report"]
 
 
@@ -84,6 +92,7 @@ def build_resources(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
             base_dir=cfg.base_dir,
         ),
         "inference": build_inference(cfg),
+        "hidden_states_io": StorageJsonIOManager(root=str(cfg.storage_root)),
     }
 
 
@@ -105,6 +114,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         build_responses_asset(partitions),
         build_tokens_asset(partitions),
         build_report_asset(partitions),
+        build_hidden_states_asset(partitions),
     ]
     training_data = dg.define_asset_job(
         TRAINING_DATA_JOB,
@@ -112,10 +122,16 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         partitions_def=partitions,
         description="prompts → responses → tokens → validation_report for one dataset (the main job).",
     )
+    hidden_states_job = dg.define_asset_job(
+        HIDDEN_STATES_JOB,
+        selection=dg.AssetSelection.assets("hidden_states"),
+        partitions_def=partitions,
+        description="hidden_states for one dataset (GPU; one step per shard).",
+    )
     return dg.Definitions(
         assets=assets,
         asset_checks=build_checks(partitions),
-        jobs=[training_data],
+        jobs=[training_data, hidden_states_job],
         resources=build_resources(cfg, config_path),
         executor=build_executor(cfg),
     )

@@ -2,7 +2,7 @@
 
 from .inference import InferenceResource, LocalInference, OpenRouterInference, SGLangInference
 from .project import ProjectConfigResource
-from .storage import StorageResource
+from .storage import StorageJsonIOManager, StorageResource
 from .tokenizer import TargetTokenizerResource
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "OpenRouterInference",
     "ProjectConfigResource",
     "SGLangInference",
+    "StorageJsonIOManager",
     "StorageResource",
     "TargetTokenizerResource",
 ]

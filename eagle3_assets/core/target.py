@@ -147,6 +147,7 @@ def load_model(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     revision: str | None = None,
+    attn_implementation: str | None = None,
 ) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
@@ -157,6 +158,8 @@ def load_model(
         "trust_remote_code": trust_remote_code,
         "revision": revision,
     }
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     if device == "cuda" and torch.cuda.device_count() > 1:
         kwargs["device_map"] = "auto"  # larger than one GPU: spread the layers
     try:

@@ -1,0 +1,138 @@
+"""Export packed hidden-state shards to the per-sample layouts the training frameworks read.
+
+- speculators (vllm-project/speculators, current format): an HF Arrow dataset (`load_from_disk`) with `input_ids`,
+  `loss_mask`, `seq_len`, plus `hidden_states/hs_{i}.safetensors` holding `hidden_states` [S, 4, H] (the three aux
+  layers, then the last layer before the final norm, in the model's dtype) and `token_ids` [S] int64.
+- SpecForge (sgl-project/SpecForge offline training): `rows_{k}-{k+2000}/data_{i}.ckpt`, a `torch.save` dict with
+  `input_ids` [S] int64, `loss_mask` [S] int64, `hidden_state` [1, S, H] *after* the final norm (its target head is
+  the LM head alone) and `aux_hidden_state` [1, S, 3H].
+- Model-Optimizer (NVIDIA, offline EAGLE-3): `{conversation_id}.pt` with `input_ids` [S], `hidden_states` [S, H] after
+  the final norm, `aux_hidden_states` [S, 3H], `loss_mask` [S], `conversation_id`.
+
+The post-norm states are computed here from the final norm's weights, saved beside the shards at extraction time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .hidden_states import HiddenStatesReader
+
+FORMATS = ("speculators", "specforge", "modelopt")
+SPECFORGE_GROUP = 2000
+
+
+def _final_norm(folder: Path) -> Callable[[Any], Any]:
+    from safetensors import safe_open
+
+    path = folder / "final_norm.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing; re-materialise hidden_states (it is written with the shards)"
+        )
+    with safe_open(str(path), framework="pt") as f:
+        weight = f.get_tensor("weight")
+        meta = f.metadata() or {}
+    eps = float(meta.get("eps", 1e-6))
+    if "rms" not in meta.get("kind", "RMSNorm").lower():
+        raise ValueError(
+            f"final norm {meta.get('kind')} is not an RMSNorm; post-norm export is not supported"
+        )
+
+    def rms_norm(x: Any) -> Any:
+        import torch
+
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight * h).to(x.dtype)
+
+    return rms_norm
+
+
+def export(folder: Path, out: Path, fmt: str, log: Callable[[str], None] = print) -> int:
+    """Write every sample of a dataset's hidden_states folder to `out` in `fmt`; returns the sample count."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    reader = HiddenStatesReader(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    n = {"speculators": _speculators, "specforge": _specforge, "modelopt": _modelopt}[fmt](
+        reader, folder, out
+    )
+    log(f"exported {n} samples from {folder} to {out} ({fmt})")
+    return n
+
+
+def _speculators(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
+    import datasets
+    import torch
+    from safetensors.torch import save_file
+
+    ids = reader.ids()
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "id": []}
+    samples = []
+    for sid in ids:
+        s = reader.sample(sid)
+        samples.append(s)
+        rows["input_ids"].append(s["input_ids"].long().tolist())
+        rows["loss_mask"].append(s["loss_mask"].long().tolist())
+        rows["seq_len"].append(int(s["input_ids"].shape[0]))
+        rows["id"].append(sid)
+    datasets.Dataset.from_dict(rows).save_to_disk(str(out))
+    hs_dir = out / "hidden_states"
+    hs_dir.mkdir(exist_ok=True)
+    for i, s in enumerate(samples):
+        aux, last = s["aux_hidden_states"], s["last_hidden_state"]
+        t, h = last.shape
+        stacked = torch.cat([aux.view(t, 3, h), last.view(t, 1, h)], dim=1).contiguous()
+        save_file(
+            {"hidden_states": stacked, "token_ids": s["input_ids"].long()},
+            str(hs_dir / f"hs_{i}.safetensors"),
+        )
+    (out / "eagle3_assets_export.json").write_text(
+        json.dumps({"format": "speculators", "source": str(folder), "samples": len(samples)})
+    )
+    return len(samples)
+
+
+def _specforge(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
+    import torch
+
+    norm = _final_norm(folder)
+    for i, sid in enumerate(reader.ids()):
+        s = reader.sample(sid)
+        group = i // SPECFORGE_GROUP * SPECFORGE_GROUP
+        path = out / f"rows_{group}-{group + SPECFORGE_GROUP}" / f"data_{i}.ckpt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "input_ids": s["input_ids"].long(),
+                "loss_mask": s["loss_mask"].long(),
+                "hidden_state": norm(s["last_hidden_state"]).unsqueeze(0).contiguous(),
+                "aux_hidden_state": s["aux_hidden_states"].unsqueeze(0).contiguous(),
+            },
+            path,
+        )
+    return len(reader)
+
+
+def _modelopt(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
+    import torch
+
+    norm = _final_norm(folder)
+    for sid in reader.ids():
+        s = reader.sample(sid)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in sid)
+        torch.save(
+            {
+                "input_ids": s["input_ids"].long(),
+                "hidden_states": norm(s["last_hidden_state"]).contiguous(),
+                "aux_hidden_states": s["aux_hidden_states"].contiguous(),
+                "loss_mask": s["loss_mask"].long(),
+                "conversation_id": sid,
+            },
+            out / f"{safe}.pt",
+        )
+    return len(reader)

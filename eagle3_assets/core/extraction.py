@@ -1,0 +1,187 @@
+"""The hidden-states job of one dataset: plan what is left, extract shards (one or many per process), index.
+
+Split so that Dagster can fan the shards out over many GPU pods: `prepare` runs once, `extract` runs per unit of
+work (any subset of the planned shards), `finish` rebuilds the index from the shards on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from .files import write_json
+from .hidden_states import (
+    ExtractionStats,
+    HiddenStateCapture,
+    ShardPlan,
+    ShardWriter,
+    WorkPlan,
+    bytes_per_token,
+    default_aux_layers,
+    extract_shard,
+    load_samples,
+    plan_work,
+    row_budget,
+    save_final_norm,
+    write_index,
+)
+from .layout import DatasetLayout
+from .target import load_model, pick_device, resolve
+
+PLAN_FILE = "plan.json"
+
+
+@dataclass(frozen=True)
+class ExtractionSettings:
+    model: str  # a reference `target.resolve` understands (builtin:smollm2, a folder, a hub id)
+    tokenizer: str
+    aux_layers: tuple[int, ...] | None = None
+    shard_bytes: int = 2 * 1024**3
+    max_tokens_per_batch: int = 16384
+    max_seq_len: int = 32768
+    device: str = "auto"
+    store_dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    base_dir: str = "."
+
+
+@lru_cache(maxsize=1)
+def _model(ref: str, device: str, trust_remote_code: bool) -> Any:
+    """The target, once per process (a pod extracting many shards loads the weights once)."""
+    attn = None
+    if device.startswith("cuda"):
+        try:
+            import flash_attn  # noqa: F401
+
+            attn = "flash_attention_2"
+        except ImportError:
+            attn = "sdpa"
+    return load_model(ref, device=device, trust_remote_code=trust_remote_code, attn_implementation=attn)
+
+
+def model_config(settings: ExtractionSettings) -> dict[str, Any]:
+    """num_layers and hidden_size from config.json, without loading weights (planning needs only sizes)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(
+        resolve(settings.model, settings.base_dir), trust_remote_code=settings.trust_remote_code
+    )
+    text = getattr(cfg, "text_config", None) or cfg
+    return {"num_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size)}
+
+
+def prepare(
+    layout: DatasetLayout, settings: ExtractionSettings, log: Callable[[str], None] = print
+) -> WorkPlan:
+    """Plan the shards still to extract and write the plan beside the shards (extract steps read it)."""
+    folder = layout.hidden_states_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = model_config(settings)
+    tokens = pl.read_parquet(layout.tokens, columns=["id", "input_ids"])
+    per_token = bytes_per_token(sizes["hidden_size"], settings.store_dtype)
+    work = plan_work(tokens, folder, settings.shard_bytes, per_token, settings.max_seq_len)
+    for name in work.stale_shards:
+        (folder / name).unlink(missing_ok=True)
+    write_json(
+        {
+            "created_at": time.time(),
+            "shards": {p.name: list(p.ids) for p in work.todo},
+            "skipped": work.skipped,
+        },
+        folder / PLAN_FILE,
+    )
+    log(
+        f"{layout.key}: {len(work.done_ids):,} samples already extracted, {sum(len(p.ids) for p in work.todo):,} "
+        f"to do in {len(work.todo)} shards; {len(work.stale_shards)} stale shards removed, "
+        f"{len(work.skipped)} samples too long"
+    )
+    return work
+
+
+def planned_shards(layout: DatasetLayout) -> list[ShardPlan]:
+    data = json.loads((layout.hidden_states_dir / PLAN_FILE).read_text())
+    return [ShardPlan(name, tuple(ids), 0) for name, ids in data["shards"].items()]
+
+
+def extract(
+    layout: DatasetLayout,
+    settings: ExtractionSettings,
+    shard_names: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> ExtractionStats:
+    """Extract the planned shards (all, or the named ones) that are not on disk yet."""
+    folder = layout.hidden_states_dir
+    plans = [p for p in planned_shards(layout) if shard_names is None or p.name in shard_names]
+    plans = [p for p in plans if not (folder / p.name).exists()]  # finished by an earlier attempt
+    stats = ExtractionStats()
+    if not plans:
+        return stats
+    device = pick_device(settings.device)
+    model = _model(resolve(settings.model, settings.base_dir), device, settings.trust_remote_code)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    aux = list(settings.aux_layers) if settings.aux_layers else default_aux_layers(num_layers)
+    capture = HiddenStateCapture(model, aux)
+    attn = getattr(model.config, "_attn_implementation", None)
+    row_tokens = row_budget(device, attn, settings.max_tokens_per_batch)
+    metadata = {
+        "model": settings.model,
+        "tokenizer": settings.tokenizer,
+        "aux_layers": json.dumps(aux),
+        "last_layer": str(capture.last_layer),
+        "layer_convention": "outputs of decoder layers (0-based); last_hidden_state is before the final norm",
+        "dtype": settings.store_dtype,
+        "hidden_size": str(model.config.get_text_config().hidden_size),
+        "num_layers": str(num_layers),
+    }
+    save_final_norm(model, folder)
+    samples = load_samples(layout.tokens, {i for p in plans for i in p.ids})
+    writer = ShardWriter()
+    started = time.monotonic()
+    try:
+        for k, plan in enumerate(plans, 1):
+            plan = ShardPlan(plan.name, plan.ids, sum(len(samples[i].input_ids) for i in plan.ids))
+            stats.merge(
+                extract_shard(
+                    capture, plan, samples, folder, row_tokens, settings.store_dtype, metadata, writer
+                )
+            )
+            elapsed = max(time.monotonic() - started, 1e-9)
+            log(
+                f"{layout.key}: shard {k}/{len(plans)} ({plan.n_tokens:,} tokens) queued for writing; "
+                f"{stats.tokens / elapsed:,.0f} tok/s so far on {device}"
+            )
+    finally:
+        writer.close()  # every queued shard is on disk (or the error surfaces) before this returns
+        capture.close()
+    stats.bytes_written = sum((folder / n).stat().st_size for n in stats.shards)
+    return stats
+
+
+def finish(layout: DatasetLayout) -> pl.DataFrame:
+    return write_index(layout.hidden_states_dir)
+
+
+def extract_dataset(
+    layout: DatasetLayout, settings: ExtractionSettings, log: Callable[[str], None] = print
+) -> tuple[WorkPlan, ExtractionStats, pl.DataFrame]:
+    """All three steps in one process (CLI, tests, a single-GPU machine)."""
+    work = prepare(layout, settings, log)
+    stats = extract(layout, settings, None, log)
+    return work, stats, finish(layout)
+
+
+def describe_layout(folder: Path) -> dict[str, Any]:
+    index = pl.read_parquet(folder / "index.parquet") if (folder / "index.parquet").exists() else None
+    return {
+        "samples": 0 if index is None else index.height,
+        "tokens": 0 if index is None else int(index["n_tokens"].sum()),
+        "shards": len(list(folder.glob("shard-*.safetensors"))),
+        "bytes": sum(p.stat().st_size for p in folder.glob("shard-*.safetensors")),
+    }

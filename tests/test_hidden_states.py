@@ -1,0 +1,289 @@
+"""hidden_states on CPU with the embedded SmolLM2 (L = 30, H = 576): values, layout, resume, fan-out, exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import dagster as dg
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3_assets.core.chat_tokens import Answer
+from eagle3_assets.core.export import export
+from eagle3_assets.core.extraction import ExtractionSettings, extract_dataset
+from eagle3_assets.core.hidden_states import HiddenStatesReader, bytes_per_token, default_aux_layers
+from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.target import load_model
+
+from .conftest import REPO, make_project, user_rows
+
+H, L = 576, 30
+PER_TOKEN = bytes_per_token(H, "bfloat16")
+QUESTIONS = [
+    "What is the tallest mountain?",
+    "Name three prime numbers.",
+    "Say hello in French.",
+    "Why do cats purr?",
+    "What is 12 squared?",
+    "Write a haiku about rain.",
+    "Define entropy.",
+    "Give a synonym for happy.",
+]
+ANSWERS = [
+    "Mount Everest.",
+    "2, 3 and 5.",
+    "Bonjour!",
+    "Mostly contentment, sometimes stress.",
+    "144.",
+    "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky",
+    "Disorder, measured.",
+    "Joyful.",
+]
+
+
+def write_tokens(chat, root, key="B1", n=8, repeat=1) -> DatasetLayout:
+    layout = DatasetLayout(root, key).ensure()
+    convs, ids = [], []
+    for r in range(repeat):
+        for i in range(n):
+            q = QUESTIONS[i % len(QUESTIONS)] + (f" (variant {r})" if r else "")
+            convs.append(([{"role": "user", "content": q}], Answer(ANSWERS[i % len(ANSWERS)])))
+            ids.append(f"s{r:02d}-{i:02d}")
+    res = chat.tokenize(convs)
+    pl.DataFrame(
+        {
+            "id": ids,
+            "input_ids": pl.Series([x.input_ids.tolist() for x in res], dtype=pl.List(pl.Int32)),
+            "loss_mask": pl.Series([x.loss_mask.tolist() for x in res], dtype=pl.List(pl.Int8)),
+        }
+    ).write_parquet(layout.tokens)
+    return layout
+
+
+def settings(**kw) -> ExtractionSettings:
+    return ExtractionSettings(model="builtin:smollm2", tokenizer="builtin:smollm2", **kw)
+
+
+@pytest.fixture(scope="module")
+def reference_model(smollm2_dir):
+    return load_model(str(smollm2_dir), device="cpu")
+
+
+def reference_states(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An independent plain forward of one sample, with hooks of its own: (aux [T, 3H], last pre-norm, post-norm)."""
+    grabbed = {}
+    handles = [
+        model.model.layers[i].register_forward_hook(
+            lambda _m, _i, out, i=i: grabbed.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i in (1, 14, 26, 29)
+    ]
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([grabbed[1][0], grabbed[14][0], grabbed[26][0]], dim=-1)
+    return aux, grabbed[29][0], out.hidden_states[-1][0]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_stored_values_equal_an_independent_forward(chat, tmp_path, reference_model):
+    layout = write_tokens(chat, tmp_path)
+    work, stats, index = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 120), log=lambda m: None)
+    assert default_aux_layers(L) == [1, 14, 26]
+    assert len(work.todo) >= 3 and stats.padded_tokens == 0 and index.height == 8
+    reader = HiddenStatesReader(layout.hidden_states_dir)
+    tokens = pl.read_parquet(layout.tokens)
+    for sid, ids in zip(tokens["id"].to_list()[:5], tokens["input_ids"].to_list()[:5], strict=True):
+        s = reader.sample(sid)
+        aux, last, post = reference_states(reference_model, ids)
+        assert s["aux_hidden_states"].dtype == torch.bfloat16 and s["aux_hidden_states"].shape == (
+            len(ids),
+            3 * H,
+        )
+        assert rel_err(s["aux_hidden_states"], aux) < 1e-2
+        assert rel_err(s["last_hidden_state"], last) < 1e-2
+        assert rel_err(s["last_hidden_state"], post) > 0.1  # before the final norm, not after
+        assert s["input_ids"].tolist() == ids
+    meta = safe_open(str(layout.hidden_states_dir / index["shard"][0]), framework="pt").metadata()
+    assert json.loads(meta["aux_layers"]) == [1, 14, 26] and meta["last_layer"] == "29"
+    assert meta["dtype"] == "bfloat16" and meta["model"] == "builtin:smollm2" and meta["tokenizer"]
+
+
+def test_layout_and_index_are_consistent_with_tokens(chat, tmp_path):
+    layout = write_tokens(chat, tmp_path)
+    extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    index = pl.read_parquet(layout.hidden_states_dir / "index.parquet")
+    tokens = pl.read_parquet(layout.tokens)
+    joined = tokens.join(index, on="id")
+    assert joined.height == tokens.height == index.height
+    assert (joined["n_tokens"] == joined["input_ids"].list.len()).all()
+    total = 0
+    for shard, group in index.group_by("shard"):
+        with safe_open(str(layout.hidden_states_dir / shard[0]), framework="np") as f:
+            cu = f.get_tensor("cu_seqlens")
+            n = int(cu[-1])
+            assert f.get_slice("aux_hidden_states").get_shape() == [n, 3 * H]
+            assert f.get_slice("last_hidden_state").get_shape() == [n, H]
+            assert f.get_tensor("input_ids").dtype == np.int32 and f.get_tensor("loss_mask").dtype == np.int8
+            assert len(cu) == group.height + 1 and sorted(group["position"]) == list(range(group.height))
+            total += n
+    assert total == int(tokens["input_ids"].list.len().sum())
+    size = sum(p.stat().st_size for p in layout.hidden_states_dir.glob("shard-*.safetensors"))
+    assert size / total == pytest.approx(
+        PER_TOKEN, rel=0.05
+    )  # 8·H bytes of bf16 states + ids + mask, no padding
+
+
+def test_finished_shards_are_kept_and_changed_samples_recomputed(chat, tmp_path):
+    layout = write_tokens(chat, tmp_path)
+    _work, _, _ = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    shards = {p.name: p.stat().st_mtime_ns for p in layout.hidden_states_dir.glob("shard-*.safetensors")}
+    again, stats, _ = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    assert again.todo == [] and stats.samples == 0
+    assert {
+        p.name: p.stat().st_mtime_ns for p in layout.hidden_states_dir.glob("shard-*.safetensors")
+    } == shards
+    tokens = pl.read_parquet(layout.tokens)  # re-tokenize one sample: only its shard is redone
+    changed = tokens["id"][0]
+    tokens = tokens.with_columns(
+        pl.when(pl.col("id") == changed)
+        .then(pl.col("input_ids").list.concat(pl.lit([2], dtype=pl.List(pl.Int32))))
+        .otherwise(pl.col("input_ids"))
+        .alias("input_ids"),
+        pl.when(pl.col("id") == changed)
+        .then(pl.col("loss_mask").list.concat(pl.lit([1], dtype=pl.List(pl.Int8))))
+        .otherwise(pl.col("loss_mask"))
+        .alias("loss_mask"),
+    )
+    tokens.write_parquet(layout.tokens)
+    third, stats, index = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    assert len(third.stale_shards) == 1 and stats.samples >= 1
+    kept = set(shards) - set(third.stale_shards)
+    assert kept <= {p.name for p in layout.hidden_states_dir.glob("shard-*.safetensors")}
+    assert index.height == tokens.height
+
+
+KILL_SCRIPT = """
+import sys
+from pathlib import Path
+from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.extraction import ExtractionSettings, extract_dataset
+extract_dataset(DatasetLayout(Path(sys.argv[1]), "B1"),
+                ExtractionSettings(model="builtin:smollm2", tokenizer="builtin:smollm2", shard_bytes=int(sys.argv[2])),
+                log=lambda m: None)
+"""
+
+
+def test_resume_after_kill_9(chat, tmp_path):
+    layout = write_tokens(chat, tmp_path, repeat=6)  # 48 samples, about one shard each
+    cmd = [sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(PER_TOKEN * 40)]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    folder = layout.hidden_states_dir
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and len(list(folder.glob("shard-*.safetensors"))) < 3:
+        assert proc.poll() is None, "extraction finished before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.safetensors")}
+    for name in before:  # every shard that looks finished is complete and readable
+        with safe_open(str(folder / name), framework="pt") as f:
+            assert f.get_tensor("aux_hidden_states").shape[0] == int(f.get_tensor("cu_seqlens")[-1])
+    work, _, index = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 40), log=lambda m: None)
+    assert len(work.done_ids) >= len(before)
+    after = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.safetensors")}
+    assert all(after[n] == t for n, t in before.items())  # never recomputed
+    assert index.height == 48 and index["id"].n_unique() == 48
+
+
+def test_graph_asset_fans_out_one_step_per_shard(chat, tmp_path):
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import HIDDEN_STATES_JOB, build_definitions
+
+    path = make_project(
+        tmp_path,
+        {"B1": {"rows": user_rows(["x"])}},
+        hidden_states={"shard_bytes": PER_TOKEN * 100, "dtype": "bfloat16"},
+    )
+    write_tokens(chat, tmp_path / "data")
+    defs = build_definitions(load_config(path), str(path))
+    with dg.instance_for_test() as instance:
+        result = defs.resolve_job_def(HIDDEN_STATES_JOB).execute_in_process(
+            partition_key="B1", instance=instance
+        )
+        assert result.success
+        steps = {e.step_key for e in result.all_events if e.event_type_value == "STEP_SUCCESS"}
+        shard_steps = [s for s in steps if s.startswith("hidden_states.extract_hidden_state_shard[")]
+        md = result.asset_materializations_for_node("hidden_states")[-1].metadata
+        assert len(shard_steps) == md["shards"].value >= 3
+        assert md["samples"].value == 8 and md["padded_tokens"].value == 0
+        again = defs.resolve_job_def(HIDDEN_STATES_JOB).execute_in_process(
+            partition_key="B1", instance=instance
+        )
+        steps = {e.step_key for e in again.all_events if e.event_type_value == "STEP_SUCCESS"}
+        assert not [s for s in steps if "extract_hidden_state_shard[" in s]  # nothing left to do
+
+
+def test_exports_load_the_way_each_framework_loads_them(chat, tmp_path, reference_model):
+    import datasets
+    from safetensors.torch import load_file
+
+    layout = write_tokens(chat, tmp_path)
+    extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 150), log=lambda m: None)
+    reader = HiddenStatesReader(layout.hidden_states_dir)
+
+    # speculators: ArrowDataset = load_from_disk + hidden_states/hs_{i}.safetensors, token ids checked against it.
+    out = tmp_path / "speculators"
+    assert export(layout.hidden_states_dir, out, "speculators", log=lambda m: None) == 8
+    ds = datasets.load_from_disk(str(out)).with_format("torch")
+    for i in range(len(ds)):
+        hs = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        assert torch.equal(hs["token_ids"], ds[i]["input_ids"])
+        assert hs["hidden_states"].shape == (int(ds[i]["seq_len"]), 4, H)
+        mine = reader.sample(ds[i]["id"])
+        assert torch.equal(hs["hidden_states"][:, :-1].flatten(1), mine["aux_hidden_states"])
+        assert torch.equal(hs["hidden_states"][:, -1], mine["last_hidden_state"])
+        assert ds[i]["loss_mask"].tolist() == mine["loss_mask"].tolist()
+
+    # SpecForge: os.walk for *.ckpt, torch.load(..., mmap=True), then OfflineEagle3Dataset.process_data's lines.
+    out = tmp_path / "specforge"
+    export(layout.hidden_states_dir, out, "specforge", log=lambda m: None)
+    paths = sorted(
+        os.path.join(r, f) for r, _, fs in os.walk(out) for f in fs if f.endswith((".ckpt", ".ckpt.gz"))
+    )
+    assert len(paths) == 8 and all("/rows_0-2000/" in p for p in paths)
+    for p in paths[:3]:
+        data = torch.load(p, weights_only=False, mmap=True)
+        hidden_state = data["aux_hidden_state"].squeeze(0)[:2048][None, :]
+        target = data["hidden_state"].squeeze(0)[:2048][None, :]
+        input_ids = data["input_ids"][:2048][None, :]
+        loss_mask = data["loss_mask"][:2048][None, :]
+        assert hidden_state.shape[:2] == target.shape[:2] == input_ids.shape == loss_mask.shape
+        assert hidden_state.shape[-1] == 3 * H and target.shape[-1] == H
+        _, _, post = reference_states(reference_model, data["input_ids"].tolist())
+        assert rel_err(target[0], post) < 2e-2  # SpecForge wants the last state after the final norm
+
+    # Model-Optimizer: rglob("*.pt"), torch.load(weights_only=True), everything [S, ...].
+    out = tmp_path / "modelopt"
+    export(layout.hidden_states_dir, out, "modelopt", log=lambda m: None)
+    for p in sorted(out.rglob("*.pt"))[:3]:
+        d = torch.load(p, weights_only=True)
+        assert d["input_ids"].ndim == 1 and d["hidden_states"].shape == (d["input_ids"].shape[0], H)
+        assert d["aux_hidden_states"].shape == (d["input_ids"].shape[0], 3 * H)
+        assert isinstance(d["conversation_id"], str)
