@@ -216,8 +216,9 @@ class HiddenStateCapture:
 
         return grab
 
-    def forward_packed(self, rows: list[np.ndarray]) -> tuple[Any, Any]:
-        """One packed row (samples back to back, positions restarting per sample) -> (aux [T, 3H], last [T, H])."""
+    def forward_packed(self, rows: list[np.ndarray]) -> tuple[list[Any], Any]:
+        """One packed row (samples back to back, positions restarting per sample) -> ([aux layer] [T, H] each,
+        last [T, H]), still on the model's device."""
         import torch
 
         ids = np.concatenate(rows)
@@ -231,8 +232,8 @@ class HiddenStateCapture:
                 position_ids=torch.from_numpy(positions.astype(np.int64))[None].to(device),
                 use_cache=False,
             )
-        aux = torch.cat([self._out[i][0] for i in self.aux_layers], dim=-1)
-        return aux, self._out[self.last_layer][0]
+        # Concatenation happens later, on the writer thread, off the forward's critical path.
+        return [self._out[i][0] for i in self.aux_layers], self._out[self.last_layer][0]
 
     def close(self) -> None:
         for h in self._handles:
@@ -329,8 +330,8 @@ def extract_shard(
     own_writer = writer is None
     writer = writer or ShardWriter()
 
-    def to_host(aux: Any, last: Any) -> None:
-        aux_parts.append(aux.to("cpu", dtype=dtype))
+    def to_host(aux: list[Any], last: Any) -> None:
+        aux_parts.append(torch.cat([a.to("cpu", dtype=dtype) for a in aux], dim=-1))
         last_parts.append(last.to("cpu", dtype=dtype))
 
     for row in rows:
