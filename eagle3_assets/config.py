@@ -136,7 +136,10 @@ class HiddenStatesConfig(Strict):
 
 
 class AutomationConfig(Strict):
-    top_up_cron: str | None = "0 */6 * * *"
+    # Every cron tick, datasets under budget with work left are topped up (one backfill); later stages follow.
+    top_up_cron: str = "0 */6 * * *"
+    enabled: bool = False  # the automation sensor's default state (it can always be started in the UI)
+    hidden_states: bool = False  # let hidden_states follow tokens automatically (needs GPUs in production)
 
 
 class ExecutionConfig(Strict):

@@ -24,6 +24,7 @@ from .assets import (
     build_responses_asset,
     build_tokens_asset,
 )
+from .automation import automation_sensor, follow_upstream, top_up_condition
 from .checks import build_checks
 from .config import ProjectConfig, get_config
 from .partitions import dataset_partitions
@@ -109,12 +110,13 @@ def build_executor(cfg: ProjectConfig) -> dg.ExecutorDefinition:
 
 def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     partitions = dataset_partitions(cfg)
+    follow = follow_upstream()
     assets = [
-        build_prompts_asset(partitions),
-        build_responses_asset(partitions),
-        build_tokens_asset(partitions),
-        build_report_asset(partitions),
-        build_hidden_states_asset(partitions),
+        build_prompts_asset(partitions, top_up_condition(cfg.automation.top_up_cron, config_path, cfg.backend)),
+        build_responses_asset(partitions, follow),
+        build_tokens_asset(partitions, follow),
+        build_report_asset(partitions, follow),
+        build_hidden_states_asset(partitions, follow if cfg.automation.hidden_states else None),
     ]
     training_data = dg.define_asset_job(
         TRAINING_DATA_JOB,
@@ -132,6 +134,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         assets=assets,
         asset_checks=build_checks(partitions),
         jobs=[training_data, hidden_states_job],
+        sensors=[automation_sensor(cfg.automation.enabled)],
         resources=build_resources(cfg, config_path),
         executor=build_executor(cfg),
     )

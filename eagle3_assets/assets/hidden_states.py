@@ -110,11 +110,14 @@ def index_hidden_states(context: dg.OpExecutionContext, results: list[dict], sto
     )
 
 
-def build_hidden_states_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+def build_hidden_states_asset(
+    partitions: dg.PartitionsDefinition, automation_condition: dg.AutomationCondition | None = None
+) -> dg.AssetsDefinition:
     @dg.graph_asset(
         name="hidden_states",
         ins={"tokens": dg.AssetIn("tokens", dagster_type=dg.Nothing)},
         partitions_def=partitions,
+        automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"pytorch", "safetensors"},
         description="Auxiliary hidden states of the target (3 aux layers + the last layer before the final norm) "

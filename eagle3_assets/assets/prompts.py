@@ -8,10 +8,13 @@ from ..core.ingest import quarantine_reasons, write_prompts
 from .common import GROUP, counts_table
 
 
-def build_prompts_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+def build_prompts_asset(
+    partitions: dg.PartitionsDefinition, automation_condition: dg.AutomationCondition | None = None
+) -> dg.AssetsDefinition:
     @dg.asset(
         name="prompts",
         partitions_def=partitions,
+        automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
         description="Source rows (ShareGPT, OpenAI messages or instruction format) as chat messages ending in a "

@@ -8,11 +8,14 @@ from ..core.report import render_markdown, write_report
 from .common import GROUP
 
 
-def build_report_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+def build_report_asset(
+    partitions: dg.PartitionsDefinition, automation_condition: dg.AutomationCondition | None = None
+) -> dg.AssetsDefinition:
     @dg.asset(
         name="validation_report",
         deps=["tokens"],
         partitions_def=partitions,
+        automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "json"},
         description="Counts, budget use, cost, finish reasons, degenerate answers, token-length distribution and "

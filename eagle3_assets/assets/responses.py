@@ -54,11 +54,14 @@ def summary_metadata(s: GenerationSummary) -> dict:
     return md
 
 
-def build_responses_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+def build_responses_asset(
+    partitions: dg.PartitionsDefinition, automation_condition: dg.AutomationCondition | None = None
+) -> dg.AssetsDefinition:
     @dg.asset(
         name="responses",
         deps=["prompts"],
         partitions_def=partitions,
+        automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
         pool="llm_api",

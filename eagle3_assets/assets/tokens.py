@@ -8,11 +8,14 @@ from ..core.tokens import build_tokens
 from .common import GROUP, counts_table
 
 
-def build_tokens_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+def build_tokens_asset(
+    partitions: dg.PartitionsDefinition, automation_condition: dg.AutomationCondition | None = None
+) -> dg.AssetsDefinition:
     @dg.asset(
         name="tokens",
         deps=["responses"],
         partitions_def=partitions,
+        automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
         description="Prompt + answer rendered with the target's chat template and tokenized: input_ids, loss_mask "

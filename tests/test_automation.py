@@ -1,0 +1,103 @@
+"""Scheduled top-ups: only datasets under budget with work left; downstream follows, never past a failed check."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from eagle3_assets.config import load_config
+from eagle3_assets.core.importer import import_responses
+from eagle3_assets.core.ingest import write_prompts
+from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.definitions import build_definitions
+
+from .conftest import make_project, user_rows
+
+T0 = dt.datetime(2026, 11, 29, 10, 1, tzinfo=dt.UTC)
+
+
+def ingest(cfg, key) -> DatasetLayout:
+    layout = DatasetLayout(cfg.storage_root, key).ensure()
+    write_prompts(cfg.resolve_path(cfg.datasets[key].source), layout.prompts, layout.quarantine, "messages")
+    return layout
+
+
+def answer_all(layout, chat, tmp_path, tokens_each=3, output_ids=None):
+    ids = pl.read_parquet(layout.prompts)["id"].to_list()
+    src = tmp_path / f"{layout.key}-answers.jsonl"
+    rows = [{"id": i, "response": "Done.", "usage": {"completion_tokens": tokens_each}} for i in ids]
+    if output_ids is not None:
+        for r in rows:
+            r["output_ids"] = output_ids
+    src.write_text("\n".join(json.dumps(r) for r in rows))
+    import_responses(layout, src, chat)
+
+
+def requested(result, asset: str) -> set[str]:
+    return set(result.get_requested_partitions(dg.AssetKey(asset)))
+
+
+def test_top_up_requests_datasets_under_budget_and_downstream_follows(tmp_path, chat):
+    path = make_project(
+        tmp_path,
+        {
+            "B1": {"rows": user_rows(["a", "b", "c"])},  # never ingested: under budget, work left
+            "B2": {"rows": user_rows(["d", "e"])},  # every prompt answered
+            "B3": {"rows": user_rows(["f", "g"]), "budget_tokens": 5},  # budget met by earlier answers
+            "B4": {"rows": user_rows(["h", "i"])},  # half answered: work left
+        },
+        automation={"top_up_cron": "*/5 * * * *"},
+    )
+    cfg = load_config(path)
+    answer_all(ingest(cfg, "B2"), chat, tmp_path)
+    b3 = ingest(cfg, "B3")
+    answer_all(b3, chat, tmp_path, tokens_each=4)
+    b4 = ingest(cfg, "B4")
+    first = pl.read_parquet(b4.prompts)["id"][0]
+    (tmp_path / "b4.jsonl").write_text(json.dumps({"id": first, "response": "x"}))
+    import_responses(b4, tmp_path / "b4.jsonl", chat)
+
+    defs = build_definitions(cfg, str(path))
+    with dg.instance_for_test() as instance:
+        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, evaluation_time=T0)
+        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=r.cursor,
+                                              evaluation_time=T0 + dt.timedelta(minutes=5))
+        assert requested(r, "prompts") == {"B1", "B4"}
+        # responses follows in the same backfill (prompts has no blocking check); B2 (all answered) and B3 (budget
+        # met) stay put. tokens waits for responses' blocking checks to pass, on a later tick.
+        assert requested(r, "responses") == {"B1", "B4"}
+        assert not requested(r, "tokens")
+        assert not requested(r, "hidden_states")  # GPU stage: automatic only when automation.hidden_states is on
+        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=r.cursor,
+                                              evaluation_time=T0 + dt.timedelta(minutes=6))
+        assert not requested(r, "prompts")  # once per cron tick
+
+
+@pytest.mark.parametrize("bad_ids", [True, False])
+def test_nothing_flows_past_a_failed_blocking_check(tmp_path, chat, smol_tok, bad_ids):
+    path = make_project(tmp_path, {"B1": {"rows": user_rows(["alpha", "beta", "gamma", "delta"])}},
+                        automation={"top_up_cron": "*/5 * * * *"})
+    cfg = load_config(path)
+    layout = ingest(cfg, "B1")
+    wrong = smol_tok("Something else.", add_special_tokens=False)["input_ids"]
+    answer_all(layout, chat, tmp_path, output_ids=wrong if bad_ids else None)  # wrong: the text does not match
+    defs = build_definitions(cfg, str(path))
+    job = defs.resolve_implicit_global_asset_job_def()
+    with dg.instance_for_test() as instance:
+        for asset in ("prompts", "responses"):
+            assert job.execute_in_process(partition_key="B1", instance=instance,
+                                          asset_selection=[dg.AssetKey(asset)]).success
+        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, evaluation_time=T0)
+        tokens_run = job.execute_in_process(partition_key="B1", instance=instance, raise_on_error=False,
+                                            asset_selection=[dg.AssetKey("tokens")])
+        checks = {e.event_specific_data.check_name: e.event_specific_data.passed for e in tokens_run.all_events
+                  if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+        assert checks["tokens_reference_match"] is (not bad_ids)
+        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=r.cursor,
+                                              evaluation_time=T0 + dt.timedelta(seconds=30))
+        # tokens was updated: the report follows only if its blocking checks passed.
+        assert requested(r, "validation_report") == (set() if bad_ids else {"B1"})
