@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 instance: setup
 	@mkdir -p "$(DAGSTER_HOME)"
 	@test -f "$(DAGSTER_HOME)/dagster.yaml" || cp deploy/local/dagster.yaml "$(DAGSTER_HOME)/dagster.yaml"
+	@$(PY) -m eagle3_assets.cli pools
 
 demo: instance
 	$(PY) -m eagle3_assets.demo
@@ -33,7 +34,10 @@ demo: instance
 dev: instance
 	$(VENV)/bin/dagster dev -w workspace.yaml -h $(HOST) -p $(PORT)
 
+# The end-to-end tests start a real PostgreSQL server and a real Chromium: scripts/test-deps.sh installs Debian's
+# postgresql and chromium when they are missing.
 test: setup
+	@./scripts/test-deps.sh
 	$(PY) -m pytest -q -ra
 
 lint: setup

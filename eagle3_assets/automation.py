@@ -30,22 +30,29 @@ class BudgetNotMet(dg.AutomationCondition):
         keys = {
             key
             for key, ds in cfg.datasets.items()
-            if top_up_status(DatasetLayout(cfg.storage_root, key), cfg.resolve_path(ds.source), ds.budget_tokens,
-                             ds.budget_usd).needed
+            if top_up_status(
+                DatasetLayout(cfg.storage_root, key),
+                cfg.resolve_path(ds.source),
+                ds.budget_tokens,
+                ds.budget_usd,
+            ).needed
         }
         return dg.AutomationResult(
-            context=context, true_subset=context.candidate_subset.compute_intersection_with_partition_keys(keys)
+            context=context,
+            true_subset=context.candidate_subset.compute_intersection_with_partition_keys(keys),
         )
 
 
 def top_up_condition(cron: str, config_path: str, backend: str | None) -> dg.AutomationCondition:
-    return (dg.AutomationCondition.on_cron(cron) & BudgetNotMet(config_path, backend)).with_label("scheduled top-up")
+    return (dg.AutomationCondition.on_cron(cron) & BudgetNotMet(config_path, backend)).with_label(
+        "scheduled top-up"
+    )
 
 
 def follow_upstream() -> dg.AutomationCondition:
-    return (dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()).with_label(
-        "follow upstream, blocking checks passed"
-    )
+    return (
+        dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
+    ).with_label("follow upstream, blocking checks passed")
 
 
 def automation_sensor(enabled: bool) -> dg.AutomationConditionSensorDefinition:

@@ -88,6 +88,23 @@ def cmd_hidden_states(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pools(args: argparse.Namespace) -> int:
+    """Apply the config's pool limits (llm_api, gpu) to the Dagster instance of DAGSTER_HOME."""
+    import os
+
+    import dagster as dg
+
+    cfg, _ = _resources(args)
+    if not os.environ.get("DAGSTER_HOME"):
+        print("set DAGSTER_HOME to the instance's folder (make dev / make demo use .dagster/)")
+        return 1
+    with dg.DagsterInstance.get() as instance:
+        for pool, limit in cfg.pools.model_dump().items():
+            instance.event_log_storage.set_concurrency_slots(pool, limit)
+            print(f"pool {pool}: {limit} concurrent step(s)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main
 
@@ -116,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hidden-states", help="extract hidden states for a dataset in this process (no Dagster)"
     )
     hs.add_argument("--dataset", required=True)
+    sub.add_parser("pools", help="apply the config's pool limits to the Dagster instance of DAGSTER_HOME")
     demo = sub.add_parser("demo", help="the main job over all (or the given) datasets, then a summary table")
     demo.add_argument("datasets", nargs="*")
     return p
@@ -126,6 +144,7 @@ COMMANDS = {
     "import-responses": cmd_import,
     "export": cmd_export,
     "hidden-states": cmd_hidden_states,
+    "pools": cmd_pools,
     "demo": cmd_demo,
 }
 

@@ -112,7 +112,9 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     partitions = dataset_partitions(cfg)
     follow = follow_upstream()
     assets = [
-        build_prompts_asset(partitions, top_up_condition(cfg.automation.top_up_cron, config_path, cfg.backend)),
+        build_prompts_asset(
+            partitions, top_up_condition(cfg.automation.top_up_cron, config_path, cfg.backend)
+        ),
         build_responses_asset(partitions, follow),
         build_tokens_asset(partitions, follow),
         build_report_asset(partitions, follow),

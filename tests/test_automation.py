@@ -64,40 +64,58 @@ def test_top_up_requests_datasets_under_budget_and_downstream_follows(tmp_path, 
     defs = build_definitions(cfg, str(path))
     with dg.instance_for_test() as instance:
         r = dg.evaluate_automation_conditions(defs=defs, instance=instance, evaluation_time=T0)
-        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=r.cursor,
-                                              evaluation_time=T0 + dt.timedelta(minutes=5))
+        r = dg.evaluate_automation_conditions(
+            defs=defs, instance=instance, cursor=r.cursor, evaluation_time=T0 + dt.timedelta(minutes=5)
+        )
         assert requested(r, "prompts") == {"B1", "B4"}
         # responses follows in the same backfill (prompts has no blocking check); B2 (all answered) and B3 (budget
         # met) stay put. tokens waits for responses' blocking checks to pass, on a later tick.
         assert requested(r, "responses") == {"B1", "B4"}
         assert not requested(r, "tokens")
-        assert not requested(r, "hidden_states")  # GPU stage: automatic only when automation.hidden_states is on
-        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=r.cursor,
-                                              evaluation_time=T0 + dt.timedelta(minutes=6))
+        assert not requested(
+            r, "hidden_states"
+        )  # GPU stage: automatic only when automation.hidden_states is on
+        r = dg.evaluate_automation_conditions(
+            defs=defs, instance=instance, cursor=r.cursor, evaluation_time=T0 + dt.timedelta(minutes=6)
+        )
         assert not requested(r, "prompts")  # once per cron tick
 
 
 @pytest.mark.parametrize("bad_ids", [True, False])
 def test_nothing_flows_past_a_failed_blocking_check(tmp_path, chat, smol_tok, bad_ids):
-    path = make_project(tmp_path, {"B1": {"rows": user_rows(["alpha", "beta", "gamma", "delta"])}},
-                        automation={"top_up_cron": "*/5 * * * *"})
+    path = make_project(
+        tmp_path,
+        {"B1": {"rows": user_rows(["alpha", "beta", "gamma", "delta"])}},
+        automation={"top_up_cron": "*/5 * * * *"},
+    )
     cfg = load_config(path)
     layout = ingest(cfg, "B1")
     wrong = smol_tok("Something else.", add_special_tokens=False)["input_ids"]
-    answer_all(layout, chat, tmp_path, output_ids=wrong if bad_ids else None)  # wrong: the text does not match
+    answer_all(
+        layout, chat, tmp_path, output_ids=wrong if bad_ids else None
+    )  # wrong: the text does not match
     defs = build_definitions(cfg, str(path))
     job = defs.resolve_implicit_global_asset_job_def()
     with dg.instance_for_test() as instance:
         for asset in ("prompts", "responses"):
-            assert job.execute_in_process(partition_key="B1", instance=instance,
-                                          asset_selection=[dg.AssetKey(asset)]).success
+            assert job.execute_in_process(
+                partition_key="B1", instance=instance, asset_selection=[dg.AssetKey(asset)]
+            ).success
         r = dg.evaluate_automation_conditions(defs=defs, instance=instance, evaluation_time=T0)
-        tokens_run = job.execute_in_process(partition_key="B1", instance=instance, raise_on_error=False,
-                                            asset_selection=[dg.AssetKey("tokens")])
-        checks = {e.event_specific_data.check_name: e.event_specific_data.passed for e in tokens_run.all_events
-                  if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+        tokens_run = job.execute_in_process(
+            partition_key="B1",
+            instance=instance,
+            raise_on_error=False,
+            asset_selection=[dg.AssetKey("tokens")],
+        )
+        checks = {
+            e.event_specific_data.check_name: e.event_specific_data.passed
+            for e in tokens_run.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        }
         assert checks["tokens_reference_match"] is (not bad_ids)
-        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=r.cursor,
-                                              evaluation_time=T0 + dt.timedelta(seconds=30))
+        r = dg.evaluate_automation_conditions(
+            defs=defs, instance=instance, cursor=r.cursor, evaluation_time=T0 + dt.timedelta(seconds=30)
+        )
         # tokens was updated: the report follows only if its blocking checks passed.
         assert requested(r, "validation_report") == (set() if bad_ids else {"B1"})

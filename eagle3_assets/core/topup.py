@@ -31,5 +31,7 @@ def top_up_status(layout: DatasetLayout, source: Path, budget_tokens: int, budge
     ids = set(pl.read_parquet(layout.prompts, columns=["id"])["id"].to_list())
     left = ids - journal.done_ids() - journal.permanent_failure_ids()
     if left:
-        return TopUp(True, f"{len(left):,} prompts unanswered, budget {usage.completion_tokens:,}/{budget_tokens:,}")
+        return TopUp(
+            True, f"{len(left):,} prompts unanswered, budget {usage.completion_tokens:,}/{budget_tokens:,}"
+        )
     return TopUp(False, "every prompt is answered")

@@ -1,0 +1,257 @@
+"""Real services for end-to-end tests: `dagster dev` (webserver + daemon) and a PostgreSQL server, both started by
+the test on free loopback ports and stopped afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .conftest import REPO
+
+LAUNCH_BACKFILL = """
+mutation($params: LaunchBackfillParams!) {
+  launchPartitionBackfill(backfillParams: $params) {
+    __typename
+    ... on LaunchBackfillSuccess { backfillId }
+    ... on PythonError { message stack }
+    ... on PartitionKeysNotFoundError { message }
+    ... on InvalidSubsetError { message }
+    ... on UnauthorizedError { message }
+  }
+}"""
+
+BACKFILL_STATUS = """
+query($id: String!) {
+  partitionBackfillOrError(backfillId: $id) {
+    __typename
+    ... on PartitionBackfill { status numPartitions runs(limit: 50) { id status } }
+    ... on PythonError { message }
+  }
+}"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DagsterDev:
+    """`dagster dev -w workspace.yaml` on 127.0.0.1:<free port>, in its own process group."""
+
+    def __init__(self, config: Path, dagster_home: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.home = dagster_home
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.log_path = dagster_home / "dagster-dev.log"
+        self.env = {
+            **os.environ,
+            "EAGLE3_CONFIG": str(config),
+            "DAGSTER_HOME": str(dagster_home),
+            "DAGSTER_DISABLE_TELEMETRY": "1",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> DagsterDev:
+        self._log = open(self.log_path, "w")  # the child writes to it until __exit__ closes it
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dagster",
+                "dev",
+                "-w",
+                str(REPO / "workspace.yaml"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+            ],
+            cwd=REPO,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc and self.proc.poll() is None, f"dagster dev exited:\n{self.log_tail()}"
+            try:
+                data = self.graphql(
+                    "{ repositoriesOrError { __typename ... on RepositoryConnection "
+                    "{ nodes { name location { name } } } } }"
+                )
+                if data["repositoriesOrError"].get("nodes"):
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError, KeyError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"dagster dev not ready in {timeout}s:\n{self.log_tail()}")
+
+    def graphql(self, query: str, variables: dict | None = None) -> dict:
+        body = json.dumps({"query": query, "variables": variables or {}}).encode()
+        req = urllib.request.Request(
+            f"{self.url}/graphql", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            out = json.loads(resp.read())
+        if out.get("errors"):
+            raise RuntimeError(out["errors"])
+        return out["data"]
+
+    def launch_backfill(self, assets: list[str], partitions: list[str], title: str = "e2e") -> str:
+        params = {
+            "assetSelection": [{"path": [a]} for a in assets],
+            "partitionNames": partitions,
+            "title": title,
+        }
+        res = self.graphql(LAUNCH_BACKFILL, {"params": params})["launchPartitionBackfill"]
+        assert res["__typename"] == "LaunchBackfillSuccess", res
+        return res["backfillId"]
+
+    def wait_backfill(self, backfill_id: str, timeout: float = 600) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            b = self.graphql(BACKFILL_STATUS, {"id": backfill_id})["partitionBackfillOrError"]
+            if b.get("status") in (
+                "COMPLETED",
+                "COMPLETED_SUCCESS",
+                "COMPLETED_FAILED",
+                "FAILED",
+                "CANCELED",
+            ):
+                return b
+            time.sleep(2)
+        raise TimeoutError(f"backfill {backfill_id} not done in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+def postgres_bin() -> Path | None:
+    """Debian's PostgreSQL server binaries (initdb, pg_ctl), newest version first."""
+    base = Path("/usr/lib/postgresql")
+    for version in sorted(base.glob("*"), key=lambda p: p.name, reverse=True) if base.exists() else []:
+        if (version / "bin" / "initdb").exists():
+            return version / "bin"
+    return None
+
+
+class PostgresServer:
+    """A throwaway PostgreSQL cluster on a free port, run as the `postgres` system user (it refuses root)."""
+
+    def __init__(self, root: Path):
+        self.bin = postgres_bin()
+        assert self.bin, "PostgreSQL is not installed: `make test` installs Debian's postgresql"
+        self.root = root
+        self.data = root / "pgdata"
+        self.port = free_port()
+        self.user, self.password, self.db = "eagle3", "eagle3-test", "dagster"
+
+    def _as_postgres(self, *args: str) -> subprocess.CompletedProcess:
+        runner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        return subprocess.run([*runner, *args], check=True, capture_output=True, text=True, timeout=120)
+
+    def __enter__(self) -> PostgresServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres", "postgres")
+            os.chmod(self.root, 0o755)
+            for parent in self.root.parents:  # the server process must reach its data directory
+                if parent == Path("/"):
+                    break
+                os.chmod(parent, os.stat(parent).st_mode | 0o011)
+        self._as_postgres(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres")
+        self._as_postgres(
+            str(self.bin / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "pg.log"),
+            "-w",
+            "-o",
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1",
+            "start",
+        )
+        psql = str(self.bin / "psql")
+        self._as_postgres(
+            psql,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+            "-c",
+            f"CREATE USER {self.user} PASSWORD '{self.password}'",
+        )
+        self._as_postgres(
+            psql,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+            "-c",
+            f"CREATE DATABASE {self.db} OWNER {self.user}",
+        )
+        return self
+
+    def env(self) -> dict[str, str]:
+        return {
+            "DAGSTER_PG_HOST": "127.0.0.1",
+            "DAGSTER_PG_PORT": str(self.port),
+            "DAGSTER_PG_USERNAME": self.user,
+            "DAGSTER_PG_PASSWORD": self.password,
+            "DAGSTER_PG_DB": self.db,
+        }
+
+    def query(self, sql: str) -> str:
+        return self._as_postgres(
+            str(self.bin / "psql"),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+            "-d",
+            self.db,
+            "-At",
+            "-c",
+            sql,
+        ).stdout
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop")
