@@ -14,7 +14,7 @@ can be compared with the ids a server returned. Only trained segments get loss-m
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,17 +102,18 @@ class ChatTokenizer:
         return m.group(0) if m else None
 
     # -- rendering ------------------------------------------------------------------------------------------
-    def _sentinel_messages(self, roles: Sequence[str], reasoning: Sequence[bool]) -> list[dict[str, str]]:
+    def _messages(
+        self, roles: Sequence[str], reasoning: Sequence[bool], text: Callable[[int, str], str]
+    ) -> list[dict[str, str]]:
+        """Chat messages of a shape, texts from `text(index, "c" | "r")` (sentinels or the real texts)."""
         msgs = []
         for i, (role, has_r) in enumerate(zip(roles, reasoning, strict=True)):
-            content = f"{_OPEN}{i}c{_CLOSE}"
-            msg = {"role": role, "content": content}
+            msg = {"role": role, "content": text(i, "c")}
             if has_r:
-                r = f"{_OPEN}{i}r{_CLOSE}"
                 if self.template_has_reasoning:
-                    msg["reasoning_content"] = r
+                    msg["reasoning_content"] = text(i, "r")
                 else:
-                    msg["content"] = f"{self.think_open}{r}{self.think_close}{content}"
+                    msg["content"] = f"{self.think_open}{text(i, 'r')}{self.think_close}{msg['content']}"
             msgs.append(msg)
         return msgs
 
@@ -122,7 +123,7 @@ class ChatTokenizer:
         )
 
     def _render_shape(self, roles: Sequence[str], reasoning: Sequence[bool], gen: bool) -> str:
-        return self.render(self._sentinel_messages(roles, reasoning), gen)
+        return self.render(self._messages(roles, reasoning, lambda i, f: f"{_OPEN}{i}{f}{_CLOSE}"), gen)
 
     # -- planning -------------------------------------------------------------------------------------------
     def _cut_answer(self, text: str, finished: bool, nonempty: set[tuple[int, str]]) -> str:
@@ -238,37 +239,16 @@ class ChatTokenizer:
             vals.append((answer.content or "", answer.reasoning or ""))
         return vals
 
-    def _verify_shape(
-        self,
-        key: tuple,
-        messages: Sequence[dict[str, Any]],
-        answer: Answer | None,
-        plan: _Plan,
-        values: list[tuple[str, str]],
-    ) -> None:
+    def _verify_shape(self, key: tuple, values: list[tuple[str, str]], gen: bool) -> None:
         """Once per shape: the template must place text verbatim (no trimming or rewriting of content)."""
         if key in self._verified:
             return
         roles, reasoning = key[0], key[1]
-        real = []
-        for i, (role, has_r) in enumerate(zip(roles, reasoning, strict=True)):
-            content, r = values[i]
-            msg = {"role": role, "content": content}
-            if has_r:
-                if self.template_has_reasoning:
-                    msg["reasoning_content"] = r
-                else:
-                    msg["content"] = f"{self.think_open}{r}{self.think_close}{content}"
-            real.append(msg)
-        n_prompt = len(roles) - (1 if answer is not None else 0)
-        rendered = self.render(real, add_generation_prompt=answer is None)
-        sentinel = self._render_shape(roles, reasoning, answer is None)
-        filled = _SENTINEL.sub(lambda m: values[int(m.group(1))][0 if m.group(2) == "c" else 1], sentinel)
-        if rendered != filled:
-            raise TemplateError(
-                "the chat template rewrites message text (e.g. trims it); exact rebuild impossible"
-            )
-        del n_prompt, plan
+        real = self.render(self._messages(roles, reasoning, lambda i, f: values[i][f == "r"]), gen)
+        sentinel = self._render_shape(roles, reasoning, gen)
+        filled = _SENTINEL.sub(lambda m: values[int(m.group(1))][m.group(2) == "r"], sentinel)
+        if real != filled:
+            raise TemplateError("the chat template rewrites message text (e.g. trims it); exact rebuild impossible")
         self._verified.add(key)
 
     def tokenize(
@@ -289,7 +269,7 @@ class ChatTokenizer:
                     )
                     ans_key = (answer.finished, nonempty)
                 plan = self._plan(roles, reasoning, ans_key, train_all)
-                self._verify_shape((roles, reasoning, ans_key, train_all), messages, answer, plan, values)
+                self._verify_shape((roles, reasoning, ans_key, train_all), values, answer is None)
             except TemplateError as e:
                 plans.append(e)
                 continue
