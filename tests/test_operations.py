@@ -1,0 +1,55 @@
+"""Operations wiring: pools applied from the config, pools and GPU tags on the steps, executors from the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import dagster as dg
+
+from eagle3_assets.assets.hidden_states import GPU_STEP_TAGS
+from eagle3_assets.config import load_config
+from eagle3_assets.definitions import build_definitions
+
+from .conftest import REPO, make_project, user_rows
+
+
+def test_pool_limits_from_the_config_are_applied_to_the_instance(tmp_path):
+    config = make_project(tmp_path, {"B1": {"rows": user_rows(["x"])}}, pools={"llm_api": 3, "gpu": 5})
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(config), "pools"],
+        cwd=REPO,
+        env={**os.environ, "DAGSTER_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert instance.event_log_storage.get_concurrency_info("llm_api").slot_count == 3
+        assert instance.event_log_storage.get_concurrency_info("gpu").slot_count == 5
+
+
+def test_steps_carry_their_pools_and_gpu_requests(tmp_path):
+    config = make_project(
+        tmp_path,
+        {"B1": {"rows": user_rows(["x"])}},
+        execution={"executor": "multiprocess", "max_concurrent_steps": 3},
+    )
+    defs = build_definitions(load_config(config), str(config))
+    assert defs.resolve_asset_graph().get(dg.AssetKey("responses")).pools == {"llm_api"}
+    ops = {n.name: n.definition for n in defs.resolve_assets_def("hidden_states").node_def.nodes}
+    shard_op = ops["extract_hidden_state_shard"]
+    assert shard_op.pool == "gpu"
+    k8s = json.loads(shard_op.tags["dagster-k8s/config"])  # read by k8s_job_executor: one GPU per shard step
+    assert k8s == GPU_STEP_TAGS["dagster-k8s/config"]
+    assert k8s["container_config"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert defs.resolve_job_def("training_data").executor_def.name == "multiprocess"
+    specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
+    stages = ["prompts", "responses", "tokens", "validation_report", "hidden_states"]
+    assert {k: s.group_name for k, s in specs.items()} == dict.fromkeys(stages, "eagle3")
+    assert all(s.description for s in specs.values()) and all(s.kinds for s in specs.values())
