@@ -26,6 +26,8 @@ class BudgetNotMet(dg.AutomationCondition):
         return "budget_not_met"
 
     def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:
+        if context.candidate_subset.is_empty:  # no cron tick: do not read every dataset's journal
+            return dg.AutomationResult(context=context, true_subset=context.candidate_subset)
         cfg = load_config(self.config_path, self.backend)
         keys = {
             key
@@ -35,6 +37,7 @@ class BudgetNotMet(dg.AutomationCondition):
                 cfg.resolve_path(ds.source),
                 ds.budget_tokens,
                 ds.budget_usd,
+                ds.max_tokens,
             ).needed
         }
         return dg.AutomationResult(

@@ -42,7 +42,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from .core.importer import import_responses
 
     cfg, res = _resources(args)
-    cfg.dataset(args.dataset)
+    ds = cfg.dataset(args.dataset)
     layout = res["storage"].layout(args.dataset)
     if not layout.prompts.exists():
         print(
@@ -50,7 +50,13 @@ def cmd_import(args: argparse.Namespace) -> int:
             f"--select prompts --partition {args.dataset})"
         )
         return 1
-    s = import_responses(layout, Path(args.file), res["target"].chat_tokenizer(), model=args.model)
+    s = import_responses(
+        layout,
+        Path(args.file),
+        res["target"].chat_tokenizer(),
+        model=args.model,
+        system_prompt=ds.system_prompt,
+    )
     print(
         f"{args.dataset}: imported {s.imported} of {s.rows} rows ({s.completion_tokens:,} completion tokens)"
     )

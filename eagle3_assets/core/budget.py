@@ -26,15 +26,6 @@ class RunningStats:
         self.mean += d / self.n
         self.m2 += d * (x - self.mean)
 
-    @classmethod
-    def of(cls, values: list[float]) -> RunningStats:
-        """Stats of earlier runs' values, so a resumed run reserves from history instead of max_tokens."""
-        n = len(values)
-        if n == 0:
-            return cls()
-        mean = sum(values) / n
-        return cls(n=n, mean=mean, m2=sum((v - mean) ** 2 for v in values))
-
     @property
     def std(self) -> float:
         return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else 0.0
@@ -52,6 +43,7 @@ class Budget:
     in_flight: int = 0
     tokens: RunningStats = field(default_factory=RunningStats)
     usd: RunningStats = field(default_factory=RunningStats)
+    usd_unreported: int = 0  # answers that came back without a cost (SGLang, local, most vLLM servers)
 
     def _reserve(self, stats: RunningStats, n: int, cap_per_request: float) -> float:
         """Tokens (or dollars) to hold back for n requests in flight."""
@@ -76,16 +68,11 @@ class Budget:
         )
         if not tokens_ok:
             return False
-        if self.usd_limit is None:
-            return True
+        if self.usd_limit is None or (self.usd.n == 0 and self.usd_unreported > 0):
+            return True  # no dollar limit, or a backend that reports no cost: only the token budget applies
         if self.usd.n == 0 and self.in_flight > 0:
             return False  # probe with one request until its cost is known
         return self.usd_used + self._reserve(self.usd, n, self._usd_cap()) <= self.usd_limit
-
-    @property
-    def exhausted(self) -> bool:
-        """Nothing more can be sent even once everything in flight has landed."""
-        return self.in_flight == 0 and not self.can_dispatch()
 
     def dispatch(self) -> None:
         self.in_flight += 1
@@ -98,9 +85,8 @@ class Budget:
         if cost_usd is not None:
             self.usd_used += cost_usd
             self.usd.add(cost_usd)
-
-    def remaining_tokens(self) -> int:
-        return max(0, self.token_limit - self.tokens_used)
+        elif completion_tokens is not None:
+            self.usd_unreported += 1
 
     def describe(self) -> str:
         text = f"{self.tokens_used:,}/{self.token_limit:,} tokens"

@@ -42,7 +42,6 @@ class TokenizedConversation:
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # int8
     answer_start: int  # the generated turn spans input_ids[answer_start:]
-    n_prompt_tokens: int
 
     @property
     def answer_ids(self) -> np.ndarray:
@@ -187,6 +186,11 @@ class ChatTokenizer:
                     raise TemplateError(f"the template renders turn {k} differently in later context")
                 nonempty = {(k, "c"), (k, "r")}
                 cut = self._cut_answer(turn[len(head) :], True, nonempty)
+                if not prompt_text.startswith(cut, len(head)):
+                    # e.g. Qwen3-style templates write thinking only into the last assistant turn
+                    raise TemplateError(
+                        f"the template renders assistant turn {k} differently once later turns follow"
+                    )
                 spans.append((len(head), len(head) + len(cut)))
         full_text = prompt_text
         if answer is not None:
@@ -248,7 +252,9 @@ class ChatTokenizer:
         sentinel = self._render_shape(roles, reasoning, gen)
         filled = _SENTINEL.sub(lambda m: values[int(m.group(1))][m.group(2) == "r"], sentinel)
         if real != filled:
-            raise TemplateError("the chat template rewrites message text (e.g. trims it); exact rebuild impossible")
+            raise TemplateError(
+                "the chat template rewrites message text (e.g. trims it); exact rebuild impossible"
+            )
         self._verified.add(key)
 
     def tokenize(
@@ -314,7 +320,7 @@ class ChatTokenizer:
             )
             last_trained = plan.regions[-1][1]
             start = answer_start if last_trained else len(ids)
-            out.append(TokenizedConversation(arr, mask, start, start))
+            out.append(TokenizedConversation(arr, mask, start))
         return out
 
     def prompt_ids(self, prompts: Sequence[Sequence[dict[str, Any]]]) -> list[list[int] | TemplateError]:

@@ -43,6 +43,8 @@ class EngineSettings:
     backoff_max_s: float = 60.0
     # After a fatal error, requests already in flight get this long to land (they may be paid for).
     fatal_grace_s: float = 5.0
+    # This many permanent errors before any success stop the run as a configuration problem.
+    systematic_error_after: int = 25
 
 
 @dataclass
@@ -106,15 +108,18 @@ class GenerationEngine:
         self._stop = asyncio.Event()
         self._budget_changed = asyncio.Condition()
         self._cooldown = _CoolDown()
-        self._in_flight = 0
         self._fatal: InferenceError | None = None
         self._budget_stop = False
         self._budget_waiters = 0
+        self._journal_error: BaseException | None = None
+        self._unconfirmed: list[str] = []  # permanent failures seen before the first success
+        self._configuration_stop = False
+        self.report = EngineReport(total=0)
 
     # -- public ---------------------------------------------------------------------------------------------
     async def run(self, requests: Iterable[CompletionRequest], total: int) -> EngineReport:
-        report = EngineReport(total=total)
-        self.report = report
+        report = self.report
+        report.total = total
         it = iter(requests)
         start = time.monotonic()
         workers = [
@@ -123,30 +128,39 @@ class GenerationEngine:
         ]
         flusher = asyncio.create_task(self._flush_loop())
         progress = asyncio.create_task(self._progress_loop(start))
+        stop_wait = asyncio.create_task(self._stop.wait())
         try:
-            stop_wait = asyncio.create_task(self._stop.wait())
             pending = set(workers)
             while pending:
-                _, pending = await asyncio.wait(pending | {stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(stop_wait)
+                _, pending = await asyncio.wait(
+                    pending | {stop_wait, flusher}, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending -= {stop_wait, flusher}
+                if flusher.done() and self._journal_error is None:
+                    # Answers that cannot be stored must not be bought: stop sending.
+                    self._journal_error = flusher.exception() or RuntimeError("the journal writer stopped")
+                    self._stop.set()
                 if self._stop.is_set():
-                    # Fatal: nothing new is sent; requests in flight get a short grace to land, then are cancelled.
+                    # Nothing new is sent; requests in flight get a short grace to land, then are cancelled.
                     if pending:
                         _, pending = await asyncio.wait(pending, timeout=self.settings.fatal_grace_s)
                     for t in pending:
                         t.cancel()
                     await asyncio.gather(*pending, return_exceptions=True)
                     pending = set()
-            stop_wait.cancel()
             for t in workers:
                 if t.done() and not t.cancelled() and t.exception():
                     raise t.exception()
         finally:
-            for t in (flusher, progress, *workers):
+            for t in (flusher, progress, stop_wait, *workers):
                 t.cancel()
-            await asyncio.gather(flusher, progress, *workers, return_exceptions=True)
-            await self.writer.flush()
+            await asyncio.gather(flusher, progress, stop_wait, *workers, return_exceptions=True)
+            await self.writer.flush()  # raises if the journal cannot be written: the run fails loudly
             report.elapsed_s = time.monotonic() - start
+        if self._journal_error is not None:
+            raise RuntimeError(f"the response journal could not be written: {self._journal_error}") from (
+                self._journal_error
+            )
         if self._fatal is not None:
             report.stop_reason = "fatal"
             advice = FATAL_ADVICE.get(self._fatal.kind, "")
@@ -157,6 +171,13 @@ class GenerationEngine:
         if self._fatal is not None:
             raise FatalRunError(f"stopped: {report.fatal_message}")
         return report
+
+    def record_skipped(self, request_id: str, kind: str, message: str) -> None:
+        """A prompt that could not even be turned into a request (e.g. its template fails): a permanent failure."""
+        self.writer.add_failure(request_id, kind, message, 0, True, None)
+        self.report.failed += 1
+        self.report.permanent_failures += 1
+        self.report.failure_kinds[kind] += 1
 
     # -- workers --------------------------------------------------------------------------------------------
     async def _worker(self, it: Iterator[CompletionRequest]) -> None:
@@ -172,7 +193,6 @@ class GenerationEngine:
             if request is None:
                 return
             self.budget.dispatch()
-            self._in_flight += 1
             self.report.sent += 1
             tokens: int | None = None
             cost: float | None = None
@@ -181,7 +201,6 @@ class GenerationEngine:
                 if completion is not None:
                     tokens, cost = completion.completion_tokens, completion.cost_usd
             finally:
-                self._in_flight -= 1
                 self.budget.settle(tokens, cost)
                 if self._budget_waiters:
                     async with self._budget_changed:
@@ -245,6 +264,7 @@ class GenerationEngine:
             c.latency_s = c.latency_s or (time.monotonic() - t0)
             self.writer.add_completion(request.id, c)
             r.succeeded += 1
+            self._unconfirmed.clear()
             r.prompt_tokens += c.prompt_tokens
             r.completion_tokens += c.completion_tokens
             r.cost_usd += c.cost_usd or 0.0
@@ -254,11 +274,42 @@ class GenerationEngine:
             return c
 
     def _fail(self, request: CompletionRequest, e: InferenceError, attempts: int, permanent: bool) -> None:
+        suspect = (
+            permanent and e.kind in (ErrorKind.BAD_REQUEST, ErrorKind.INTERNAL) and self.report.succeeded == 0
+        )
+        if suspect and self._configuration_stop:
+            permanent = (
+                False  # landed after the stop for a configuration problem: retry it once that is fixed
+            )
         self.writer.add_failure(request.id, e.kind.value, e.message, attempts, permanent, e.status)
         self.report.failed += 1
         self.report.failure_kinds[e.kind.value] += 1
         if permanent:
             self.report.permanent_failures += 1
+            if suspect:
+                self._suspect_configuration(request.id, e)
+
+    def _suspect_configuration(self, request_id: str, e: InferenceError) -> None:
+        """Many permanent errors before any success mean a bad configuration (model access, provider, extra_body),
+        not bad prompts: stop, and leave those prompts retryable so a fixed configuration sends them again."""
+        self._unconfirmed.append(request_id)
+        if len(self._unconfirmed) < self.settings.systematic_error_after or self._fatal is not None:
+            return
+        n = len(self._unconfirmed)
+        self._fatal = InferenceError(
+            e.kind,
+            f"the first {n} requests all failed permanently ({e.message}); this looks like a configuration "
+            "problem (model access, provider routing, extra_body, key permissions), not bad prompts. Fix it and "
+            "materialise again: these prompts are not marked permanent and will be sent again",
+            status=e.status,
+        )
+        self.log(f"stopping the run: {self._fatal}")
+        self._configuration_stop = True
+        self._stop.set()
+        for rid in self._unconfirmed:
+            self.writer.add_failure(
+                rid, e.kind.value, "not permanent: the whole run failed the same way", 0, False, e.status
+            )
 
     def _backoff(self, attempt: int) -> float:
         """Jittered exponential backoff in [cap/4, cap], cap = min(max, base·2^(attempt-1)): no retry waves."""
@@ -291,7 +342,7 @@ class GenerationEngine:
         self.log(
             f"{head}: {done:,}/{r.total:,} done ({r.succeeded:,} ok, {r.failed:,} failed), "
             f"{rate:.1f} req/s, {r.completion_tokens / elapsed:,.0f} tok/s, ${r.cost_usd:,.4f}, "
-            f"in flight {self._in_flight}, budget {self.budget.describe()}, errors: {errors}"
+            f"in flight {self.budget.in_flight}, budget {self.budget.describe()}, errors: {errors}"
             + ("" if final else f", ETA {eta}")
             + (f", cool-downs {self._cooldown.triggered}" if self._cooldown.triggered else "")
         )

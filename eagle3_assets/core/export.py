@@ -70,20 +70,11 @@ def _speculators(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
     import torch
     from safetensors.torch import save_file
 
-    ids = reader.ids()
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "id": []}
-    samples = []
-    for sid in ids:
-        s = reader.sample(sid)
-        samples.append(s)
-        rows["input_ids"].append(s["input_ids"].long().tolist())
-        rows["loss_mask"].append(s["loss_mask"].long().tolist())
-        rows["seq_len"].append(int(s["input_ids"].shape[0]))
-        rows["id"].append(sid)
-    datasets.Dataset.from_dict(rows).save_to_disk(str(out))
     hs_dir = out / "hidden_states"
-    hs_dir.mkdir(exist_ok=True)
-    for i, s in enumerate(samples):
+    hs_dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "id": []}
+    for i, sid in enumerate(reader.ids()):  # one sample in memory at a time
+        s = reader.sample(sid)
         aux, last = s["aux_hidden_states"], s["last_hidden_state"]
         t, h = last.shape
         stacked = torch.cat([aux.view(t, 3, h), last.view(t, 1, h)], dim=1).contiguous()
@@ -91,10 +82,16 @@ def _speculators(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
             {"hidden_states": stacked, "token_ids": s["input_ids"].long()},
             str(hs_dir / f"hs_{i}.safetensors"),
         )
+        rows["input_ids"].append(s["input_ids"].long().tolist())
+        rows["loss_mask"].append(s["loss_mask"].long().tolist())
+        rows["seq_len"].append(int(t))
+        rows["id"].append(sid)
+    # The Arrow dataset goes beside hidden_states/ (save_to_disk writes its own files, it does not clear the folder).
+    datasets.Dataset.from_dict(rows).save_to_disk(str(out))
     (out / "eagle3_assets_export.json").write_text(
-        json.dumps({"format": "speculators", "source": str(folder), "samples": len(samples)})
+        json.dumps({"format": "speculators", "source": str(folder), "samples": len(rows["id"])})
     )
-    return len(samples)
+    return len(rows["id"])
 
 
 def _specforge(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
@@ -122,9 +119,10 @@ def _modelopt(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
     import torch
 
     norm = _final_norm(folder)
-    for sid in reader.ids():
+    for i, sid in enumerate(reader.ids()):
         s = reader.sample(sid)
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in sid)
+        # The index keeps names unique where ids differ only in characters a file name cannot hold.
+        safe = f"{i:07d}-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in sid)[:100]
         torch.save(
             {
                 "input_ids": s["input_ids"].long(),

@@ -58,7 +58,10 @@ class GenerationSummary:
 
 
 def _requests(
-    prompts: pl.DataFrame, plan: GenerationPlan, chat: ChatTokenizer | None, writer: JournalWriter
+    prompts: pl.DataFrame,
+    plan: GenerationPlan,
+    chat: ChatTokenizer | None,
+    skip: Callable[[str, str, str], None],
 ) -> Iterator[CompletionRequest]:
     """Requests in source order; prompt ids are rendered lazily, a chunk at a time, when the backend needs them."""
     for start in range(0, prompts.height, PROMPT_CHUNK):
@@ -68,7 +71,7 @@ def _requests(
         rendered = chat.prompt_ids(messages) if chat is not None else [None] * len(ids)
         for pid, msgs, prompt_ids in zip(ids, messages, rendered, strict=True):
             if isinstance(prompt_ids, TemplateError):
-                writer.add_failure(pid, "template", str(prompt_ids), 0, True, None)
+                skip(pid, "template", str(prompt_ids))
                 continue
             yield CompletionRequest(pid, msgs, plan.max_tokens, plan.sampling, prompt_ids)
 
@@ -163,8 +166,7 @@ async def _run_engine(
         await backend.start()
         log(f"{plan.key}: {backend.name} ready in {time.monotonic() - started:.1f}s")
         engine = GenerationEngine(backend, writer, budget, settings, log=lambda m: log(f"{plan.key}: {m}"))
-        requests = _requests(todo, plan, chat if backend.wants_prompt_ids else None, writer)
+        requests = _requests(todo, plan, chat if backend.wants_prompt_ids else None, engine.record_skipped)
         return await engine.run(requests, total=todo.height)
     finally:
         await backend.close()
-        await writer.flush()

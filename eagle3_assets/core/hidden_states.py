@@ -291,6 +291,8 @@ class ShardWriter:
             job = self._jobs.get()
             if job is None:
                 return
+            if self._error is not None:
+                continue  # after a failure nothing more is written: a shard must never miss rows
             try:
                 job()
             except BaseException as e:  # surfaced on the next submit/close
@@ -357,6 +359,11 @@ def extract_shard(
             "last_hidden_state": torch.cat(last_parts).contiguous(),
             "cu_seqlens": torch.from_numpy(cu),
         }
+        rows = {k: int(t.shape[0]) for k, t in tensors.items() if k != "cu_seqlens"}
+        if set(rows.values()) != {int(cu[-1])}:
+            raise RuntimeError(
+                f"shard {plan.name} is inconsistent ({rows}, {int(cu[-1])} tokens); not written"
+            )
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     writer.submit(save)

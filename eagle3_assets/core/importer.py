@@ -38,7 +38,8 @@ class ImportSummary:
 
 
 class _PromptIndex:
-    def __init__(self, prompts: pl.DataFrame):
+    def __init__(self, prompts: pl.DataFrame, system_prompt: str | None = None):
+        self.system_prompt = system_prompt  # the dataset's own, added to imported messages as ingest adds it
         self.ids = set(prompts["id"].to_list())
         self.by_hash: dict[str, str] = {}
         last_user: dict[str, list[str]] = {}
@@ -66,7 +67,9 @@ class _PromptIndex:
                 return str(rid), answer
             raise RowError(f"id {rid!r} is not a prompt of this dataset")
         if isinstance(row.get("messages"), list):
-            normalised = normalise_row({"messages": row["messages"]}, "messages")
+            normalised = normalise_row(
+                {"messages": row["messages"]}, "messages", system_prompt=self.system_prompt
+            )
             pid = self.by_hash.get(content_id(normalised))
             if pid:
                 return pid, answer
@@ -115,10 +118,14 @@ def _completion(answer: dict, chat: ChatTokenizer, default_model: str) -> Comple
 
 
 def import_responses(
-    layout: DatasetLayout, source: Path, chat: ChatTokenizer, model: str = "imported"
+    layout: DatasetLayout,
+    source: Path,
+    chat: ChatTokenizer,
+    model: str = "imported",
+    system_prompt: str | None = None,
 ) -> ImportSummary:
     prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
-    index = _PromptIndex(prompts)
+    index = _PromptIndex(prompts, system_prompt)
     journal = ResponseJournal(layout.dir)
     summary = ImportSummary(source=str(source))
     rejected: list[dict[str, Any]] = []

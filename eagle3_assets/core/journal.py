@@ -35,8 +35,11 @@ class ResponseJournal:
         return self.responses.keys()
 
     def permanent_failure_ids(self) -> set[str]:
-        df = self.failures.scan(["id", "permanent"]).filter(pl.col("permanent")).collect()
-        return set(df["id"].to_list())
+        """Ids whose latest failure is permanent (a later retryable row for the same id wins)."""
+        latest = self.failures.scan(["id", "permanent"]).unique(
+            subset=["id"], keep="last", maintain_order=True
+        )
+        return set(latest.filter(pl.col("permanent")).collect()["id"].to_list())
 
     def prior_usage(self) -> PriorUsage:
         df = (
@@ -70,6 +73,25 @@ def _stats(series: pl.Series) -> RunningStats:
     return RunningStats(n=n, mean=mean, m2=var * (n - 1))
 
 
+def _int(v: Any) -> int | None:
+    """Server fields coerced to the column types, so one odd value cannot fail a whole flush."""
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return None if v is None else float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
 class JournalWriter:
     """Buffers rows in columns and flushes them as atomic part files, off the event loop."""
 
@@ -88,19 +110,19 @@ class JournalWriter:
         r["id"].append(request_id)
         r["backend"].append(self.backend)
         r["model"].append(c.model)
-        r["provider"].append(c.provider)
-        r["content"].append(c.content)
-        r["reasoning"].append(c.reasoning)
-        r["finish_reason"].append(c.finish_reason)
-        r["prompt_tokens"].append(c.prompt_tokens)
-        r["completion_tokens"].append(c.completion_tokens)
-        r["cost_usd"].append(c.cost_usd)
+        r["provider"].append(_str(c.provider))
+        r["content"].append(str(c.content))
+        r["reasoning"].append(_str(c.reasoning))
+        r["finish_reason"].append(str(c.finish_reason))
+        r["prompt_tokens"].append(_int(c.prompt_tokens))
+        r["completion_tokens"].append(_int(c.completion_tokens))
+        r["cost_usd"].append(_float(c.cost_usd))
         r["output_ids"].append(c.output_ids)
-        r["native_finish_reason"].append(c.native_finish_reason)
-        r["reasoning_tokens"].append(c.reasoning_tokens)
-        r["cached_tokens"].append(c.cached_tokens)
-        r["request_id"].append(c.request_id)
-        r["latency_s"].append(c.latency_s)
+        r["native_finish_reason"].append(_str(c.native_finish_reason))
+        r["reasoning_tokens"].append(_int(c.reasoning_tokens))
+        r["cached_tokens"].append(_int(c.cached_tokens))
+        r["request_id"].append(_str(c.request_id))
+        r["latency_s"].append(_float(c.latency_s))
         r["created_at"].append(time.time())
         r["run_id"].append(self.run_id)
         r["source"].append(self.source)
@@ -128,17 +150,44 @@ class JournalWriter:
         self._resp, self._fail = empty_columns(RESPONSE_SCHEMA), empty_columns(FAILURE_SCHEMA)
         return resp, fail
 
-    def _write(self, resp: dict[str, list[Any]], fail: dict[str, list[Any]]) -> None:
-        self.journal.responses.append(resp)
-        self.journal.failures.append(fail)
-        self.rows_written += len(resp["id"])
+    def _restore(self, resp: dict[str, list[Any]], fail: dict[str, list[Any]]) -> None:
+        """Put rows that could not be written back in front of the buffer: a failed write must lose nothing."""
+        for name, values in resp.items():
+            self._resp[name][:0] = values
+        for name, values in fail.items():
+            self._fail[name][:0] = values
 
     async def flush(self) -> None:
+        """Write what is buffered; rows whose write fails go back in front of the buffer (on the event loop, where
+        rows are added) and the error propagates."""
         async with self._lock:
-            if self.pending:
-                resp, fail = self._swap()
-                await asyncio.to_thread(self._write, resp, fail)
+            if not self.pending:
+                return
+            resp, fail = self._swap()
+            try:
+                await asyncio.to_thread(self.journal.responses.append, resp)
+            except BaseException:
+                self._restore(resp, fail)
+                raise
+            self.rows_written += len(resp["id"])
+            try:
+                await asyncio.to_thread(self.journal.failures.append, fail)
+            except BaseException:
+                self._restore(empty_columns(RESPONSE_SCHEMA), fail)
+                raise
 
     def flush_sync(self) -> None:
-        if self.pending:
-            self._write(*self._swap())
+        if not self.pending:
+            return
+        resp, fail = self._swap()
+        try:
+            self.journal.responses.append(resp)
+        except BaseException:
+            self._restore(resp, fail)
+            raise
+        self.rows_written += len(resp["id"])
+        try:
+            self.journal.failures.append(fail)
+        except BaseException:
+            self._restore(empty_columns(RESPONSE_SCHEMA), fail)
+            raise

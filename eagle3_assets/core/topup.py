@@ -7,6 +7,7 @@ from pathlib import Path
 
 import polars as pl
 
+from .budget import Budget
 from .journal import ResponseJournal
 from .layout import DatasetLayout
 
@@ -17,15 +18,25 @@ class TopUp:
     reason: str
 
 
-def top_up_status(layout: DatasetLayout, source: Path, budget_tokens: int, budget_usd: float | None) -> TopUp:
+def top_up_status(
+    layout: DatasetLayout, source: Path, budget_tokens: int, budget_usd: float | None, max_tokens: int
+) -> TopUp:
     if not layout.prompts.exists():
         return TopUp(True, "prompts never ingested")
     journal = ResponseJournal(layout.dir)
     usage = journal.prior_usage()
-    if usage.completion_tokens >= budget_tokens:
-        return TopUp(False, f"token budget met ({usage.completion_tokens:,}/{budget_tokens:,})")
-    if budget_usd is not None and usage.cost_usd >= budget_usd:
-        return TopUp(False, f"dollar budget met (${usage.cost_usd:,.2f}/${budget_usd:,.2f})")
+    # The same rule as dispatch: a run that stopped on its budget (reserving for requests in flight) is done.
+    budget = Budget(
+        max_tokens,
+        budget_tokens,
+        budget_usd,
+        usage.completion_tokens,
+        usage.cost_usd,
+        tokens=usage.token_stats,
+        usd=usage.usd_stats,
+    )
+    if not budget.can_dispatch():
+        return TopUp(False, f"budget met ({budget.describe()})")
     if source.exists() and source.stat().st_mtime > layout.prompts.stat().st_mtime:
         return TopUp(True, "the source changed since prompts were ingested")
     ids = set(pl.read_parquet(layout.prompts, columns=["id"])["id"].to_list())

@@ -118,12 +118,16 @@ def classify(status: int, body: Any, retry_after_header: str | None) -> Inferenc
     return InferenceError(ErrorKind.SERVER, message, retry_after, status)
 
 
-async def post_json(session: aiohttp.ClientSession, url: str, payload: dict) -> dict:
-    """POST and return the decoded JSON body of a 200, or raise a classified InferenceError."""
+async def post_json(
+    session: aiohttp.ClientSession, url: str, payload: dict, secrets: tuple[bytes, ...] = ()
+) -> dict:
+    """POST and return the decoded JSON body of a 200, or raise a classified InferenceError.
+
+    `secrets` (the API key) are cut out of the body before anything reads it: a server that echoes the request's
+    headers into an error must not put the key into failures.parquet or the logs, not even half of it.
+    """
     try:
-        async with session.post(
-            url, data=dumps(payload), headers={"Content-Type": "application/json"}
-        ) as resp:
+        async with session.post(url, data=dumps(payload)) as resp:
             raw = await resp.read()
             status = resp.status
             retry_after = resp.headers.get("Retry-After")
@@ -133,6 +137,9 @@ async def post_json(session: aiohttp.ClientSession, url: str, payload: dict) -> 
         raise InferenceError(ErrorKind.CONNECTION, f"response cut off: {e}") from None
     except (aiohttp.ClientConnectionError, ConnectionError, OSError) as e:
         raise InferenceError(ErrorKind.CONNECTION, f"{type(e).__name__}: {e}") from None
+    for secret in secrets:
+        if secret and secret in raw:
+            raw = raw.replace(secret, b"[redacted]")
     body: Any = None
     if raw.strip():
         try:

@@ -27,8 +27,7 @@ def split_reasoning(
         return (tail, head) if sep else ("", text)
     if text.startswith(think_open):
         head, sep, tail = text[len(think_open) :].partition(think_close)
-        if sep:
-            return tail, head
+        return (tail, head) if sep else ("", head)  # cut off while still thinking: all of it is reasoning
     return text, None
 
 
