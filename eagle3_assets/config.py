@@ -34,6 +34,16 @@ class Strict(BaseModel):
 class StorageConfig(Strict):
     root: str = "data"
 
+    @field_validator("root")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        if "://" in v:
+            raise ValueError(
+                f"{v!r}: object-store URLs are not supported yet; use a local folder or a mounted shared volume "
+                "(every step must reach it, e.g. a ReadWriteMany volume under Kubernetes)"
+            )
+        return v
+
 
 class TargetConfig(Strict):
     tokenizer: str = BUILTIN_SMOLLM2

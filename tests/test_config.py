@@ -58,3 +58,9 @@ def test_missing_file_and_bad_partition_key(tmp_path):
     path = make_project(tmp_path, {"B 1": {"rows": user_rows(["hi"])}})
     with pytest.raises(ConfigError, match="partition key"):
         load_config(path)
+
+
+def test_object_store_urls_are_refused_with_the_alternative(tmp_path):
+    path = make_project(tmp_path, {"B1": {"rows": user_rows(["hi"])}}, storage={"root": "s3://bucket/eagle3"})
+    with pytest.raises(ConfigError, match=r"key 'storage\.root'.*mounted shared volume"):
+        load_config(path)
