@@ -202,29 +202,8 @@ class PostgresServer:
             f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1",
             "start",
         )
-        psql = str(self.bin / "psql")
-        self._as_postgres(
-            psql,
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(self.port),
-            "-U",
-            "postgres",
-            "-c",
-            f"CREATE USER {self.user} PASSWORD '{self.password}'",
-        )
-        self._as_postgres(
-            psql,
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(self.port),
-            "-U",
-            "postgres",
-            "-c",
-            f"CREATE DATABASE {self.db} OWNER {self.user}",
-        )
+        self._psql("postgres", f"CREATE USER {self.user} PASSWORD '{self.password}'")
+        self._psql("postgres", f"CREATE DATABASE {self.db} OWNER {self.user}")
         return self
 
     def env(self) -> dict[str, str]:
@@ -236,7 +215,7 @@ class PostgresServer:
             "DAGSTER_PG_DB": self.db,
         }
 
-    def query(self, sql: str) -> str:
+    def _psql(self, db: str, sql: str) -> str:
         return self._as_postgres(
             str(self.bin / "psql"),
             "-h",
@@ -246,11 +225,14 @@ class PostgresServer:
             "-U",
             "postgres",
             "-d",
-            self.db,
+            db,
             "-At",
             "-c",
             sql,
         ).stdout
+
+    def query(self, sql: str) -> str:
+        return self._psql(self.db, sql)
 
     def __exit__(self, *exc) -> None:
         with contextlib.suppress(subprocess.CalledProcessError):

@@ -13,11 +13,3 @@ def counts_table(counts: Mapping[str, Any], key: str = "kind", value: str = "cou
     rows = [dg.TableRecord({key: str(k), value: int(v)}) for k, v in counts.items()]
     return dg.MetadataValue.table(rows, schema=schema)
 
-
-def md_table(rows: list[Mapping[str, Any]]) -> str:
-    if not rows:
-        return "(none)"
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)

@@ -171,10 +171,13 @@ def build_tokens(
                 summary.n_explained += cmp.explained
                 if cmp.kind:
                     summary.mismatch_kinds[cmp.kind] += 1
-            summary.n_tokens += len(input_ids)
-            summary.n_loss_tokens += int(mask.sum())
         log(f"tokens: {min(start + batch_size, rows.height):,}/{rows.height:,} conversations")
     summary.n_rows = len(out["id"])
+    # Per-row counts once; the summary's totals are their sums.
+    n_tokens = pl.Series([len(a) for a in out["input_ids"]], dtype=pl.Int32)
+    n_loss_tokens = pl.Series([int(m.sum()) for m in out["loss_mask"]], dtype=pl.Int32)
+    summary.n_tokens = int(n_tokens.sum())
+    summary.n_loss_tokens = int(n_loss_tokens.sum())
     summary.n_errors = len(errors)
     df = pl.DataFrame(
         {
@@ -183,8 +186,8 @@ def build_tokens(
             "loss_mask": _list_column(out["loss_mask"], pa.int8()),
             "reference_match": pl.Series(out["reference_match"], dtype=pl.Boolean),
             "match_explained": pl.Series(out["match_explained"], dtype=pl.Boolean),
-            "n_tokens": pl.Series([len(a) for a in out["input_ids"]], dtype=pl.Int32),
-            "n_loss_tokens": pl.Series([int(m.sum()) for m in out["loss_mask"]], dtype=pl.Int32),
+            "n_tokens": n_tokens,
+            "n_loss_tokens": n_loss_tokens,
             "answer_start": pl.Series(out["answer_start"], dtype=pl.Int32),
             "ids_source": pl.Series(out["ids_source"], dtype=pl.String),
             "mismatch": pl.Series(out["mismatch"], dtype=pl.String),
