@@ -11,6 +11,7 @@ from pathlib import Path
 
 SUITES = {
     "engine": "bench.engine_throughput",
+    "limits": "bench.limits",
     "tokens": "bench.tokens_throughput",
     "hidden": "bench.hidden_states_throughput",
 }

@@ -5,8 +5,10 @@ outlives a client subprocess that a test kills with SIGKILL.
 Faults are scripted per prompt: the last user message may contain `[[fault1,fault2,...]]`; attempt n of that prompt
 gets fault n (then plain answers). Fault words: 429, 429ra=<s>, 503, 503ra=<s>, 500, 502, 408, 400, ctx (400 context
 length), 401, 402, 402ra=<s>, body429 / body502 (error object in a 200 body), reset (connection dropped), malformed,
-empty (empty 200 body), finisherror, nochoices, slow=<s>, echokey (400 echoing the headers). `global_faults` applies a list to the first requests of
-any prompt (a storm).
+empty (empty 200 body), finisherror, nochoices, slow=<s>, echokey (400 echoing the headers), and for streamed
+requests midstream429 / midstream502 (an error event after the stream started), 429window=<s> (a key-wide window closed for <s> seconds), cutstream (the connection closes
+mid-answer), nousage (no usage in the answer). `global_faults` applies a list to the first requests of any prompt (a
+storm). Requests with `stream: true` are answered as server-sent events, a word per chunk.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from urllib.parse import quote
 
 from aiohttp import web
 
@@ -81,6 +85,7 @@ class FakeOpenRouter(_ThreadedApp):
         completion_tokens: Any = None,
         cost_per_token: float = 1e-6,
         list_models: bool = True,
+        fail_after: tuple[int, str] | None = None,
     ):
         super().__init__()
         self.key = key
@@ -92,6 +97,7 @@ class FakeOpenRouter(_ThreadedApp):
         )
         self.cost_per_token = cost_per_token
         self.list_models = list_models
+        self.fail_after = fail_after  # (n, fault): every request after the n-th gets this fault (a routing change)
         self.hits: list[Hit] = []
         self.attempts: dict[str, int] = defaultdict(int)
         self._global = 0
@@ -143,6 +149,8 @@ class FakeOpenRouter(_ThreadedApp):
             scripted = FAULTS.search(prompt)
             faults = scripted.group(1).split(",") if scripted else []
             fault = faults[attempt - 1].strip() if attempt <= len(faults) else None
+            if self.fail_after is not None and len(self.hits) >= self.fail_after[0]:
+                fault = self.fail_after[1]
             if fault is None and self._global < len(self.global_faults):
                 fault = self.global_faults[self._global]
                 self._global += 1
@@ -155,7 +163,50 @@ class FakeOpenRouter(_ThreadedApp):
             response = await self._fault(request, fault)
             if response is not None:
                 return response
-        return web.json_response(self._answer(prompt, body))
+        answer = self._answer(prompt, body)
+        if fault == "nousage":
+            answer.pop("usage")
+        if body.get("stream"):
+            return await self._stream(request, answer, fault)
+        return web.json_response(answer)
+
+    async def _stream(self, request: web.Request, answer: dict, fault: str | None) -> web.StreamResponse:
+        """The answer as OpenRouter streams it: deltas of reasoning then content, usage in the last chunk."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        choice = answer["choices"][0]
+        head = {"id": answer["id"], "model": answer["model"], "provider": answer["provider"]}
+
+        async def send(delta: dict, **extra: Any) -> None:
+            event = {**head, "choices": [{"index": 0, "delta": delta, **extra.pop("choice", {})}], **extra}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+        await resp.write(b": OPENROUTER PROCESSING\n\n")
+        await send({"role": "assistant", "content": ""})
+        words: list[tuple[str, str]] = []
+        if choice["message"].get("reasoning"):
+            words += [("reasoning", w) for w in re.findall(r"\S+\s*", choice["message"]["reasoning"])]
+        words += [("content", w) for w in re.findall(r"\S+\s*", choice["message"]["content"])]
+        for i, (field_name, word) in enumerate(words):
+            if i == len(words) // 2 and fault in ("midstream429", "midstream502", "cutstream"):
+                if fault == "cutstream":
+                    request.transport.close()
+                    return resp
+                code = int(fault[-3:])
+                await send(
+                    {},
+                    error={"code": code, "message": "Provider error mid-stream"},
+                    choice={"finish_reason": "error"},
+                )
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            await send({field_name: word})
+        extra = {"usage": answer["usage"]} if "usage" in answer else {}
+        await send(
+            {}, choice={"finish_reason": choice["finish_reason"], "native_finish_reason": "stop"}, **extra
+        )
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     def _answer(self, prompt: str, body: dict) -> dict:
         clean = FAULTS.sub("", prompt).strip()
@@ -199,6 +250,10 @@ class FakeOpenRouter(_ThreadedApp):
         )
         if name in ("429", "429ra"):
             return err(429, "Rate limit exceeded", headers=ra)
+        if name == "429window":  # the key's window is closed for everyone until the reset (epoch ms)
+            reset = int((time.time() + float(arg)) * 1000)
+            headers = {"X-RateLimit-Limit": "100", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": str(reset)}
+            return err(429, "Rate limit exceeded: limit_rpm/key", headers=headers)
         if name in ("503", "503ra"):
             return err(503, "No instances available", headers=ra)
         if name in ("500", "502", "408"):
@@ -213,6 +268,16 @@ class FakeOpenRouter(_ThreadedApp):
             )
         if name == "echokey":  # a careless server that echoes the request headers in its error
             return err(400, f"bad request with headers {dict(request.headers)}")
+        if name == "echokeyforms":  # ... and echoes it URL-encoded and as JSON unicode escapes (valid JSON for it)
+            key = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            escaped = "".join(f"\\u{ord(c):04x}" for c in key)
+            raw = '{"error": {"code": 400, "message": "bad request from ?key=%s or %s"}}' % (
+                quote(key, safe=""),
+                escaped,
+            )
+            return web.Response(status=400, body=raw.encode(), content_type="application/json")
+        if name == "404":
+            return err(404, "No endpoints found for moonshotai/kimi-k2.5 matching your routing")
         if name == "401":
             return err(401, "User not found.")
         if name in ("402", "402ra"):
@@ -241,6 +306,8 @@ class FakeOpenRouter(_ThreadedApp):
         if name == "slow":
             await asyncio.sleep(float(arg))
             return None
+        if name in ("midstream429", "midstream502", "cutstream", "nousage"):
+            return None  # handled while answering
         raise ValueError(f"unknown fault {fault!r}")
 
 

@@ -171,16 +171,37 @@ def test_402_without_retry_after_means_out_of_credits(tmp_path, chat, key_env):
         run(layout, server, chat, concurrency=1)
 
 
-def test_a_429_storm_pauses_every_worker_together(tmp_path, chat, key_env):
+def test_retry_after_delays_only_the_request_that_got_it(tmp_path, chat, key_env):
     texts = [f"storm {i}" for i in range(30)]
     layout = dataset(tmp_path, texts)
-    with FakeOpenRouter(key=KEY, global_faults=["429ra=0.5"]) as server:
-        run(layout, server, chat, concurrency=1)
+    with FakeOpenRouter(key=KEY, global_faults=["429ra=0.5"] * 3) as server:
+        summary = run(layout, server, chat, concurrency=1, retries=0)
+        hits = list(server.hits)
+    refused = [h for h in hits if h.fault]
+    assert len(refused) == 3
+    for h in refused:
+        retry = next(x for x in hits if x.prompt == h.prompt and x.attempt == h.attempt + 1)
+        assert retry.at - h.at >= 0.45  # that prompt waited what the provider asked for
+    # Everyone else went on meanwhile: the next request followed the refusal at once.
+    first = refused[0]
+    assert min(h.at for h in hits if h.at > first.at) - first.at < 0.3
+    # Backpressure used no retry allowance (retries=0) and left nothing unanswered.
+    responses, failures = stored(layout)
+    assert responses.height == 30 and failures.height == 0
+    assert summary.report.refused == 3 and summary.report.unanswered == 0
+
+
+def test_a_closed_key_window_pauses_everyone_until_it_resets(tmp_path, chat, key_env):
+    texts = [f"window {i}" for i in range(12)]
+    layout = dataset(tmp_path, texts)
+    with FakeOpenRouter(key=KEY, global_faults=["429window=0.8"]) as server:
+        summary = run(layout, server, chat, concurrency=1, retries=0)
         hits = list(server.hits)
     first = next(h for h in hits if h.fault)
     later = [h for h in hits if h.at > first.at]
-    # No request reached the server during the cool-down the 429 asked for.
-    assert later and min(h.at for h in later) - first.at >= 0.45
+    # No request reached the server while the provider said the key's window was closed.
+    assert later and min(h.at for h in later) - first.at >= 0.6
+    assert summary.report.global_pauses == 1 and stored(layout)[0].height == 12
 
 
 def test_budget_overshoot_stays_under_one_percent_over_thousands_of_requests(tmp_path, chat, key_env):

@@ -151,9 +151,8 @@ def test_shard_writer_writes_nothing_after_a_failure():
 
 def test_budget_without_cost_reports_does_not_serialise_the_run():
     b = Budget(max_tokens_per_request=10, token_limit=10**9, usd_limit=5.0)
-    b.dispatch()
-    b.settle(7, None)  # SGLang, local, vLLM: no cost
-    b.dispatch()
+    b.settle(b.open(), 7, None, 0.1)  # SGLang, local, vLLM: no cost
+    b.open()
     assert b.can_dispatch()
 
 

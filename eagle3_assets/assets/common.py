@@ -12,4 +12,3 @@ def counts_table(counts: Mapping[str, Any], key: str = "kind", value: str = "cou
     schema = dg.TableSchema(columns=[dg.TableColumn(key, "string"), dg.TableColumn(value, "int")])
     rows = [dg.TableRecord({key: str(k), value: int(v)}) for k, v in counts.items()]
     return dg.MetadataValue.table(rows, schema=schema)
-

@@ -30,6 +30,7 @@ def summary_metadata(s: GenerationSummary) -> dict:
         "skipped_permanent_failures": s.skipped_permanent,
         "stop_reason": s.stop_reason,
         "completion_tokens_total": s.prior.completion_tokens + (r.completion_tokens if r else 0),
+        "lost_in_flight": s.lost_in_flight + s.prior.lost_requests,
         "cost_usd_total": round(s.prior.cost_usd + (r.cost_usd if r else 0.0), 6),
         "run_id": s.run_id,
     }
@@ -38,7 +39,22 @@ def summary_metadata(s: GenerationSummary) -> dict:
             {
                 "completion_tokens_this_run": r.completion_tokens,
                 "cost_usd_this_run": round(r.cost_usd, 6),
-                "requests_per_s": round(r.succeeded / r.elapsed_s, 2) if r.elapsed_s else 0.0,
+                "goodput_answers_per_s": round(r.goodput_rps, 2),
+                "refused_share": round(r.refused_share, 4),
+                "refused_attempts": r.refused,
+                "concurrency_limit": dg.MetadataValue.json(
+                    {
+                        "final": r.limit_final,
+                        "min": r.limit_min,
+                        "max": r.limit_max,
+                        "ceiling": settings_ceiling(s),
+                        "decreases": r.limit_decreases,
+                        "key_wide_pauses": r.global_pauses,
+                        "max_in_flight": r.max_in_flight,
+                    }
+                ),
+                "unanswered_after_backpressure": r.unanswered,
+                "usage_counted_locally": r.usage_estimated,
                 "tokens_per_s": round(r.completion_tokens / r.elapsed_s, 1) if r.elapsed_s else 0.0,
                 "elapsed_s": round(r.elapsed_s, 1),
                 "attempts": r.attempts,
@@ -52,6 +68,10 @@ def summary_metadata(s: GenerationSummary) -> dict:
             }
         )
     return md
+
+
+def settings_ceiling(s: GenerationSummary) -> int | None:
+    return s.extra.get("max_concurrency")
 
 
 def build_responses_asset(
@@ -103,6 +123,7 @@ def build_responses_asset(
             log=context.log.info,
             extra_preflight=target.problems(),
         )
+        summary.extra["max_concurrency"] = settings.max_concurrency
         return dg.MaterializeResult(
             metadata=summary_metadata(summary)
             | {"path": dg.MetadataValue.path(str(storage.layout(key).responses_dir))}

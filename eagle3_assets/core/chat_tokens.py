@@ -87,6 +87,10 @@ class ChatTokenizer:
             )
         self.eot_id = self.encoder.control_ids.get(self.eot_token)
 
+    def count_tokens(self, text: str) -> int:
+        """Tokens of plain text with the target tokenizer (for answers that came without usage)."""
+        return len(self.encoder.encode_texts([text])[0])
+
     def _detect_end_of_turn(self) -> str | None:
         """The control token the template itself writes right after an assistant answer (Kimi: <|im_end|>, not
         its eos [EOS]); None when the template writes none."""

@@ -1,21 +1,44 @@
-"""The generation engine: one event loop driving any backend at high concurrency, exactly once, within budget.
+"""The generation engine: one event loop driving any backend at the concurrency the provider sustains, exactly once,
+within budget.
 
-Written once for every backend. `max_concurrency` worker coroutines pull requests from one iterator; each holds at
-most one request in flight. Per error kind: retry with backoff (shared cool-down for rate limits), record a
-permanent failure, or stop the run. Results go to the journal as they arrive and are flushed every few seconds.
+Written once for every backend. One dispatcher sends an attempt whenever three gates are open: the adaptive window
+(`limiter.AdaptiveLimit`: how many requests the provider accepts in flight), the budget (`budget.Budget`: room for
+what is in flight plus one more) and a prompt to send (retries first, then new prompts in order). Each attempt is
+a task; its outcome reopens the gates. Outcomes by kind:
+
+- answer: stored in the journal (flushed every few seconds), fed to the budget's length model and the limiter;
+- backpressure (429, 503 + Retry-After, in-flight 402): the limiter narrows, the prompt is sent again after its
+  own Retry-After (or a short growing delay), and it costs the prompt nothing: a provider's limit never turns a
+  prompt into a failure. Only a provider that says its window is closed for the whole key pauses everyone;
+- fault (5xx, reset, timeout, malformed body, an error mid-stream): retried with jittered backoff within the
+  prompt's `max_retries`;
+- permanent (400, 403, 404, context length): a failure row for that prompt — unless the same error repeats
+  `streak_limit` times with no answer in between from a request sent after it began: that is a configuration
+  problem (routing, model access, extra_body), so the run stops and those prompts stay retryable;
+- our own bug (INTERNAL): recorded, not retried in this run, never permanent;
+- bad key, no credits: the run stops at once.
+
+Every attempt is written to the dispatch ledger before it is sent (`ledger.DispatchLedger`), so what a crash
+leaves in flight is charged on resume.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import random
+import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .budget import Budget
+from .budget import Budget, Ticket
 from .journal import JournalWriter
+from .ledger import DispatchLedger
+from .limiter import AdaptiveLimit
 from .protocol import (
     Completion,
     CompletionRequest,
@@ -35,29 +58,38 @@ FATAL_ADVICE = {
 
 @dataclass
 class EngineSettings:
-    max_concurrency: int
-    max_retries: int = 8
+    max_concurrency: int  # the ceiling; the adaptive window finds what the provider sustains below it
+    max_retries: int = 8  # faults per prompt; backpressure does not count
+    adaptive: bool = True
+    initial_concurrency: int = 64
     flush_interval_s: float = 2.0
     progress_interval_s: float = 10.0
     backoff_base_s: float = 1.0
     backoff_max_s: float = 60.0
-    # After a fatal error, requests already in flight get this long to land (they may be paid for).
+    # Re-send delay after a refusal that named no Retry-After: grows per refusal of the same prompt, jittered.
+    refused_delay_s: float = 0.5
+    refused_delay_max_s: float = 30.0
+    # After a stop, requests already in flight get this long to land (they may be paid for).
     fatal_grace_s: float = 5.0
-    # This many permanent errors before any success stop the run as a configuration problem.
-    systematic_error_after: int = 25
+    # This many identical permanent errors with no answer in between stop the run as a configuration problem.
+    streak_limit: int = 25
+    # A provider that refuses every request this long, with no answer at all, stops the run (prompts retryable).
+    stall_timeout_s: float = 900.0
 
 
 @dataclass
 class EngineReport:
     total: int
-    sent: int = 0
+    sent: int = 0  # prompts sent at least once
     succeeded: int = 0
     failed: int = 0
     permanent_failures: int = 0
     attempts: int = 0
+    refused: int = 0  # attempts the provider refused for capacity
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float = 0.0
+    usage_estimated: int = 0
     errors: Counter = field(default_factory=Counter)
     failure_kinds: Counter = field(default_factory=Counter)
     providers: Counter = field(default_factory=Counter)
@@ -66,6 +98,14 @@ class EngineReport:
     elapsed_s: float = 0.0
     stop_reason: str = "done"  # done | budget | fatal
     fatal_message: str | None = None
+    unanswered: int = 0  # prompts taken from the queue that ended the run with no answer and no failure row
+    limit_final: int = 0
+    limit_min: int = 0
+    limit_max: int = 0
+    limit_decreases: int = 0
+    global_pauses: int = 0
+    max_in_flight: int = 0
+    limit_trace: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, window)
 
     def latency_percentiles(self) -> dict[str, float]:
         if not self.latencies:
@@ -74,21 +114,29 @@ class EngineReport:
         pick = lambda q: xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]  # noqa: E731
         return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": xs[-1]}
 
+    @property
+    def refused_share(self) -> float:
+        return self.refused / self.attempts if self.attempts else 0.0
 
-class _CoolDown:
-    """A shared pause: when the provider says slow down, every worker waits, not just the one that was told."""
+    @property
+    def goodput_rps(self) -> float:
+        return self.succeeded / self.elapsed_s if self.elapsed_s else 0.0
 
-    def __init__(self) -> None:
-        self.resume_at = 0.0
-        self.triggered = 0
 
-    def extend(self, delay: float) -> None:
-        self.triggered += 1
-        self.resume_at = max(self.resume_at, time.monotonic() + delay)
+class _Pending:
+    """A prompt being worked on: its request and what happened to it so far."""
 
-    async def wait(self) -> None:
-        while (left := self.resume_at - time.monotonic()) > 0:
-            await asyncio.sleep(left + random.uniform(0, min(0.25, left)))  # spread the restart
+    __slots__ = ("attempts", "faults", "last_error", "refusals", "request")
+
+    def __init__(self, request: CompletionRequest):
+        self.request = request
+        self.attempts = 0
+        self.faults = 0
+        self.refusals = 0
+        self.last_error: InferenceError | None = None
+
+
+_DIGITS = re.compile(r"\d+")
 
 
 class GenerationEngine:
@@ -99,64 +147,58 @@ class GenerationEngine:
         budget: Budget,
         settings: EngineSettings,
         log: Callable[[str], None] = print,
+        ledger: DispatchLedger | None = None,
+        limiter: AdaptiveLimit | None = None,
     ):
         self.backend = backend
         self.writer = writer
         self.budget = budget
         self.settings = settings
         self.log = log
+        self.ledger = ledger
+        self.limiter = limiter or AdaptiveLimit(
+            settings.max_concurrency, settings.initial_concurrency, adaptive=settings.adaptive
+        )
+        self.report = EngineReport(total=0)
         self._stop = asyncio.Event()
-        self._budget_changed = asyncio.Condition()
-        self._cooldown = _CoolDown()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._retries: list[tuple[float, int, _Pending]] = []  # heap by ready time
+        self._seq = itertools.count()
+        self._held: _Pending | None = None  # taken from the queue, waiting for the budget
+        self._exhausted = False
         self._fatal: InferenceError | None = None
         self._budget_stop = False
-        self._budget_waiters = 0
         self._journal_error: BaseException | None = None
-        self._unconfirmed: list[str] = []  # permanent failures seen before the first success
         self._configuration_stop = False
-        self.report = EngineReport(total=0)
+        self._streak_sig: tuple | None = None
+        self._streak_ids: list[str] = []
+        self._streak_since = 0.0
+        self._last_success_at = time.monotonic()
+        self._refused_at_last_success = 0
+        self._recent: deque = deque(maxlen=64)  # (t, succeeded, attempts, refused) for interval rates
 
     # -- public ---------------------------------------------------------------------------------------------
     async def run(self, requests: Iterable[CompletionRequest], total: int) -> EngineReport:
         report = self.report
         report.total = total
-        it = iter(requests)
         start = time.monotonic()
-        workers = [
-            asyncio.create_task(self._worker(it))
-            for _ in range(max(1, min(self.settings.max_concurrency, total)))
-        ]
+        self._last_success_at = start
         flusher = asyncio.create_task(self._flush_loop())
         progress = asyncio.create_task(self._progress_loop(start))
-        stop_wait = asyncio.create_task(self._stop.wait())
         try:
-            pending = set(workers)
-            while pending:
-                _, pending = await asyncio.wait(
-                    pending | {stop_wait, flusher}, return_when=asyncio.FIRST_COMPLETED
-                )
-                pending -= {stop_wait, flusher}
-                if flusher.done() and self._journal_error is None:
-                    # Answers that cannot be stored must not be bought: stop sending.
-                    self._journal_error = flusher.exception() or RuntimeError("the journal writer stopped")
-                    self._stop.set()
-                if self._stop.is_set():
-                    # Nothing new is sent; requests in flight get a short grace to land, then are cancelled.
-                    if pending:
-                        _, pending = await asyncio.wait(pending, timeout=self.settings.fatal_grace_s)
-                    for t in pending:
-                        t.cancel()
-                    await asyncio.gather(*pending, return_exceptions=True)
-                    pending = set()
-            for t in workers:
-                if t.done() and not t.cancelled() and t.exception():
-                    raise t.exception()
+            await self._dispatch(iter(requests))
+            await self._drain()
+            if flusher.done() and self._journal_error is None:
+                self._journal_error = flusher.exception() or RuntimeError("the journal writer stopped")
         finally:
-            for t in (flusher, progress, stop_wait, *workers):
+            for t in (flusher, progress, *self._tasks):
                 t.cancel()
-            await asyncio.gather(flusher, progress, stop_wait, *workers, return_exceptions=True)
+            await asyncio.gather(flusher, progress, *self._tasks, return_exceptions=True)
+            self._release_unsent()
             await self.writer.flush()  # raises if the journal cannot be written: the run fails loudly
             report.elapsed_s = time.monotonic() - start
+            self._fill_limit_stats()
         if self._journal_error is not None:
             raise RuntimeError(f"the response journal could not be written: {self._journal_error}") from (
                 self._journal_error
@@ -179,137 +221,237 @@ class GenerationEngine:
         self.report.permanent_failures += 1
         self.report.failure_kinds[kind] += 1
 
-    # -- workers --------------------------------------------------------------------------------------------
-    async def _worker(self, it: Iterator[CompletionRequest]) -> None:
+    # -- the dispatcher -------------------------------------------------------------------------------------
+    async def _dispatch(self, it: Iterator[CompletionRequest]) -> None:
+        limiter, budget = self.limiter, self.budget
         while not self._stop.is_set():
-            # Fast paths first: at 2000 requests in flight, every await per request shows in the CPU profile.
-            if self._cooldown.resume_at > time.monotonic():
-                await self._cooldown.wait()
-            if not self.budget.can_dispatch() and not await self._wait_for_budget():
+            now = time.monotonic()
+            budget_blocked = False
+            while limiter.has_room(now):
+                p = self._next(it, now)
+                if p is None:
+                    break
+                if not budget.can_dispatch():
+                    self._put_back(p, now)
+                    budget_blocked = True
+                    break
+                self._launch(p)
+            if not self._tasks and not self._retries and self._held is None and self._exhausted:
+                return  # everything answered or failed
+            if budget_blocked and not self._tasks:
+                self._budget_stop = True  # nothing in flight and still no room: the budget is spent
                 return
-            if self._stop.is_set():
+            if self._stalled(now):
                 return
-            request = next(it, None)
-            if request is None:
-                return
-            self.budget.dispatch()
-            self.report.sent += 1
-            tokens: int | None = None
-            cost: float | None = None
-            try:
-                completion = await self._complete_with_retries(request)
-                if completion is not None:
-                    tokens, cost = completion.completion_tokens, completion.cost_usd
-            finally:
-                self.budget.settle(tokens, cost)
-                if self._budget_waiters:
-                    async with self._budget_changed:
-                        self._budget_changed.notify_all()
             if self.writer.pending >= 50_000:
                 await self.writer.flush()
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._next_timer(now, budget_blocked))
 
-    async def _wait_for_budget(self) -> bool:
-        """Wait until the budget allows one more request; False when it never will."""
-        async with self._budget_changed:
-            while not self.budget.can_dispatch():
-                if self.budget.in_flight == 0 or self._stop.is_set():
-                    if not self._stop.is_set():
-                        self._budget_stop = True
-                    return False
-                self._budget_waiters += 1
-                try:
-                    await self._budget_changed.wait()
-                finally:
-                    self._budget_waiters -= 1
-        return True
+    def _next(self, it: Iterator[CompletionRequest], now: float) -> _Pending | None:
+        """Retries that are due first (they were sent before), then the next new prompt."""
+        if self._retries and self._retries[0][0] <= now:
+            return heapq.heappop(self._retries)[2]
+        if self._held is not None:
+            p, self._held = self._held, None
+            return p
+        if self._exhausted:
+            return None
+        request = next(it, None)
+        if request is None:
+            self._exhausted = True
+            return None
+        self.report.sent += 1
+        return _Pending(request)
 
-    async def _complete_with_retries(self, request: CompletionRequest) -> Completion | None:
-        attempts = 0
+    def _put_back(self, p: _Pending, now: float) -> None:
+        if p.attempts:
+            heapq.heappush(self._retries, (now, next(self._seq), p))
+        else:
+            self._held = p
+
+    def _next_timer(self, now: float, budget_blocked: bool) -> float:
+        """How long the dispatcher may sleep when nothing wakes it: the next due retry or the end of a pause."""
+        timers = [1.0]
+        if self._retries and not budget_blocked:
+            timers.append(self._retries[0][0] - now)
+        if self.limiter.paused_until > now:
+            timers.append(self.limiter.paused_until - now)
+        return max(0.001, min(timers))
+
+    def _launch(self, p: _Pending) -> None:
+        p.attempts += 1
+        p.request.streamed_tokens = 0
+        self.report.attempts += 1
+        ticket = self.budget.open(p.request)
+        token = self.limiter.on_dispatch()
+        self.report.max_in_flight = max(self.report.max_in_flight, self.limiter.in_flight)
+        if self.ledger is not None:
+            self.ledger.sent(p.request.id)
+        task = asyncio.create_task(self._attempt(p, ticket, token))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- one attempt ----------------------------------------------------------------------------------------
+    async def _attempt(self, p: _Pending, ticket: Ticket, token: tuple[float, int]) -> None:
+        dispatched_at = token[0]
+        try:
+            c = await self.backend.complete(p.request)
+        except asyncio.CancelledError:
+            # Stopped while in flight: it may be billed, so no `unbilled` line; the ledger charges it.
+            self.budget.settle(ticket, None, None)
+            self.limiter.on_done()
+            raise
+        except InferenceError as e:
+            self.budget.settle(ticket, None, None)
+            if self.ledger is not None:
+                self.ledger.unbilled(p.request.id)
+            self._on_error(p, e, token)
+        except Exception as e:  # a bug while handling an answer must not kill its siblings; it was paid for
+            self.budget.settle(ticket, None, None)
+            self.limiter.on_done()
+            err = InferenceError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
+            self.report.errors[err.kind.value] += 1
+            self._fail(p, err)
+            self._count_streak(p, err, dispatched_at)
+        else:
+            latency = c.latency_s or (time.monotonic() - dispatched_at)
+            c.latency_s = latency
+            self.budget.settle(ticket, c.completion_tokens, c.cost_usd, latency)
+            self.limiter.on_success()
+            self._succeed(p, c, dispatched_at)
+        finally:
+            self._wake.set()
+
+    def _succeed(self, p: _Pending, c: Completion, dispatched_at: float) -> None:
         r = self.report
-        while True:
-            attempts += 1
-            r.attempts += 1
-            t0 = time.monotonic()
-            try:
-                c = await self.backend.complete(request)
-            except InferenceError as e:
-                r.errors[e.kind.value] += 1
-                if e.kind.fatal:
-                    if self._fatal is None:
-                        self._fatal = e
-                        self.log(f"fatal error, stopping the run: {e}")
-                    self._stop.set()
-                    self._fail(request, e, attempts, permanent=False)
-                    return None
-                if not e.kind.retryable or attempts > self.settings.max_retries:
-                    self._fail(request, e, attempts, permanent=not e.kind.retryable)
-                    return None
-                delay = e.retry_after if e.retry_after is not None else self._backoff(attempts)
-                if e.kind.slows_everyone:
-                    self._cooldown.extend(delay)
-                    await self._cooldown.wait()
-                else:
-                    await asyncio.sleep(delay)
-                if self._stop.is_set():
-                    self._fail(request, e, attempts, permanent=False)
-                    return None
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a bug while handling a response must not kill 2000 siblings
-                err = InferenceError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
-                r.errors[err.kind.value] += 1
-                self._fail(request, err, attempts, permanent=True)
-                return None
-            c.latency_s = c.latency_s or (time.monotonic() - t0)
-            self.writer.add_completion(request.id, c)
-            r.succeeded += 1
-            self._unconfirmed.clear()
-            r.prompt_tokens += c.prompt_tokens
-            r.completion_tokens += c.completion_tokens
-            r.cost_usd += c.cost_usd or 0.0
-            r.providers[c.provider or self.backend.name] += 1
-            r.finish_reasons[c.finish_reason] += 1
-            r.latencies.append(c.latency_s)
-            return c
+        self.writer.add_completion(p.request.id, c)
+        r.succeeded += 1
+        r.prompt_tokens += c.prompt_tokens
+        r.completion_tokens += c.completion_tokens
+        r.cost_usd += c.cost_usd or 0.0
+        r.usage_estimated += c.usage_estimated
+        r.providers[c.provider or self.backend.name] += 1
+        r.finish_reasons[c.finish_reason] += 1
+        r.latencies.append(c.latency_s)
+        self._last_success_at = time.monotonic()
+        self._refused_at_last_success = r.refused
+        if self._streak_sig is not None and dispatched_at >= self._streak_since:
+            self._streak_sig, self._streak_ids = None, []
 
-    def _fail(self, request: CompletionRequest, e: InferenceError, attempts: int, permanent: bool) -> None:
-        suspect = (
-            permanent and e.kind in (ErrorKind.BAD_REQUEST, ErrorKind.INTERNAL) and self.report.succeeded == 0
-        )
-        if suspect and self._configuration_stop:
-            permanent = (
-                False  # landed after the stop for a configuration problem: retry it once that is fixed
-            )
-        self.writer.add_failure(request.id, e.kind.value, e.message, attempts, permanent, e.status)
+    def _on_error(self, p: _Pending, e: InferenceError, token: tuple[float, int]) -> None:
+        r = self.report
+        r.errors[e.kind.value] += 1
+        p.last_error = e
+        now = time.monotonic()
+        if e.kind.fatal:
+            self.limiter.on_done()
+            if self._fatal is None:
+                self._fatal = e
+                self.log(f"fatal error, stopping the run: {e}")
+            self._stop.set()
+            self._fail(p, e, permanent=False)
+            return
+        if e.backpressure:
+            self.limiter.on_refused(token)
+            r.refused += 1
+            if e.pause_all_s:
+                self.limiter.pause_all(now + e.pause_all_s)
+            p.refusals += 1
+            delay = e.retry_after if e.retry_after is not None else self._refused_delay(p.refusals)
+            heapq.heappush(self._retries, (now + delay, next(self._seq), p))
+            return
+        if e.kind is ErrorKind.OVERLOADED:
+            self.limiter.on_refused(token)  # overloaded without a Retry-After: narrow, and count a fault
+        else:
+            self.limiter.on_done()
+        if e.kind.retryable:
+            p.faults += 1
+            if p.faults > self.settings.max_retries:
+                self._fail(p, e, permanent=False)
+                return
+            delay = e.retry_after if e.retry_after is not None else self._backoff(p.faults)
+            heapq.heappush(self._retries, (now + delay, next(self._seq), p))
+            return
+        self._fail(p, e, permanent=e.kind.permanent)
+        self._count_streak(p, e, token[0])
+
+    def _fail(self, p: _Pending, e: InferenceError, permanent: bool = False) -> None:
+        permanent = permanent and not self._configuration_stop
+        self.writer.add_failure(p.request.id, e.kind.value, e.message, p.attempts, permanent, e.status)
         self.report.failed += 1
         self.report.failure_kinds[e.kind.value] += 1
         if permanent:
             self.report.permanent_failures += 1
-            if suspect:
-                self._suspect_configuration(request.id, e)
 
-    def _suspect_configuration(self, request_id: str, e: InferenceError) -> None:
-        """Many permanent errors before any success mean a bad configuration (model access, provider, extra_body),
-        not bad prompts: stop, and leave those prompts retryable so a fixed configuration sends them again."""
-        self._unconfirmed.append(request_id)
-        if len(self._unconfirmed) < self.settings.systematic_error_after or self._fatal is not None:
+    def _count_streak(self, p: _Pending, e: InferenceError, dispatched_at: float) -> None:
+        """Identical permanent errors with no answer in between (from a request sent after they began) are a
+        configuration problem, not bad prompts: stop, and leave those prompts retryable."""
+        if e.kind is ErrorKind.CONTEXT_LENGTH:
+            return  # a property of each prompt
+        sig = (e.kind, e.status, _DIGITS.sub("#", e.message)[:200])
+        if sig != self._streak_sig:
+            self._streak_sig, self._streak_ids, self._streak_since = sig, [], dispatched_at
+        self._streak_ids.append(p.request.id)
+        if len(self._streak_ids) < self.settings.streak_limit or self._configuration_stop:
             return
-        n = len(self._unconfirmed)
-        self._fatal = InferenceError(
-            e.kind,
-            f"the first {n} requests all failed permanently ({e.message}); this looks like a configuration "
-            "problem (model access, provider routing, extra_body, key permissions), not bad prompts. Fix it and "
-            "materialise again: these prompts are not marked permanent and will be sent again",
-            status=e.status,
-        )
-        self.log(f"stopping the run: {self._fatal}")
+        n = len(self._streak_ids)
         self._configuration_stop = True
+        if self._fatal is None:
+            self._fatal = InferenceError(
+                e.kind,
+                f"{n} requests in a row failed the same way ({e.message}); this looks like a configuration "
+                "problem (model access, provider routing, extra_body, key permissions), not bad prompts. Fix it "
+                "and materialise again: these prompts are not marked permanent and will be sent again",
+                status=e.status,
+            )
+            self.log(f"stopping the run: {self._fatal}")
         self._stop.set()
-        for rid in self._unconfirmed:
+        for rid in self._streak_ids:
             self.writer.add_failure(
                 rid, e.kind.value, "not permanent: the whole run failed the same way", 0, False, e.status
             )
+        if e.kind.permanent:
+            self.report.permanent_failures -= n
+
+    def _stalled(self, now: float) -> bool:
+        idle = now - self._last_success_at
+        if idle < self.settings.stall_timeout_s or self.report.refused == self._refused_at_last_success:
+            return False
+        self._fatal = InferenceError(
+            ErrorKind.RATE_LIMITED,
+            f"the provider refused every request for {idle:.0f} s (rate limit or capacity) and answered none; "
+            "no prompt is marked failed: materialise again later, or lower max_concurrency",
+        )
+        self._stop.set()
+        return True
+
+    async def _drain(self) -> None:
+        """After a stop, requests in flight get a short grace to land, then are cancelled."""
+        if not self._tasks:
+            return
+        if self._stop.is_set():
+            _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.fatal_grace_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        else:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _release_unsent(self) -> None:
+        """Prompts waiting for a retry when the run stops keep their last error, as a retryable failure."""
+        for _, _, p in self._retries:
+            e = p.last_error or InferenceError(ErrorKind.SERVER, "stopped before a retry")
+            if e.backpressure:
+                self.report.unanswered += 1  # refused for capacity only: nothing is wrong with the prompt
+                continue
+            self._fail(p, e, permanent=False)
+        self._retries = []
+
+    def _refused_delay(self, refusals: int) -> float:
+        cap = min(self.settings.refused_delay_max_s, self.settings.refused_delay_s * 1.5 ** (refusals - 1))
+        return random.uniform(cap / 2, cap * 1.5)
 
     def _backoff(self, attempt: int) -> float:
         """Jittered exponential backoff in [cap/4, cap], cap = min(max, base·2^(attempt-1)): no retry waves."""
@@ -320,29 +462,52 @@ class GenerationEngine:
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.flush_interval_s)
-            await self.writer.flush()
+            try:
+                await self.writer.flush()
+            except BaseException as e:
+                # Answers that cannot be stored must not be bought: stop sending.
+                self._journal_error = e
+                self._stop.set()
+                self._wake.set()
+                raise
 
     async def _progress_loop(self, start: float) -> None:
         while True:
             await asyncio.sleep(self.settings.progress_interval_s)
             self._log_progress(start)
 
+    def _fill_limit_stats(self) -> None:
+        r, lim = self.report, self.limiter
+        trace = [int(w) for _, w in lim.stats.limit_trace] or [lim.window]
+        r.limit_final, r.limit_min, r.limit_max = lim.window, min(trace), max(trace)
+        r.limit_decreases, r.global_pauses = lim.stats.decreases, lim.stats.global_pauses
+        r.limit_trace = [(t, int(w)) for t, w in lim.stats.limit_trace]
+
     def _log_progress(self, start: float, final: bool = False) -> None:
         r = self.report
-        elapsed = max(time.monotonic() - start, 1e-9)
+        now = time.monotonic()
+        elapsed = max(now - start, 1e-9)
         done = r.succeeded + r.failed
-        rate = done / elapsed
+        self._recent.append((now, r.succeeded, r.attempts, r.refused))
+        t0, s0, a0, f0 = self._recent[0] if len(self._recent) > 1 else (start, 0, 0, 0)
+        span = max(now - t0, 1e-9)
+        goodput = (r.succeeded - s0) / span if not final else r.succeeded / elapsed
+        refused = (r.refused - f0) / max(r.attempts - a0, 1) if not final else r.refused_share
         eta = "-"
-        if rate > 0 and not final:
-            left = r.total - done
-            eta_s = left / rate
+        if goodput > 0 and not final:
+            eta_s = (r.total - done) / goodput
             eta = f"{eta_s / 60:.1f} min" if eta_s < 7200 else f"{eta_s / 3600:.1f} h"
         errors = ", ".join(f"{k} {v}" for k, v in r.errors.most_common()) or "none"
         head = "finished" if final else "progress"
         self.log(
             f"{head}: {done:,}/{r.total:,} done ({r.succeeded:,} ok, {r.failed:,} failed), "
-            f"{rate:.1f} req/s, {r.completion_tokens / elapsed:,.0f} tok/s, ${r.cost_usd:,.4f}, "
-            f"in flight {self.budget.in_flight}, budget {self.budget.describe()}, errors: {errors}"
+            f"goodput {goodput:.1f} answers/s, {r.completion_tokens / elapsed:,.0f} tok/s, ${r.cost_usd:,.4f}, "
+            f"in flight {self.limiter.in_flight}, {self.limiter.describe()}, refused {refused:.1%}, "
+            f"budget {self.budget.describe()}, errors: {errors}"
             + ("" if final else f", ETA {eta}")
-            + (f", cool-downs {self._cooldown.triggered}" if self._cooldown.triggered else "")
+            + (
+                f", key-wide pauses {self.limiter.stats.global_pauses}"
+                if self.limiter.stats.global_pauses
+                else ""
+            )
         )

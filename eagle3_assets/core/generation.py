@@ -20,6 +20,7 @@ from .chat_tokens import ChatTokenizer, TemplateError
 from .engine import EngineReport, EngineSettings, GenerationEngine
 from .journal import JournalWriter, PriorUsage, ResponseJournal
 from .layout import DatasetLayout
+from .ledger import DispatchLedger
 from .protocol import CompletionRequest, InferenceBackend, Sampling
 
 PROMPT_CHUNK = 1024
@@ -54,6 +55,7 @@ class GenerationSummary:
     n_failures: int
     stop_reason: str
     run_id: str
+    lost_in_flight: int = 0  # requests bought and never stored (a crash, or a stop's cancelled stragglers)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,21 +92,21 @@ def generate_responses(
     run_id = uuid.uuid4().hex[:12]
     with journal.responses.exclusive(f"generation for dataset {plan.key}"):
         journal.finalize()  # fold what a crashed run left behind
+        prior = journal.prior_usage()
+        budget = journal.budget(plan.max_tokens, plan.budget_tokens, plan.budget_usd)
+        lost_before = journal.settle_ledgers(
+            budget
+        )  # requests a crashed run had in flight: bought, never stored
+        if lost_before:
+            log(
+                f"{plan.key}: {lost_before:,} requests were in flight when an earlier run died; charged "
+                f"{budget.expected_tokens():,.0f} tokens each to the budget (they were probably billed)"
+            )
         done = journal.done_ids()
         skip = set() if plan.retry_permanent_failures else journal.permanent_failure_ids() - done
         todo = prompts.filter(~pl.col("id").is_in(pl.Series(list(done | skip), dtype=pl.String).implode()))
         if plan.limit is not None:
             todo = todo.head(plan.limit)
-        prior = journal.prior_usage()
-        budget = Budget(
-            plan.max_tokens,
-            plan.budget_tokens,
-            plan.budget_usd,
-            prior.completion_tokens,
-            prior.cost_usd,
-            tokens=prior.token_stats,
-            usd=prior.usd_stats,
-        )
         summary = GenerationSummary(
             key=plan.key,
             backend=backend.name,
@@ -118,6 +120,7 @@ def generate_responses(
             n_failures=0,
             stop_reason="done",
             run_id=run_id,
+            lost_in_flight=lost_before,
         )
         if todo.height == 0:
             log(
@@ -132,13 +135,25 @@ def generate_responses(
                 f"({len(done):,} answered before; budget {budget.describe()})"
             )
             writer = JournalWriter(journal, backend.name, run_id)
+            ledger = journal.ledger(run_id)
             try:
                 summary.report = asyncio.run(
                     _run_engine(
-                        backend, writer, budget, settings, todo, plan, chat, log, extra_preflight or []
+                        backend,
+                        writer,
+                        budget,
+                        ledger,
+                        settings,
+                        todo,
+                        plan,
+                        chat,
+                        log,
+                        extra_preflight or [],
                     )
                 )
             finally:  # also after a fatal stop: what was paid for is compacted into the table now
+                ledger.close()
+                summary.lost_in_flight += journal.settle_ledgers(budget)
                 summary.n_responses, summary.n_failures = journal.finalize()
             summary.stop_reason = summary.report.stop_reason
             return summary
@@ -150,6 +165,7 @@ async def _run_engine(
     backend: InferenceBackend,
     writer: JournalWriter,
     budget: Budget,
+    ledger: DispatchLedger,
     settings: EngineSettings,
     todo: pl.DataFrame,
     plan: GenerationPlan,
@@ -165,7 +181,9 @@ async def _run_engine(
     try:
         await backend.start()
         log(f"{plan.key}: {backend.name} ready in {time.monotonic() - started:.1f}s")
-        engine = GenerationEngine(backend, writer, budget, settings, log=lambda m: log(f"{plan.key}: {m}"))
+        engine = GenerationEngine(
+            backend, writer, budget, settings, log=lambda m: log(f"{plan.key}: {m}"), ledger=ledger
+        )
         requests = _requests(todo, plan, chat if backend.wants_prompt_ids else None, engine.record_skipped)
         return await engine.run(requests, total=todo.height)
     finally:

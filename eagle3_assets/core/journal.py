@@ -10,26 +10,57 @@ from typing import Any
 
 import polars as pl
 
-from .budget import RunningStats
+from .budget import Budget, CostFit, LengthHistory
+from .ledger import LOST_SCHEMA, DispatchLedger, bought_and_unstored, lost_rows
 from .protocol import Completion
 from .store import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable, empty_columns
 
 
 @dataclass
 class PriorUsage:
+    """What earlier runs (every backend, imports, and requests lost in flight) already spent and taught."""
+
     n_responses: int
     completion_tokens: int
     cost_usd: float
-    token_stats: RunningStats
-    usd_stats: RunningStats
+    history: LengthHistory
+    costs: CostFit
+    lost_requests: int = 0
+    lost_tokens: float = 0.0
 
 
 class ResponseJournal:
-    """`responses/` and `failures/` of one dataset folder."""
+    """`responses/`, `failures/` and the dispatch ledgers (`journal/`) of one dataset folder."""
 
     def __init__(self, dataset_dir: Path):
         self.responses = JournalTable(dataset_dir / "responses", RESPONSE_SCHEMA)
         self.failures = JournalTable(dataset_dir / "failures", FAILURE_SCHEMA)
+        self.ledger_dir = dataset_dir / "journal"
+        self.lost = JournalTable(self.ledger_dir / "lost", LOST_SCHEMA)
+
+    def ledger(self, run_id: str) -> DispatchLedger:
+        return DispatchLedger(self.ledger_dir, run_id)
+
+    def settle_ledgers(self, budget: Budget) -> int:
+        """Charge what each finished or crashed run bought and did not store; returns how many such requests.
+        Call with the dataset's lock held, after the run's own rows are flushed."""
+        if not self.ledger_dir.is_dir():
+            return 0
+        lost = 0
+        for path in sorted(self.ledger_dir.glob("dispatch-*.log")):
+            run_id, ids = bought_and_unstored(path, self._stored_by)
+            if ids:
+                tokens = budget.expected_tokens()
+                usd = budget.estimated_usd(tokens)
+                self.lost.append(lost_rows(run_id, ids, tokens, usd))
+                budget.charge(tokens * len(ids), usd * len(ids))
+                lost += len(ids)
+            path.unlink()
+        return lost
+
+    def _stored_by(self, run_id: str) -> set[str]:
+        df = self.responses.scan(["id", "run_id"]).filter(pl.col("run_id") == run_id).collect()
+        return set(df["id"].to_list())
 
     def done_ids(self) -> set[str]:
         return self.responses.keys()
@@ -43,18 +74,40 @@ class ResponseJournal:
 
     def prior_usage(self) -> PriorUsage:
         df = (
-            self.responses.scan(["id", "completion_tokens", "cost_usd"])
+            self.responses.scan(["id", "completion_tokens", "cost_usd", "latency_s"])
             .unique(subset=["id"], keep="first")
             .collect()
         )
-        tokens = df["completion_tokens"].fill_null(0)
-        costs = df["cost_usd"].drop_nulls()
+        tokens = df["completion_tokens"].fill_null(0).to_numpy().astype(float)
+        history = LengthHistory()
+        history.add_many(tokens, df["latency_s"].fill_null(0.0).to_numpy())
+        costs = CostFit()
+        priced = df.filter(pl.col("cost_usd").is_not_null())
+        costs.add_many(priced["completion_tokens"].fill_null(0).to_numpy(), priced["cost_usd"].to_numpy())
+        lost = self.lost.scan(["estimated_tokens", "estimated_usd"]).collect()
+        lost_tokens = float(lost["estimated_tokens"].sum()) if lost.height else 0.0
+        lost_usd = float(lost["estimated_usd"].sum()) if lost.height else 0.0
         return PriorUsage(
             n_responses=df.height,
-            completion_tokens=int(tokens.sum()),
-            cost_usd=float(costs.sum()) if costs.len() else 0.0,
-            token_stats=_stats(tokens),
-            usd_stats=_stats(costs),
+            completion_tokens=int(tokens.sum()) + round(lost_tokens),
+            cost_usd=float(df["cost_usd"].drop_nulls().sum()) + lost_usd,
+            history=history,
+            costs=costs,
+            lost_requests=lost.height,
+            lost_tokens=lost_tokens,
+        )
+
+    def budget(self, max_tokens: int, budget_tokens: int, budget_usd: float | None) -> Budget:
+        """The dataset's budget with everything spent before counted: the one rule for dispatch and top-ups."""
+        prior = self.prior_usage()
+        return Budget(
+            max_tokens,
+            budget_tokens,
+            budget_usd,
+            prior.completion_tokens,
+            prior.cost_usd,
+            history=prior.history,
+            costs=prior.costs,
         )
 
     def finalize(self) -> tuple[int, int]:
@@ -62,15 +115,6 @@ class ResponseJournal:
         n_resp = self.responses.compact(keep="first")
         n_fail = self.failures.compact(keep="last", drop_keys=self.done_ids())
         return n_resp, n_fail
-
-
-def _stats(series: pl.Series) -> RunningStats:
-    n = series.len()
-    if n == 0:
-        return RunningStats()
-    mean = float(series.mean())
-    var = float(series.var()) if n > 1 else 0.0
-    return RunningStats(n=n, mean=mean, m2=var * (n - 1))
 
 
 def _int(v: Any) -> int | None:
@@ -126,6 +170,7 @@ class JournalWriter:
         r["created_at"].append(time.time())
         r["run_id"].append(self.run_id)
         r["source"].append(self.source)
+        r["usage_estimated"].append(bool(c.usage_estimated))
 
     def add_failure(
         self, request_id: str, kind: str, message: str, attempts: int, permanent: bool, status: int | None

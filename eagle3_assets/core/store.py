@@ -39,6 +39,7 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "created_at": pl.Float64,  # unix seconds
     "run_id": pl.String,
     "source": pl.String,  # "generated" or "imported:<file name>"
+    "usage_estimated": pl.Boolean,  # no usage from the server: completion_tokens counted with the target tokenizer
 }
 
 FAILURE_SCHEMA: dict[str, pl.DataType] = {

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import polars as pl
 
-from .budget import Budget
 from .journal import ResponseJournal
 from .layout import DatasetLayout
 
@@ -24,17 +23,8 @@ def top_up_status(
     if not layout.prompts.exists():
         return TopUp(True, "prompts never ingested")
     journal = ResponseJournal(layout.dir)
-    usage = journal.prior_usage()
-    # The same rule as dispatch: a run that stopped on its budget (reserving for requests in flight) is done.
-    budget = Budget(
-        max_tokens,
-        budget_tokens,
-        budget_usd,
-        usage.completion_tokens,
-        usage.cost_usd,
-        tokens=usage.token_stats,
-        usd=usage.usd_stats,
-    )
+    # The same rule as dispatch: a dataset with no room left for one more answer is done.
+    budget = journal.budget(max_tokens, budget_tokens, budget_usd)
     if not budget.can_dispatch():
         return TopUp(False, f"budget met ({budget.describe()})")
     if source.exists() and source.stat().st_mtime > layout.prompts.stat().st_mtime:
@@ -42,7 +32,5 @@ def top_up_status(
     ids = set(pl.read_parquet(layout.prompts, columns=["id"])["id"].to_list())
     left = ids - journal.done_ids() - journal.permanent_failure_ids()
     if left:
-        return TopUp(
-            True, f"{len(left):,} prompts unanswered, budget {usage.completion_tokens:,}/{budget_tokens:,}"
-        )
+        return TopUp(True, f"{len(left):,} prompts unanswered, budget {budget.describe()}")
     return TopUp(False, "every prompt is answered")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import email.utils
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 import aiohttp
 
@@ -70,6 +72,23 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+def key_window_pause(headers: Mapping[str, str]) -> float | None:
+    """Seconds until a key-wide rate window reopens, when the provider says it is closed for everyone
+    (`X-RateLimit-Remaining: 0` with `X-RateLimit-Reset` as epoch ms, epoch s or a delta in seconds)."""
+    remaining, reset = headers.get("X-RateLimit-Remaining"), headers.get("X-RateLimit-Reset")
+    if remaining is None or reset is None:
+        return None
+    try:
+        if float(remaining) > 0:
+            return None
+        value = float(reset)
+    except ValueError:
+        return None
+    now = time.time()
+    seconds = value / 1000 - now if value > 1e12 else value - now if value > 1e9 else value
+    return min(max(seconds, 0.0), 3600.0)
+
+
 def _error_fields(body: Any) -> tuple[int | None, str, dict]:
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
@@ -89,11 +108,12 @@ def _error_fields(body: Any) -> tuple[int | None, str, dict]:
     return None, describe(body), {}
 
 
-def classify(status: int, body: Any, retry_after_header: str | None) -> InferenceError:
-    """Map an HTTP status (or the code of an error object inside a 200 body) to what the engine should do."""
+def classify(status: int, body: Any, headers: Mapping[str, str] | None = None) -> InferenceError:
+    """Map an HTTP status (or the code of an error object inside a 200 body or a stream) to what the engine does."""
+    headers = headers or {}
     code, message, meta = _error_fields(body)
     status = code or status
-    retry_after = parse_retry_after(retry_after_header)
+    retry_after = parse_retry_after(headers.get("Retry-After"))
     avail = meta.get("availability") if isinstance(meta.get("availability"), dict) else {}
     if retry_after is None and isinstance(avail.get("retry_after"), int | float):
         retry_after = float(avail["retry_after"])
@@ -102,11 +122,11 @@ def classify(status: int, body: Any, retry_after_header: str | None) -> Inferenc
     if status == 401:
         return InferenceError(ErrorKind.AUTH, message, status=401)
     if status == 402:
-        if retry_after is not None:  # OpenRouter's in-flight spend cap: wait, then go on
+        if retry_after is not None:  # OpenRouter's in-flight spend cap: backpressure, not an empty account
             return InferenceError(ErrorKind.RATE_LIMITED, message, retry_after, 402)
         return InferenceError(ErrorKind.OUT_OF_CREDITS, message, status=402)
     if status == 429 or error_type == "rate_limit_exceeded":
-        return InferenceError(ErrorKind.RATE_LIMITED, message, retry_after, status)
+        return InferenceError(ErrorKind.RATE_LIMITED, message, retry_after, status, key_window_pause(headers))
     if status == 503 or error_type in ("provider_overloaded", "provider_unavailable"):
         return InferenceError(ErrorKind.OVERLOADED, message, retry_after, status)
     if error_type == "context_length_exceeded" or any(m in lowered for m in CONTEXT_MARKERS):
@@ -118,48 +138,133 @@ def classify(status: int, body: Any, retry_after_header: str | None) -> Inferenc
     return InferenceError(ErrorKind.SERVER, message, retry_after, status)
 
 
-async def post_json(
-    session: aiohttp.ClientSession, url: str, payload: dict, secrets: tuple[bytes, ...] = ()
-) -> dict:
-    """POST and return the decoded JSON body of a 200, or raise a classified InferenceError.
+def secret_forms(key: str | None) -> tuple[bytes, ...]:
+    """The key as it may come back in a body: raw, URL-encoded, and JSON-escaped (`/` as `\\/`, unicode escapes)."""
+    if not key:
+        return ()
+    forms = {key, quote(key, safe=""), quote_plus(key), key.replace("/", "\\/")}
+    forms.add("".join(f"\\u{ord(ch):04x}" for ch in key))
+    # Shorter strings are not secrets worth the damage: cutting them out would corrupt ordinary text.
+    return tuple(sorted((f.encode() for f in forms if len(f) >= 8), key=len, reverse=True))
 
-    `secrets` (the API key) are cut out of the body before anything reads it: a server that echoes the request's
-    headers into an error must not put the key into failures.parquet or the logs, not even half of it.
-    """
-    try:
-        async with session.post(url, data=dumps(payload)) as resp:
-            raw = await resp.read()
-            status = resp.status
-            retry_after = resp.headers.get("Retry-After")
-    except TimeoutError:
-        raise InferenceError(ErrorKind.TIMEOUT, "no response within the request timeout") from None
-    except aiohttp.ClientPayloadError as e:
-        raise InferenceError(ErrorKind.CONNECTION, f"response cut off: {e}") from None
-    except (aiohttp.ClientConnectionError, ConnectionError, OSError) as e:
-        raise InferenceError(ErrorKind.CONNECTION, f"{type(e).__name__}: {e}") from None
+
+def redact(raw: bytes, secrets: tuple[bytes, ...]) -> bytes:
     for secret in secrets:
-        if secret and secret in raw:
+        if secret in raw:
             raw = raw.replace(secret, b"[redacted]")
+    return raw
+
+
+def _transport_error(e: BaseException) -> InferenceError:
+    if isinstance(e, TimeoutError):
+        return InferenceError(ErrorKind.TIMEOUT, "no response within the request timeout")
+    if isinstance(e, aiohttp.ClientPayloadError):
+        return InferenceError(ErrorKind.CONNECTION, f"response cut off: {e}")
+    return InferenceError(ErrorKind.CONNECTION, f"{type(e).__name__}: {e}")
+
+
+_TRANSPORT_ERRORS = (
+    TimeoutError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientConnectionError,
+    ConnectionError,
+    OSError,
+)
+
+
+def _error_response(status: int, raw: bytes, headers: Mapping[str, str]) -> InferenceError:
     body: Any = None
     if raw.strip():
         try:
             body = loads(raw)
         except ValueError:
             body = None
+    if body is None:
+        body = {"error": {"message": describe(raw.decode("utf-8", "replace"))}}
+    return classify(status, body, headers)
+
+
+async def post_json(
+    session: aiohttp.ClientSession, url: str, payload: dict, secrets: tuple[bytes, ...] = ()
+) -> dict:
+    """POST and return the decoded JSON body of a 200, or raise a classified InferenceError.
+
+    `secrets` (the API key in the forms `secret_forms` lists) are cut out of the body before anything reads it: a
+    server that echoes the request's headers into an error must not put the key into failures.parquet or the logs.
+    """
+    try:
+        async with session.post(url, data=dumps(payload)) as resp:
+            raw = await resp.read()
+            status = resp.status
+            headers = resp.headers
+    except _TRANSPORT_ERRORS as e:
+        raise _transport_error(e) from None
+    raw = redact(raw, secrets)
     if status != 200:
-        return_body = (
-            body if body is not None else {"error": {"message": describe(raw.decode("utf-8", "replace"))}}
-        )
-        raise classify(status, return_body, retry_after)
+        raise _error_response(status, raw, headers)
     if not raw.strip():
         raise InferenceError(ErrorKind.MALFORMED, "empty response body", status=200)
+    try:
+        body = loads(raw)
+    except ValueError:
+        body = None
     if not isinstance(body, dict):
         raise InferenceError(
             ErrorKind.MALFORMED, f"unparsable body: {describe(raw.decode('utf-8', 'replace'))}", status=200
         )
     if body.get("error"):
-        raise classify(200, body, retry_after)
+        raise classify(200, body, headers)
     return body
+
+
+async def post_sse(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict,
+    on_event: Callable[[dict, Mapping[str, str]], None],
+    secrets: tuple[bytes, ...] = (),
+    timeout: aiohttp.ClientTimeout | None = None,
+) -> bool:
+    """POST a streaming request and feed each server-sent `data:` event, decoded, to `on_event` (which may raise
+    a classified error). Returns True when the stream ended with `[DONE]`, False when it simply stopped.
+
+    Events are parsed as they arrive and not kept: 2000 streams of reasoning answers would otherwise hold their
+    whole wire form (~60× the text) in memory.
+    """
+    try:
+        async with session.post(url, data=dumps(payload), timeout=timeout) as resp:
+            headers = resp.headers
+            if resp.status != 200:
+                raise _error_response(resp.status, redact(await resp.read(), secrets), headers)
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                if b"\n" not in chunk:
+                    continue
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, ": keep-alive" comments, event:/id: fields
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return True
+                    if secrets:
+                        data = redact(data, secrets)
+                    try:
+                        event = loads(data)
+                    except ValueError:
+                        raise InferenceError(
+                            ErrorKind.MALFORMED,
+                            f"unparsable stream event: {describe(data.decode('utf-8', 'replace'))}",
+                            status=200,
+                        ) from None
+                    if isinstance(event, dict):
+                        on_event(event, headers)
+            return False
+    except InferenceError:
+        raise
+    except _TRANSPORT_ERRORS as e:
+        raise _transport_error(e) from None
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 15.0) -> tuple[int, Any]:

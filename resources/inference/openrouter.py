@@ -7,6 +7,7 @@ headers: it is not a field of the resource, so it never reaches run config, logs
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -15,71 +16,193 @@ import aiohttp
 from eagle3_assets.core.protocol import Completion, CompletionRequest, ErrorKind, InferenceError, describe
 
 from .base import InferenceResource
-from .http import get_json, make_session, post_json
+from .http import classify, get_json, make_session, post_json, post_sse, secret_forms
+
+TokenCounter = Callable[[str], int]
 
 
-def parse_chat_completion(body: dict, fallback_model: str) -> Completion:
-    """An OpenAI-style chat completion body as a Completion, or a classified error."""
-    choices = body.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise InferenceError(ErrorKind.MALFORMED, f"no choices in the response: {describe(body)}", status=200)
-    choice = choices[0]
-    if isinstance(choice.get("error"), dict):
-        from .http import classify
+def _usage_tokens(
+    usage: dict, content: str, reasoning: str | None, count: TokenCounter | None
+) -> tuple[int, bool]:
+    """completion_tokens from usage; without usage, counted with the target tokenizer (never 0 for a real answer)."""
+    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(value, int | float) and (value > 0 or not (content or reasoning)):
+        return int(value), False
+    text = (reasoning or "") + content
+    if not text:
+        return 0, False
+    return (count(text) if count is not None else max(1, len(text) // 4)), True
 
-        raise classify(200, {"error": choice["error"]}, None)
-    message = choice.get("message") or {}
-    finish = choice.get("finish_reason")
+
+def _completion(
+    *,
+    content: str,
+    reasoning: str | None,
+    finish: Any,
+    native_finish: Any,
+    usage: dict,
+    body_model: Any,
+    fallback_model: str,
+    provider: Any,
+    request_id: Any,
+    output_ids: list[int] | None,
+    count: TokenCounter | None,
+) -> Completion:
     if finish == "error":
-        raise InferenceError(
-            ErrorKind.SERVER, f"the provider ended the answer with an error: {describe(choice)}", status=200
-        )
-    content = message.get("content") or ""
-    reasoning = message.get("reasoning") or message.get("reasoning_content")
-    usage = body.get("usage") or {}
-    completion_tokens = int(usage.get("completion_tokens") or 0)
+        raise InferenceError(ErrorKind.SERVER, "the provider ended the answer with an error", status=200)
+    usage = usage if isinstance(usage, dict) else {}
+    completion_tokens, estimated = _usage_tokens(usage, content, reasoning, count)
     if not content and not reasoning and completion_tokens == 0:
         # OpenRouter does not bill these (zero-completion insurance); a retry usually gets a real answer.
         raise InferenceError(ErrorKind.SERVER, f"empty completion (finish_reason={finish!r})", status=200)
     details = usage.get("completion_tokens_details") or {}
     prompt_details = usage.get("prompt_tokens_details") or {}
     cost = usage.get("cost")
-    provider = body.get("provider")
     return Completion(
         content=content,
         reasoning=reasoning if reasoning else None,
         finish_reason=str(finish or "unknown"),
-        native_finish_reason=choice.get("native_finish_reason"),
+        native_finish_reason=native_finish,
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         completion_tokens=completion_tokens,
-        reasoning_tokens=details.get("reasoning_tokens"),
-        cached_tokens=prompt_details.get("cached_tokens"),
+        reasoning_tokens=details.get("reasoning_tokens") if isinstance(details, dict) else None,
+        cached_tokens=prompt_details.get("cached_tokens") if isinstance(prompt_details, dict) else None,
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
-        model=str(body.get("model") or fallback_model),
+        model=str(body_model or fallback_model),
         provider=str(provider) if provider else None,
-        request_id=body.get("id"),
-        output_ids=_token_ids(choice),
+        request_id=request_id,
+        output_ids=output_ids,
+        usage_estimated=estimated,
     )
 
 
-def _token_ids(choice: dict) -> list[int] | None:
+def parse_chat_completion(body: dict, fallback_model: str, count: TokenCounter | None = None) -> Completion:
+    """An OpenAI-style chat completion body as a Completion, or a classified error."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise InferenceError(ErrorKind.MALFORMED, f"no choices in the response: {describe(body)}", status=200)
+    choice = choices[0]
+    if isinstance(choice.get("error"), dict):
+        raise classify(200, {"error": choice["error"]})
+    message = choice.get("message") or {}
+    return _completion(
+        content=message.get("content") or "",
+        reasoning=message.get("reasoning") or message.get("reasoning_content"),
+        finish=choice.get("finish_reason"),
+        native_finish=choice.get("native_finish_reason"),
+        usage=body.get("usage") or {},
+        body_model=body.get("model"),
+        fallback_model=fallback_model,
+        provider=body.get("provider"),
+        request_id=body.get("id"),
+        output_ids=_token_ids(choice.get("token_ids")),
+        count=count,
+    )
+
+
+def _token_ids(ids: Any) -> list[int] | None:
     """vLLM (`return_token_ids`) and recent SGLang return the generated ids beside the text."""
-    ids = choice.get("token_ids")
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
         return ids
     return None
+
+
+class StreamedAnswer:
+    """Folds the chunks of a streamed chat completion into one answer, counting tokens as they arrive."""
+
+    __slots__ = (
+        "content",
+        "finish",
+        "ids",
+        "model",
+        "native_finish",
+        "provider",
+        "reasoning",
+        "request",
+        "request_id",
+        "usage",
+    )
+
+    def __init__(self, request: CompletionRequest):
+        self.request = request
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.ids: list[int] | None = None
+        self.finish: Any = None
+        self.native_finish: Any = None
+        self.usage: dict = {}
+        self.model: Any = None
+        self.provider: Any = None
+        self.request_id: Any = None
+
+    def __call__(self, event: dict, headers: Any) -> None:
+        if event.get("error"):
+            raise classify(200, event, headers)  # an error after the stream started (429, 5xx, timeouts)
+        if self.request_id is None:
+            self.request_id, self.model, self.provider = (
+                event.get("id"),
+                event.get("model"),
+                event.get("provider"),
+            )
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        choices = event.get("choices")
+        if not choices:
+            return
+        choice = choices[0]
+        delta = choice.get("delta")
+        if delta:
+            text = delta.get("content")
+            thought = delta.get("reasoning") or delta.get("reasoning_content")
+            if text:
+                self.content.append(text)
+            if thought:
+                self.reasoning.append(thought)
+            if text or thought:
+                self.request.streamed_tokens += 1  # ≥ one token per non-empty chunk: a floor for the budget
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.ids = (self.ids or []) + ids
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+            self.native_finish = choice.get("native_finish_reason")
+
+    def completion(self, fallback_model: str, count: TokenCounter | None) -> Completion:
+        if self.finish is None:
+            raise InferenceError(
+                ErrorKind.CONNECTION, "the stream ended before the answer finished", status=200
+            )
+        return _completion(
+            content="".join(self.content),
+            reasoning="".join(self.reasoning) or None,
+            finish=self.finish,
+            native_finish=self.native_finish,
+            usage=self.usage,
+            body_model=self.model,
+            fallback_model=fallback_model,
+            provider=self.provider,
+            request_id=self.request_id,
+            output_ids=_token_ids(self.ids),
+            count=count,
+        )
 
 
 class OpenRouterBackend:
     name = "openrouter"
     wants_prompt_ids = False
 
-    def __init__(self, cfg: OpenRouterInference):
+    def __init__(self, cfg: OpenRouterInference, count_tokens: TokenCounter | None = None):
         self.cfg = cfg
         self.model = cfg.model
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
+        self.count_tokens = count_tokens
         self._session: aiohttp.ClientSession | None = None
         self._secrets: tuple[bytes, ...] = ()
+        # Streams may run for many minutes (reasoning); what must not happen is a silent connection.
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout_s, sock_connect=30, sock_read=cfg.stream_idle_timeout_s
+        )
 
     def _headers(self) -> dict[str, str]:
         headers = {
@@ -109,13 +232,15 @@ class OpenRouterBackend:
             body["provider"] = self.cfg.provider
         if self.cfg.reasoning is not None:
             body["reasoning"] = self.cfg.reasoning
+        if self.cfg.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
         body.update(self.cfg.extra_body)
         return body
 
     async def start(self) -> None:
         if self._session is None:
-            key = os.environ.get(self.cfg.api_key_env)
-            self._secrets = (key.encode(),) if key else ()
+            self._secrets = secret_forms(os.environ.get(self.cfg.api_key_env))
             self._session = make_session(self.cfg.request_timeout_s, self._headers())
 
     async def preflight(self) -> list[str]:
@@ -164,8 +289,14 @@ class OpenRouterBackend:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         assert self._session is not None, "start() was not called"
-        body = await post_json(self._session, self.url, self._payload(request), self._secrets)
-        return parse_chat_completion(body, self.cfg.model)
+        if not self.cfg.stream:
+            body = await post_json(self._session, self.url, self._payload(request), self._secrets)
+            return parse_chat_completion(body, self.cfg.model, self.count_tokens)
+        answer = StreamedAnswer(request)
+        await post_sse(
+            self._session, self.url, self._payload(request), answer, self._secrets, self._stream_timeout
+        )
+        return answer.completion(self.cfg.model, self.count_tokens)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -183,6 +314,8 @@ class OpenRouterInference(InferenceResource):
     reasoning: dict[str, Any] | None = {"enabled": True}
     extra_body: dict[str, Any] = {}
     request_timeout_s: float = 900.0
+    stream: bool = True
+    stream_idle_timeout_s: float = 300.0
     max_concurrency: int = 2000
     max_retries: int = 8
     app_url: str = "https://github.com/eagle3-assets"
@@ -193,4 +326,5 @@ class OpenRouterInference(InferenceResource):
         return "openrouter"
 
     def create_backend(self, chat_tokenizer: Any = None) -> OpenRouterBackend:
-        return OpenRouterBackend(self)
+        count = chat_tokenizer.count_tokens if chat_tokenizer is not None else None
+        return OpenRouterBackend(self, count)

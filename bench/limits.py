@@ -1,0 +1,230 @@
+"""Riding provider limits: goodput as a share of the limit and refused attempts as a share of all attempts, for
+this engine beside today's fixed-concurrency policy and a client that pauses 10 s after each 429; the random
+fault mix against its fault-free time; budget overshoot at 500 and 2000 in flight; client CPU of 2000 streams.
+
+Every provider is `tests.limited_provider.LimitedProvider` in its own process (so the client's CPU is its own),
+with heavy-tailed service times (log-normal, median 1 s). Goodput is counted by the provider between the 10% and
+90% quantiles of answers (ramp-up and drain left out); whole-run figures are printed beside it. Baselines that
+do not finish are stopped at a deadline and their unanswered prompts counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from eagle3_assets.core.budget import Budget
+from eagle3_assets.core.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.journal import JournalWriter, ResponseJournal
+from eagle3_assets.core.protocol import CompletionRequest
+from resources.inference.openrouter import OpenRouterInference
+from tests.limited_provider import LimitedProvider, ProviderSpec, goodput
+
+from .baselines import run_fixed
+
+KEY_ENV = "BENCH_LIMITS_KEY"
+CEILING = 2000
+LATENCY = dict(latency_median_s=1.0, latency_sigma=0.6)
+MEAN_LATENCY = math.exp(0.6**2 / 2)  # of a log-normal with median 1 s
+
+
+def _backend(url: str, stream: bool = False):
+    os.environ.setdefault(KEY_ENV, "bench-key-0123456789")
+    return OpenRouterInference(
+        base_url=url,
+        api_key_env=KEY_ENV,
+        model="sim/model",
+        stream=stream,
+        reasoning=None,
+        request_timeout_s=300,
+    ).create_backend()
+
+
+def _requests(n: int, max_tokens: int, tag: str):
+    return (
+        CompletionRequest(f"{tag}{i}", [{"role": "user", "content": f"{tag} {i}"}], max_tokens)
+        for i in range(n)
+    )
+
+
+async def _engine(
+    url: str, n: int, *, stream=False, budget_tokens=10**12, max_tokens=4096, ceiling=CEILING, tag="p"
+):
+    backend = _backend(url, stream)
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = JournalWriter(ResponseJournal(Path(tmp)), "openrouter", "bench")
+        engine = GenerationEngine(
+            backend,
+            writer,
+            Budget(max_tokens, budget_tokens),
+            EngineSettings(max_concurrency=ceiling, progress_interval_s=3600),
+            log=lambda m: None,
+        )
+        await backend.start()
+        try:
+            report = await engine.run(_requests(n, max_tokens, tag), n)
+        finally:
+            await backend.close()
+    return {"answered": report.succeeded, "attempts": report.attempts, "refused": report.refused}
+
+
+async def _baseline(url: str, n: int, policy: str, deadline_s: float):
+    backend = _backend(url)
+    await backend.start()
+    try:
+        r = await run_fixed(
+            backend,
+            _requests(n, 4096, "p"),
+            CEILING,
+            pause_on_429_s=10.0 if policy == "pause10" else None,
+            deadline_s=deadline_s,
+        )
+    finally:
+        await backend.close()
+    return {"answered": r.succeeded, "attempts": r.attempts, "refused": r.refused}
+
+
+def _measure(spec: ProviderSpec, client: str, n: int, deadline_s: float) -> dict:
+    with LimitedProvider(spec, process=True) as provider:
+        t0, c0 = time.perf_counter(), time.process_time()
+        if client == "engine":
+            out = asyncio.run(_engine(provider.base_url, n))
+        else:
+            out = asyncio.run(_baseline(provider.base_url, n, client, deadline_s))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        stats = provider.stats()
+    out.update(
+        wall_s=round(wall, 1),
+        unanswered=n - out["answered"],
+        refused_share=round(out["refused"] / max(out["attempts"], 1), 4),
+        steady_goodput=round(goodput(stats["done_at"]), 1),
+        whole_goodput=round(out["answered"] / wall, 1),
+        client_cpu_s=round(cpu, 1),
+    )
+    return out
+
+
+def limits(quick: bool) -> dict:
+    n = 3000 if quick else 9000
+    deadline = 60.0 if quick else 120.0
+    scenarios = {
+        "rate 300/s (429, Retry-After 1)": (ProviderSpec(rate=300, retry_after=1, **LATENCY), 300.0),
+        "in flight ≤ 400 (429)": (ProviderSpec(max_in_flight=400, **LATENCY), 400 / MEAN_LATENCY),
+    }
+    results: dict = {}
+    for name, (spec, capacity) in scenarios.items():
+        for client in ("engine", "fixed", "pause10"):
+            r = _measure(spec, client, n, deadline)
+            r["goodput_share"] = round(r["steady_goodput"] / capacity, 3)
+            results[f"{name} | {client}"] = r
+            print(
+                f"{name:<32} {client:<8} goodput {r['steady_goodput']:>7.1f}/s = {r['goodput_share']:.2f} of the "
+                f"limit, refused {r['refused_share']:.1%}, unanswered {r['unanswered']}, wall {r['wall_s']} s",
+                flush=True,
+            )
+    return results
+
+
+def fault_mix(quick: bool) -> dict:
+    n = 3000 if quick else 9000
+    mix = {"429": 0.12, "500": 0.02, "502": 0.02, "reset": 0.02, "malformed": 0.02}
+    clean = _measure(ProviderSpec(**LATENCY), "engine", n, 300)
+    out = {"fault_free": clean}
+    for client in ("engine", "fixed", "pause10"):
+        r = _measure(ProviderSpec(fault_mix=mix, **LATENCY), client, n, 300)
+        r["vs_fault_free"] = round(r["wall_s"] / clean["wall_s"], 2)
+        out[client] = r
+        print(
+            f"fault mix (12% 429, 8% 5xx/reset/malformed) {client:<8} {r['wall_s']:>6} s = {r['vs_fault_free']:.2f}× "
+            f"the fault-free {clean['wall_s']} s, unanswered {r['unanswered']}",
+            flush=True,
+        )
+    return out
+
+
+def _sample_in_background(provider: LimitedProvider) -> tuple[list[tuple[int, int]], threading.Event]:
+    """(billed tokens, requests in flight) as the provider sees them, every 0.1 s until the event is set."""
+    samples: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            s = provider.stats()
+            samples.append((s["billed_tokens"], s["in_flight"]))
+            time.sleep(0.1)
+
+    threading.Thread(target=sample, daemon=True).start()
+    return samples, done
+
+
+def budget(quick: bool) -> dict:
+    """Log-normal lengths (median 400, σ 1, cap 4096), latency 0.2 s + tokens / 800 per second."""
+    spec = ProviderSpec(median_tokens=400, sigma=1.0, tokens_per_s=800, base_s=0.2, latency_median_s=None)
+    cases = [(500, 1_500_000, True), (2000, 6_000_000, False)]
+    if quick:
+        cases = [(500, 1_500_000, True)]
+    out = {}
+    for ceiling, limit, stream in cases:
+        with LimitedProvider(spec, process=True) as provider:
+            samples, done = _sample_in_background(provider)
+            asyncio.run(
+                _engine(provider.base_url, 200_000, stream=stream, budget_tokens=limit, ceiling=ceiling)
+            )
+            done.set()
+            billed = provider.stats()["billed_tokens"]
+        early = [f for b, f in samples if 0.1 * limit <= b <= 0.8 * limit]
+        r = {
+            "bought_over_budget": round(billed / limit, 4),
+            "in_flight_share_until_80pct": round(sum(early) / max(len(early), 1) / ceiling, 2),
+            "streaming": stream,
+        }
+        out[f"{ceiling} in flight"] = r
+        print(
+            f"budget {limit:,} tokens at {ceiling} in flight ({'streaming' if stream else 'not streaming'}): bought "
+            f"{r['bought_over_budget']:.4f}× the budget; mean in flight while 10-80% of it was bought: "
+            f"{r['in_flight_share_until_80pct']:.2f} of {ceiling}",
+            flush=True,
+        )
+    return out
+
+
+def streaming_cpu(quick: bool) -> dict:
+    """Client CPU per answer at 2000 concurrent streams (one chunk per ~16 tokens) against the same, unstreamed."""
+    n = 6000 if quick else 12000
+    spec = ProviderSpec(
+        median_tokens=256, sigma=0.5, latency_median_s=2.0, latency_sigma=0.3, stream_chunks=16
+    )
+    out = {}
+    for stream in (False, True):
+        with LimitedProvider(spec, process=True) as provider:
+            c0, t0 = time.process_time(), time.perf_counter()
+            asyncio.run(_engine(provider.base_url, n, stream=stream, tag="s"))
+            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+            chunks = 16 if stream else 1
+        out["streaming" if stream else "plain"] = {
+            "client_cpu_ms_per_answer": round(1000 * cpu / n, 3),
+            "client_cpu_us_per_chunk": round(1e6 * cpu / (n * chunks), 1),
+            "client_core_share": round(cpu / wall, 2),
+        }
+    s, p = out["streaming"], out["plain"]
+    print(
+        f"2000 concurrent streams: {s['client_cpu_ms_per_answer']} ms client CPU per answer "
+        f"({s['client_cpu_us_per_chunk']} µs per chunk, {s['client_core_share']} of a core) against "
+        f"{p['client_cpu_ms_per_answer']} ms unstreamed ({s['client_cpu_ms_per_answer'] / p['client_cpu_ms_per_answer']:.2f}×)",
+        flush=True,
+    )
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    return {
+        "limits": limits(quick),
+        "fault_mix": fault_mix(quick),
+        "budget": budget(quick),
+        "streaming_cpu": streaming_cpu(quick),
+    }

@@ -1,0 +1,215 @@
+"""Adaptive concurrency: find the number of requests in flight a provider sustains, and ride it.
+
+Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gradient or a learned rate:
+
+- The signal is explicit. Providers refuse (429, 503 + Retry-After, OpenRouter's in-flight 402) within one network
+  round trip instead of queueing, so a refusal is unambiguous and cheap to observe, while latency says little:
+  service times are heavy-tailed and grow with answer length, so a Vegas/gradient limiter would read long answers
+  as congestion.
+- One control covers both kinds of limit. Against an in-flight cap the window is the limit itself; against a
+  request-rate bucket the window sets the rate through Little's law (rate = window / mean latency), and the
+  bucket's burst absorbs the random bunching of completions. A separately learned rate would need the latency
+  distribution, which is exactly what is unknown until the long answers land.
+- Slow start (+1 per success while the window is full) reaches a 2000 ceiling in a few round trips and dispatches
+  smoothly, so when a limit is crossed only the few requests sent in the refusal's round trip are refused.
+- On congestion the window drops to `beta` times what the provider was accepting at that moment (the requests it
+  had accepted and still held), at most once per round: refusals of requests sent before the last decrease say
+  nothing new. Congestion means more refusals among the last dispatches than the provider's background refusal
+  rate explains (the median share over recent blocks of dispatches, 15% until three blocks are known, with a 3σ
+  margin and at least three refusals, over windows of the newest 16, 64 and 256 dispatches). Refusals of a storm
+  that triggered a decrease are taken out of the background blocks, or frequent limits would raise the
+  background and with it the size of the next storm. A provider that refuses 12% of requests whatever the load (an overloaded
+  upstream behind a router) would otherwise collapse the window the way random loss collapses TCP on a lossy
+  link. Crossing a real limit stands out at once: every slot a refusal frees is refilled and refused again, so
+  refusals storm among the newest dispatches. Then it grows back on a cubic curve anchored at that level: fast while far below, nearly flat
+  around the last level where refusals happened (high utilisation, few probes), and accelerating beyond it; at
+  twice that level it probes exponentially again (slow start), so a limit that rises or goes away is found again
+  within seconds.
+- Growth happens only while the window is full: a run held back by its budget or running out of prompts does not
+  inflate a window it never tested.
+
+A provider that declares a window for the whole key (`X-RateLimit-Remaining: 0` with `X-RateLimit-Reset`) pauses
+all dispatch until the reset; every other Retry-After delays only the request that received it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+RECENT = 256  # dispatches weighed when a refusal arrives
+BLOCK = 128  # dispatches per block of the background refusal rate
+BLOCKS = 16
+PRIOR_BACKGROUND = 0.15  # assumed background refusal share until three blocks are measured
+
+
+@dataclass
+class LimiterStats:
+    """Counters for the progress line and the asset metadata."""
+
+    attempts: int = 0
+    refused: int = 0
+    successes: int = 0
+    decreases: int = 0
+    global_pauses: int = 0
+    limit_trace: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, limit), ≥ 0.2 s apart
+
+    @property
+    def refused_share(self) -> float:
+        return self.refused / self.attempts if self.attempts else 0.0
+
+
+class AdaptiveLimit:
+    """The concurrency window of one backend. Not thread-safe: used from the engine's event loop only."""
+
+    def __init__(
+        self,
+        ceiling: int,
+        initial: int = 64,
+        beta: float = 0.9,
+        cubic_c: float = 0.006,
+        adaptive: bool = True,
+        clock=time.monotonic,
+    ):
+        self.ceiling = max(1, int(ceiling))
+        self.adaptive = adaptive
+        self.beta = beta
+        self.c = cubic_c
+        self.clock = clock
+        self.limit = float(self.ceiling if not adaptive else min(self.ceiling, max(1, initial)))
+        self.in_flight = 0
+        self.slow_start = adaptive
+        self.w_max = float(self.ceiling)
+        self._epoch_elapsed = 0.0  # seconds of window-limited time since the last decrease
+        self._last_growth_at = clock()
+        self.last_decrease_at = float("-inf")
+        self.paused_until = 0.0
+        self.stats = LimiterStats()
+        self.stats.limit_trace.append((clock(), self.limit))
+        self._seq = 0  # dispatches so far
+        self._ring = bytearray(RECENT)  # refused marks of the last RECENT dispatches
+        self._ring_start = 0  # the first dispatch after the last decrease
+        self._blocks: deque[float] = deque(maxlen=BLOCKS)
+        self._open_blocks: dict[int, int] = {}  # block index -> refusals (closed one block late)
+
+    # -- dispatch ------------------------------------------------------------------------------------------
+    @property
+    def window(self) -> int:
+        return max(1, int(self.limit))
+
+    def has_room(self, now: float | None = None) -> bool:
+        now = self.clock() if now is None else now
+        return self.in_flight < self.window and now >= self.paused_until
+
+    def on_dispatch(self) -> tuple[float, int]:
+        """Count one attempt in flight; returns its token (pass it back on a refusal)."""
+        self.in_flight += 1
+        self.stats.attempts += 1
+        seq = self._seq
+        self._seq += 1
+        self._ring[seq % RECENT] = 0
+        if seq % BLOCK == 0:
+            block = seq // BLOCK
+            self._open_blocks[block] = 0
+            done = self._open_blocks.pop(block - 2, None)  # a block later: its refusals have come back
+            if done is not None:
+                self._blocks.append(done / BLOCK)
+        return self.clock(), seq
+
+    # -- outcomes ------------------------------------------------------------------------------------------
+    def on_success(self) -> None:
+        self.in_flight -= 1
+        self.stats.successes += 1
+        if self.adaptive:
+            self._grow()
+
+    def on_done(self) -> None:
+        """An attempt ended without telling anything about capacity (a fault, a cancellation)."""
+        self.in_flight -= 1
+
+    def on_refused(self, token: tuple[float, int]) -> None:
+        """The provider refused this attempt for capacity (429, 503 + Retry-After, in-flight 402)."""
+        self.in_flight -= 1
+        self.stats.refused += 1
+        dispatched_at, seq = token
+        if seq // BLOCK in self._open_blocks:
+            self._open_blocks[seq // BLOCK] += 1
+        if self._seq - seq <= RECENT and seq >= self._ring_start:
+            self._ring[seq % RECENT] = 1
+        if not self.adaptive or dispatched_at < self.last_decrease_at or not self._congested(seq):
+            return  # sent before the last decrease (already answered), or within the background rate
+        now = self.clock()
+        accepted = self.in_flight  # what the provider held when it said no
+        self.w_max = max(1.0, min(self.limit, accepted + 1.0))
+        self.limit = max(1.0, self.beta * self.w_max)
+        self.slow_start = False
+        self._epoch_elapsed = 0.0
+        self._last_growth_at = now
+        self.last_decrease_at = now
+        self.stats.decreases += 1
+        self.stats.limit_trace.append((now, self.limit))
+        for seq in range(max(self._ring_start, self._seq - RECENT), self._seq):
+            if self._ring[seq % RECENT] and seq // BLOCK in self._open_blocks:
+                self._open_blocks[seq // BLOCK] -= 1  # a limit's storm, not the background
+        self._ring = bytearray(RECENT)
+        self._ring_start = self._seq
+
+    # -- refusals beyond the background rate ---------------------------------------------------------------
+    @property
+    def background_refused_share(self) -> float:
+        """The share of attempts refused whatever the load: the median over recent blocks."""
+        if len(self._blocks) < 3:
+            return PRIOR_BACKGROUND
+        return sorted(self._blocks)[len(self._blocks) // 2]
+
+    def _congested(self, seq: int) -> bool:
+        """More refusals among the dispatches up to `seq` than the background rate explains, over any of a few
+        window sizes: a storm among the newest dispatches shows in the small ones at once."""
+        p = self.background_refused_share
+        for m in (16, 64, RECENT):
+            lo = max(seq - m + 1, self._ring_start, self._seq - RECENT)
+            n = seq - lo + 1
+            if n <= 0:
+                break
+            i0, i1 = lo % RECENT, seq % RECENT
+            ring = self._ring
+            k = ring[i0 : i1 + 1].count(1) if i0 <= i1 else ring[i0:].count(1) + ring[: i1 + 1].count(1)
+            if k > n * p + 3.0 * math.sqrt(n * p * (1.0 - p)) + 2.0:
+                return True
+            if n < m:
+                break
+        return False
+
+    def pause_all(self, until: float) -> None:
+        """The provider closed a window for the whole key: nobody sends before `until` (monotonic time)."""
+        if until > self.paused_until:
+            self.paused_until = until
+            self.stats.global_pauses += 1
+
+    # -- growth --------------------------------------------------------------------------------------------
+    def _grow(self) -> None:
+        now = self.clock()
+        dt, self._last_growth_at = now - self._last_growth_at, now
+        if self.in_flight + 1 < self.window or self.limit >= self.ceiling:
+            return  # not window-limited: an untested window must not grow
+        before = self.limit
+        new = self.limit + 1.0 if self.slow_start else self.limit
+        if self.stats.decreases:
+            self._epoch_elapsed += min(dt, 1.0)
+            k = ((1.0 - self.beta) / self.c) ** (1.0 / 3.0)
+            new = max(new, self.w_max * (1.0 + self.c * (self._epoch_elapsed - k) ** 3))
+            if new >= 2.0 * self.w_max:
+                self.slow_start = True  # far past the last limit without a refusal: it went away, probe fast
+        self.limit = min(float(self.ceiling), new)
+        if int(self.limit) != int(before) and (
+            now - self.stats.limit_trace[-1][0] >= 0.2 or self.limit >= self.ceiling
+        ):
+            self.stats.limit_trace.append((now, self.limit))
+
+    def describe(self) -> str:
+        if not self.adaptive:
+            return f"limit {self.window} (fixed)"
+        phase = "slow start" if self.slow_start else "steady"
+        return f"limit {self.window}/{self.ceiling} ({phase})"
