@@ -21,7 +21,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
-
 from urllib.parse import quote
 
 from aiohttp import web
@@ -97,7 +96,9 @@ class FakeOpenRouter(_ThreadedApp):
         )
         self.cost_per_token = cost_per_token
         self.list_models = list_models
-        self.fail_after = fail_after  # (n, fault): every request after the n-th gets this fault (a routing change)
+        self.fail_after = (
+            fail_after  # (n, fault): every request after the n-th gets this fault (a routing change)
+        )
         self.hits: list[Hit] = []
         self.attempts: dict[str, int] = defaultdict(int)
         self._global = 0
@@ -252,7 +253,11 @@ class FakeOpenRouter(_ThreadedApp):
             return err(429, "Rate limit exceeded", headers=ra)
         if name == "429window":  # the key's window is closed for everyone until the reset (epoch ms)
             reset = int((time.time() + float(arg)) * 1000)
-            headers = {"X-RateLimit-Limit": "100", "X-RateLimit-Remaining": "0", "X-RateLimit-Reset": str(reset)}
+            headers = {
+                "X-RateLimit-Limit": "100",
+                "X-RateLimit-Remaining": "0",
+                "X-RateLimit-Reset": str(reset),
+            }
             return err(429, "Rate limit exceeded: limit_rpm/key", headers=headers)
         if name in ("503", "503ra"):
             return err(503, "No instances available", headers=ra)
@@ -268,10 +273,12 @@ class FakeOpenRouter(_ThreadedApp):
             )
         if name == "echokey":  # a careless server that echoes the request headers in its error
             return err(400, f"bad request with headers {dict(request.headers)}")
-        if name == "echokeyforms":  # ... and echoes it URL-encoded and as JSON unicode escapes (valid JSON for it)
+        if (
+            name == "echokeyforms"
+        ):  # ... and echoes it URL-encoded and as JSON unicode escapes (valid JSON for it)
             key = request.headers.get("Authorization", "").removeprefix("Bearer ")
             escaped = "".join(f"\\u{ord(c):04x}" for c in key)
-            raw = '{"error": {"code": 400, "message": "bad request from ?key=%s or %s"}}' % (
+            raw = '{{"error": {{"code": 400, "message": "bad request from ?key={} or {}"}}}}'.format(
                 quote(key, safe=""),
                 escaped,
             )

@@ -103,7 +103,7 @@ class _State:
     def answer_plan(self, text: str, max_tokens: int) -> tuple[int, float, bool]:
         spec = self.spec
         rng = _draw(text, spec.seed, "len")
-        tokens = max(1, int(round(spec.median_tokens * math.exp(spec.sigma * rng.gauss(0, 1)))))
+        tokens = max(1, round(spec.median_tokens * math.exp(spec.sigma * rng.gauss(0, 1))))
         finished = tokens < max_tokens
         tokens = min(tokens, max_tokens)
         if spec.tokens_per_s:
@@ -347,8 +347,8 @@ class LimitedProvider:
 
     def cpu_seconds(self) -> float:
         """CPU the provider process used so far (process mode only)."""
-        from pathlib import Path
         import os
+        from pathlib import Path
 
         fields = Path(f"/proc/{self._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
