@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 instance: setup
 	@mkdir -p "$(DAGSTER_HOME)"
 	@test -f "$(DAGSTER_HOME)/dagster.yaml" || cp deploy/local/dagster.yaml "$(DAGSTER_HOME)/dagster.yaml"
-	@$(PY) -m eagle3_assets.cli pools
+	@$(PY) -m eagle3_assets.cli instance
 
 demo: instance
 	$(PY) -m eagle3_assets.demo

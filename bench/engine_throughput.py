@@ -17,11 +17,12 @@ from pathlib import Path
 
 import openai
 
+from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.budget import Budget
 from eagle3_assets.core.engine import EngineSettings, GenerationEngine
 from eagle3_assets.core.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.protocol import CompletionRequest
-from resources.inference.openrouter import OpenRouterInference
+from resources.inference.openrouter import OpenRouterBackend
 
 from .loopback import LoopbackServer
 
@@ -41,9 +42,10 @@ def _steady_rate(done_at: list[float], concurrency: int) -> float:
 
 async def _engine_client(base_url: str, n: int, concurrency: int, done_at: list[float]) -> int:
     os.environ.setdefault("BENCH_KEY", "bench")
-    backend = OpenRouterInference(
-        base_url=base_url, api_key_env="BENCH_KEY", model="bench/model"
-    ).create_backend()
+    # Not streamed: the same request/response exchange as the openai SDK baseline.
+    backend = OpenRouterBackend(
+        OpenRouterConfig(base_url=base_url, api_key_env="BENCH_KEY", model="bench/model", stream=False)
+    )
     inner = backend.complete
 
     async def timed(request):
@@ -133,8 +135,8 @@ def _measure(client: Callable[..., Awaitable[int]], server: LoopbackServer, conc
 
 def resume_check_seconds(n: int = 100_000) -> float:
     """Seconds to re-materialise a finished n-prompt partition (reads what is done, sends nothing)."""
-    from eagle3_assets.core.generation import GenerationPlan, generate_responses
-    from eagle3_assets.core.protocol import Sampling
+    from eagle3_assets.core.generation import generate_responses
+    from tests.conftest import make_plan
     from tests.test_engine import _MustNotBeCalled, write_finished_partition
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +144,7 @@ def resume_check_seconds(n: int = 100_000) -> float:
         t0 = time.perf_counter()
         generate_responses(
             layout,
-            GenerationPlan("B9", 100, 10**12, None, Sampling()),
+            make_plan("B9", 100, 10**12),
             _MustNotBeCalled(),
             None,
             EngineSettings(max_concurrency=8),

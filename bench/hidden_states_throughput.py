@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from eagle3_assets.config import HiddenStatesConfig
 from eagle3_assets.core.extraction import ExtractionSettings, _model, extract_dataset
 from eagle3_assets.core.hidden_states import pack_rows, row_budget
 from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.target import pick_device, resolve
+from eagle3_assets.core.target import pick_device
 
 
 def synthetic_tokens(layout: DatasetLayout, n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> None:
@@ -44,13 +45,13 @@ def bare_forward_seconds(settings: ExtractionSettings, tokens_path: Path) -> tup
     """The same packed rows through the plain base model: no hooks, no copies, no writes."""
     import torch
 
-    device = pick_device(settings.device)
-    model = _model(resolve(settings.model), device, False)
+    device = pick_device(settings.hidden.device)
+    model = _model(settings.model_ref, device, False)
     df = pl.read_parquet(tokens_path)
     seqs = sorted((np.asarray(x, dtype=np.int64) for x in df["input_ids"].to_list()), key=len)
     rows = pack_rows(
         [len(s) for s in seqs],
-        row_budget(device, model.config._attn_implementation, settings.max_tokens_per_batch),
+        row_budget(device, model.config._attn_implementation, settings.hidden.max_tokens_per_batch),
     )
     start = time.perf_counter()
     with torch.inference_mode():
@@ -69,9 +70,7 @@ def bare_forward_seconds(settings: ExtractionSettings, tokens_path: Path) -> tup
 
 def run(quick: bool = False) -> dict:
     n = 48 if quick else 192
-    settings = ExtractionSettings(
-        model="builtin:smollm2", tokenizer="builtin:smollm2", shard_bytes=64 * 1024**2
-    )
+    settings = ExtractionSettings(hidden=HiddenStatesConfig(shard_bytes=64 * 1024**2))
     with tempfile.TemporaryDirectory() as tmp:
         layout = DatasetLayout(Path(tmp), "B1").ensure()
         synthetic_tokens(layout, n, vocab=49152, lo=64, hi=512)
@@ -83,7 +82,7 @@ def run(quick: bool = False) -> dict:
         size = sum(p.stat().st_size for p in layout.hidden_states_dir.glob("shard-*.safetensors"))
     hidden = 576
     r = {
-        "device": pick_device(settings.device),
+        "device": pick_device(settings.hidden.device),
         "samples": n,
         "tokens": tokens,
         "bare_forward_tok_s": tokens / bare_s,

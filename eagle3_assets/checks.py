@@ -8,7 +8,7 @@ import json
 import dagster as dg
 import polars as pl
 
-from resources import ProjectConfigResource, StorageResource, TargetTokenizerResource
+from resources import Project, Storage, Target
 
 from .core import validation
 from .core.store import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
@@ -23,7 +23,7 @@ def _result(v: validation.Verdict, warn: bool = False) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=v.passed, severity=severity, metadata=v.metadata)
 
 
-def _tokens(storage: StorageResource, key: str, columns: list[str]) -> pl.DataFrame | None:
+def _tokens(storage: Storage, key: str, columns: list[str]) -> pl.DataFrame | None:
     path = storage.layout(key).tokens
     return pl.read_parquet(path, columns=columns) if path.exists() else None
 
@@ -36,7 +36,7 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         description="No prompt id has two stored responses.",
     )
     def responses_unique_ids(
-        context: dg.AssetCheckExecutionContext, storage: StorageResource
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
     ) -> dg.AssetCheckResult:
         table = JournalTable(storage.layout(context.partition_key).responses_dir, RESPONSE_SCHEMA)
         return _result(validation.unique_ids(table.scan(["id"]).collect()["id"]))
@@ -47,7 +47,9 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         description="Share of prompts whose last attempt failed stays under checks.max_failure_share.",
     )
     def responses_failure_share(
-        context: dg.AssetCheckExecutionContext, project: ProjectConfigResource, storage: StorageResource
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
         layout = storage.layout(context.partition_key)
         n_prompts = (
@@ -57,7 +59,7 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         )
         n_fail = len(JournalTable(layout.failures_dir, FAILURE_SCHEMA).keys())
         return _result(
-            validation.failure_share(n_fail, n_prompts, project.load().checks.max_failure_share), warn=True
+            validation.failure_share(n_fail, n_prompts, project.cfg.checks.max_failure_share), warn=True
         )
 
     @dg.asset_check(
@@ -67,7 +69,7 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         description="Every row's input_ids and loss_mask have the same length.",
     )
     def tokens_lengths_match(
-        context: dg.AssetCheckExecutionContext, storage: StorageResource
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
     ) -> dg.AssetCheckResult:
         df = _tokens(storage, context.partition_key, ["id", "input_ids", "loss_mask"])
         return MISSING if df is None else _result(validation.lengths_match(df))
@@ -81,10 +83,12 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         "when the 95% interval of the rate lies below the threshold).",
     )
     def tokens_reference_match(
-        context: dg.AssetCheckExecutionContext, project: ProjectConfigResource, storage: StorageResource
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
         df = _tokens(storage, context.partition_key, ["reference_match", "match_explained", "mismatch"])
-        threshold = project.load().checks.min_reference_match_rate
+        threshold = project.cfg.checks.min_reference_match_rate
         return MISSING if df is None else _result(validation.reference_match(df, threshold))
 
     @dg.asset_check(
@@ -94,7 +98,9 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         description="Every finished answer (finish_reason=stop) ends with the trained end-of-turn token.",
     )
     def tokens_end_of_turn(
-        context: dg.AssetCheckExecutionContext, storage: StorageResource, target: TargetTokenizerResource
+        context: dg.AssetCheckExecutionContext,
+        storage: dg.ResourceParam[Storage],
+        target: dg.ResourceParam[Target],
     ) -> dg.AssetCheckResult:
         df = _tokens(storage, context.partition_key, ["id", "input_ids", "loss_mask", "finish_reason"])
         eot = target.chat_tokenizer().eot_id
@@ -106,12 +112,14 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         description="Warns when too many answers are truncated or degenerate (thresholds in checks.*).",
     )
     def report_answer_quality(
-        context: dg.AssetCheckExecutionContext, project: ProjectConfigResource, storage: StorageResource
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
         path = storage.layout(context.partition_key).report_json
         if not path.exists():
             return MISSING
-        checks = project.load().checks
+        checks = project.cfg.checks
         verdict = validation.answer_quality(
             json.loads(path.read_text()), checks.max_truncated_share, checks.max_degenerate_share
         )

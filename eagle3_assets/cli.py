@@ -11,11 +11,11 @@ from .config import ConfigError, config_path, load_config
 
 
 def _resources(args: argparse.Namespace):
-    from .definitions import build_resources
+    from .definitions import build_runtime
 
     path = Path(args.config).resolve() if args.config else config_path()
     cfg = load_config(path, args.backend)
-    return cfg, build_resources(cfg, str(path))
+    return cfg, build_runtime(cfg, str(path))
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
@@ -94,16 +94,37 @@ def cmd_hidden_states(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pools(args: argparse.Namespace) -> int:
-    """Apply the config's pool limits (llm_api, gpu) to the Dagster instance of DAGSTER_HOME."""
+ONE_RUN_PER_DATASET = {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}
+
+
+def _ensure_run_limit(home: Path) -> str:
+    """One run per dataset at a time: the per-partition run-tag limit in $DAGSTER_HOME/dagster.yaml (the queued
+    run coordinator enforces it for every run, two pods on a shared volume included, where a file lock is not
+    reliable). Added when missing; the rest of the file is kept."""
+    import yaml
+
+    path = home / "dagster.yaml"
+    doc = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
+    limits = doc.setdefault("concurrency", {}).setdefault("runs", {}).setdefault("tag_concurrency_limits", [])
+    if any(x.get("key") == "dagster/partition" for x in limits):
+        return f"one run per dataset: already in {path}"
+    limits.append(ONE_RUN_PER_DATASET)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return f"one run per dataset: added to {path} (restart the daemon to apply it)"
+
+
+def cmd_instance(args: argparse.Namespace) -> int:
+    """Apply the config's pool limits (llm_api, gpu) and the one-run-per-dataset limit to DAGSTER_HOME's instance."""
     import os
 
     import dagster as dg
 
     cfg, _ = _resources(args)
-    if not os.environ.get("DAGSTER_HOME"):
+    home = os.environ.get("DAGSTER_HOME")
+    if not home:
         print("set DAGSTER_HOME to the instance's folder (make dev / make demo use .dagster/)")
         return 1
+    print(_ensure_run_limit(Path(home)))
     with dg.DagsterInstance.get() as instance:
         for pool, limit in cfg.pools.model_dump().items():
             instance.event_log_storage.set_concurrency_slots(pool, limit)
@@ -139,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         "hidden-states", help="extract hidden states for a dataset in this process (no Dagster)"
     )
     hs.add_argument("--dataset", required=True)
-    sub.add_parser("pools", help="apply the config's pool limits to the Dagster instance of DAGSTER_HOME")
+    for name in ("instance", "pools"):
+        sub.add_parser(
+            name,
+            help="apply the config's pool limits and one run per dataset to the instance of DAGSTER_HOME",
+        )
     demo = sub.add_parser("demo", help="the main job over all (or the given) datasets, then a summary table")
     demo.add_argument("datasets", nargs="*")
     return p
@@ -150,7 +175,8 @@ COMMANDS = {
     "import-responses": cmd_import,
     "export": cmd_export,
     "hidden-states": cmd_hidden_states,
-    "pools": cmd_pools,
+    "instance": cmd_instance,
+    "pools": cmd_instance,
     "demo": cmd_demo,
 }
 

@@ -6,14 +6,16 @@ silently running with a default. Relative paths are resolved against the config 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_ENV = "EAGLE3_CONFIG"
 BACKEND_ENV = "EAGLE3_BACKEND"
@@ -21,6 +23,18 @@ DEFAULT_CONFIG_NAME = "eagle3.yaml"
 BUILTIN_SMOLLM2 = "builtin:smollm2"
 BackendName = Literal["local", "openrouter", "sglang"]
 _PARTITION_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+README_CONFIG = "README, section 'Configuration: eagle3.yaml'"
+README_BACKENDS = "README, section 'Backends: OpenRouter, SGLang, any OpenAI-compatible server'"
+
+
+def is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ConfigError(ValueError):
@@ -73,19 +87,40 @@ class OpenRouterConfig(Strict):
     api_key_env: str = "OPENROUTER_API_KEY"
     model: str = "moonshotai/kimi-k2.5"
     provider: dict[str, Any] = Field(default_factory=dict)
+    # The ceiling: the engine finds the concurrency the provider sustains below it (adaptive window).
     max_concurrency: int = Field(2000, ge=1)
     # OpenRouter's reasoning request object; null sends none.
     reasoning: dict[str, Any] | None = Field(default_factory=lambda: {"enabled": True})
     extra_body: dict[str, Any] = Field(default_factory=dict)
     request_timeout_s: float = Field(900.0, gt=0)
+    # Stream answers (server-sent events with usage): long reasoning answers survive proxies that cut idle
+    # connections, and the budget sees the tokens of each answer as they arrive.
+    stream: bool = True
+    stream_idle_timeout_s: float = Field(300.0, gt=0)
     max_retries: int = Field(8, ge=0)
     app_url: str = "https://github.com/eagle3-assets"
     app_title: str = "eagle3-assets"
+    # The key is sent as a Bearer token: over plain http it is readable on the way, so a non-loopback http
+    # endpoint must be allowed explicitly.
+    allow_insecure_http: bool = False
+
+    @model_validator(mode="after")
+    def _key_only_over_tls(self) -> OpenRouterConfig:
+        url = self.base_url
+        if url.startswith("http://") and not is_loopback(url) and not self.allow_insecure_http:
+            raise ValueError(
+                f"base_url {url!r} is plain http to another host: the API key would cross the network unencrypted. "
+                "Use https, or set backends.openrouter.allow_insecure_http: true for a trusted network "
+                f"({README_BACKENDS})"
+            )
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {url!r} must start with https:// (or http:// on loopback)")
+        return self
 
 
 class SGLangConfig(Strict):
     base_url: str = "http://127.0.0.1:30000"
-    max_concurrency: int = Field(512, ge=1)
+    max_concurrency: int = Field(512, ge=1)  # the ceiling of the adaptive window
     request_timeout_s: float = Field(900.0, gt=0)
     max_retries: int = Field(8, ge=0)
     extra_sampling_params: dict[str, Any] = Field(default_factory=dict)
@@ -157,6 +192,8 @@ class ExecutionConfig(Strict):
     # the demo); multiprocess: a process per step; k8s: a pod per step (k8s_job_executor, needs dagster-k8s).
     executor: Literal["in_process", "multiprocess", "k8s"] = "in_process"
     max_concurrent_steps: int = Field(4, ge=1)
+    # With executor k8s: the Kubernetes secret holding the API key, mounted only into the pods of responses steps.
+    k8s_api_key_secret: str = "eagle3-openrouter"
 
 
 class PoolsConfig(Strict):
@@ -218,11 +255,14 @@ def _format_error(err: ValidationError, path: Path) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key '{loc}' (check the spelling; see design §3 for the keys)")
+            lines.append(
+                f"{path}: unknown key '{loc}' (check the spelling; the keys are listed in the {README_CONFIG})"
+            )
         elif e["type"] == "missing":
             lines.append(f"{path}: missing required key '{loc}'")
         else:
-            lines.append(f"{path}: key '{loc}': {e['msg']}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{path}: key '{loc}': {msg}")
     return "\n".join(lines)
 
 

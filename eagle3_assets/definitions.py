@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import dagster as dg
 
-from resources import (
-    InferenceResource,
-    LocalInference,
-    OpenRouterInference,
-    ProjectConfigResource,
-    SGLangInference,
-    StorageJsonIOManager,
-    StorageResource,
-    TargetTokenizerResource,
-)
+from resources import Inference, Project, Storage, StorageJsonIOManager, Target, locked
 
 from .assets import (
     build_hidden_states_asset,
@@ -38,63 +30,42 @@ HIDDEN_STATES_JOB = "hidden_states_job"
 OFFLINE_STAGES = ["prompts", "responses", "tokens", "validation_report"]
 
 
-def build_inference(cfg: ProjectConfig) -> InferenceResource:
-    """The configured backend's resource (EAGLE3_BACKEND overrides `backend`)."""
-    b = cfg.backends
-    if cfg.backend == "local":
-        return LocalInference(
-            model=cfg.target.model,
-            device=b.local.device,
-            batch_size=b.local.batch_size,
-            trust_remote_code=cfg.target.trust_remote_code,
-            base_dir=cfg.base_dir,
-            max_concurrency=2 * b.local.batch_size,
-            max_retries=b.local.max_retries,
-        )
-    if cfg.backend == "openrouter":
-        o = b.openrouter
-        return OpenRouterInference(
-            base_url=o.base_url,
-            api_key_env=o.api_key_env,
-            model=o.model,
-            provider=o.provider,
-            reasoning=o.reasoning,
-            extra_body=o.extra_body,
-            request_timeout_s=o.request_timeout_s,
-            max_concurrency=o.max_concurrency,
-            max_retries=o.max_retries,
-            app_url=o.app_url,
-            app_title=o.app_title,
-        )
-    s = b.sglang
-    return SGLangInference(
-        base_url=s.base_url,
-        request_timeout_s=s.request_timeout_s,
-        max_concurrency=s.max_concurrency,
-        max_retries=s.max_retries,
-        extra_sampling_params=s.extra_sampling_params,
-    )
+def build_runtime(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
+    """Resource key -> the adapter of one outside system, built from the one validated config (the CLI uses these
+    objects directly)."""
+    return {
+        "project": Project(cfg, Path(config_path)),
+        "storage": Storage(cfg),
+        "target": Target(cfg),
+        "inference": Inference(cfg),
+        "hidden_states_io": StorageJsonIOManager(cfg.storage_root),
+    }
+
+
+# Resource key -> the section of eagle3.yaml it comes from (named when a launch tries to override it).
+SECTIONS = {
+    "project": "the file",
+    "storage": "storage",
+    "target": "target",
+    "inference": "backend / backends",
+    "hidden_states_io": "storage",
+}
 
 
 def build_resources(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
-    t = cfg.target
+    """The runtime objects as resources that accept no run config: they come from the config file only."""
     return {
-        "project": ProjectConfigResource(path=config_path, backend=cfg.backend),
-        "storage": StorageResource(root=str(cfg.storage_root)),
-        "target": TargetTokenizerResource(
-            tokenizer=t.tokenizer,
-            trust_remote_code=t.trust_remote_code,
-            revision=t.revision,
-            chat_template_kwargs=t.chat_template_kwargs,
-            end_of_turn_token=t.end_of_turn_token,
-            end_of_turn_id=t.end_of_turn_id,
-            think_open=t.think_open,
-            think_close=t.think_close,
-            base_dir=cfg.base_dir,
-        ),
-        "inference": build_inference(cfg),
-        "hidden_states_io": StorageJsonIOManager(root=str(cfg.storage_root)),
+        name: locked(obj, name, config_path, SECTIONS[name])
+        for name, obj in build_runtime(cfg, config_path).items()
     }
+
+
+def responses_step_tags(cfg: ProjectConfig) -> dict | None:
+    """Under k8s_job_executor every step is a pod: the API key's secret goes into the responses pods only."""
+    if cfg.execution.executor != "k8s":
+        return None
+    secret = {"secret_ref": {"name": cfg.execution.k8s_api_key_secret}}
+    return {"dagster-k8s/config": {"container_config": {"env_from": [secret]}}}
 
 
 def build_executor(cfg: ProjectConfig) -> dg.ExecutorDefinition:
@@ -115,7 +86,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         build_prompts_asset(
             partitions, top_up_condition(cfg.automation.top_up_cron, config_path, cfg.backend)
         ),
-        build_responses_asset(partitions, follow),
+        build_responses_asset(partitions, follow, responses_step_tags(cfg)),
         build_tokens_asset(partitions, follow),
         build_report_asset(partitions, follow),
         build_hidden_states_asset(partitions, follow if cfg.automation.hidden_states else None),

@@ -1,17 +1,17 @@
-"""Dagster resources: each adapts one outside system (an inference service, the target tokenizer, storage)."""
+"""Dagster resources: each adapts one outside system (an inference service, the target tokenizer, storage), built
+from its section of eagle3.yaml and not settable at launch (`locked`)."""
 
-from .inference import InferenceResource, LocalInference, OpenRouterInference, SGLangInference
-from .project import ProjectConfigResource
-from .storage import StorageJsonIOManager, StorageResource
-from .tokenizer import TargetTokenizerResource
+from .inference import Inference
+from .locked import locked
+from .project import Project
+from .storage import Storage, StorageJsonIOManager
+from .tokenizer import Target
 
 __all__ = [
-    "InferenceResource",
-    "LocalInference",
-    "OpenRouterInference",
-    "ProjectConfigResource",
-    "SGLangInference",
+    "Inference",
+    "Project",
+    "Storage",
     "StorageJsonIOManager",
-    "StorageResource",
-    "TargetTokenizerResource",
+    "Target",
+    "locked",
 ]

@@ -1,17 +1,16 @@
-"""The project config as a resource, so assets read dataset settings the same way in the UI, the CLI and tests."""
+"""The project config as a resource: the one validated `eagle3.yaml`, read the same way in the UI, CLI and tests."""
 
 from __future__ import annotations
 
-import dagster as dg
+from dataclasses import dataclass
+from pathlib import Path
 
-from eagle3_assets.config import ProjectConfig, load_config
+from eagle3_assets.config import ProjectConfig
 
 
-class ProjectConfigResource(dg.ConfigurableResource):
-    """Path of `eagle3.yaml` (and the backend override it was loaded with)."""
+@dataclass(frozen=True)
+class Project:
+    """The validated config and the file it came from."""
 
-    path: str
-    backend: str | None = None
-
-    def load(self) -> ProjectConfig:
-        return load_config(self.path, self.backend)
+    cfg: ProjectConfig
+    path: Path

@@ -1,47 +1,44 @@
-"""The target's tokenizer and chat template, loaded once per process."""
+"""The target model's tokenizer and chat template (`target:` in eagle3.yaml), loaded once per process."""
 
 from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
 
-import dagster as dg
-
+from eagle3_assets.config import ProjectConfig, TargetConfig
 from eagle3_assets.core.chat_tokens import ChatTokenizer
-from eagle3_assets.core.target import load_tokenizer, resolve
+from eagle3_assets.core.target import load_tokenizer, pin_problems, resolve
 
 
-class TargetTokenizerResource(dg.ConfigurableResource):
+class Target:
     """Renders and tokenizes conversations exactly as the target model sees them."""
 
-    tokenizer: str = "builtin:smollm2"
-    trust_remote_code: bool = False
-    revision: str | None = None
-    chat_template_kwargs: dict[str, Any] = {}
-    end_of_turn_token: str | None = None
-    end_of_turn_id: int | None = None
-    think_open: str = "<think>"
-    think_close: str = "</think>"
-    base_dir: str = "."
+    def __init__(self, cfg: ProjectConfig):
+        self.cfg: TargetConfig = cfg.target
+        self.base_dir = cfg.base_dir
 
     def chat_tokenizer(self) -> ChatTokenizer:
+        t = self.cfg
         return _chat_tokenizer(
-            resolve(self.tokenizer, self.base_dir),
-            self.trust_remote_code,
-            self.revision,
-            json.dumps(self.chat_template_kwargs, sort_keys=True),
-            self.end_of_turn_token,
-            self.think_open,
-            self.think_close,
+            resolve(t.tokenizer, self.base_dir),
+            t.trust_remote_code,
+            t.revision,
+            json.dumps(t.chat_template_kwargs, sort_keys=True),
+            t.end_of_turn_token,
+            t.think_open,
+            t.think_close,
         )
 
     def problems(self) -> list[str]:
-        """Preflight: the tokenizer loads and its end-of-turn token is what the template really writes."""
+        """Preflight: code and weights pinned, the tokenizer loads, and its end-of-turn token is what the
+        template really writes."""
+        pins = pin_problems(self.cfg, self.base_dir)
+        if pins:
+            return pins
         try:
-            return self.chat_tokenizer().special_token_problems(self.end_of_turn_id)
+            return self.chat_tokenizer().special_token_problems(self.cfg.end_of_turn_id)
         except Exception as e:
-            return [f"target.tokenizer {self.tokenizer!r} cannot be used: {e}"]
+            return [f"target.tokenizer {self.cfg.tokenizer!r} cannot be used: {e}"]
 
 
 @lru_cache(maxsize=4)

@@ -63,6 +63,23 @@ def make_project(root: Path, datasets: dict[str, dict], **top) -> Path:
     return path
 
 
+def make_plan(
+    key: str, max_tokens: int, budget_tokens: int, budget_usd: float | None = None, sampling=None, **run
+):
+    """A generation plan for a dataset section written in code (tests and benchmarks)."""
+    from eagle3_assets.config import DatasetConfig, SamplingConfig
+    from eagle3_assets.core.generation import GenerationPlan
+
+    ds = DatasetConfig(
+        source="(in code)",
+        format="messages",
+        max_tokens=max_tokens,
+        budget_tokens=budget_tokens,
+        budget_usd=budget_usd,
+    )
+    return GenerationPlan(key, ds, sampling or SamplingConfig(), **run)
+
+
 def user_rows(texts: list[str], with_ids: bool = True) -> list[dict]:
     rows = []
     for i, t in enumerate(texts):

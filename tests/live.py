@@ -40,6 +40,40 @@ query($id: String!) {
 }"""
 
 
+LAUNCH_RUN = """
+mutation($params: ExecutionParams!) {
+  launchRun(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on RunConfigValidationInvalid { errors { message } }
+    ... on PythonError { message }
+    ... on InvalidSubsetError { message }
+  }
+}"""
+
+RUN_STATUS = """
+query($id: ID!) {
+  runOrError(runId: $id) { __typename ... on Run { status startTime endTime } ... on PythonError { message } }
+}"""
+
+RUN_MESSAGES = """
+query($id: ID!) {
+  logsForRun(runId: $id, limit: 1000) {
+    __typename
+    ... on EventConnection { events {
+      __typename
+      ... on MessageEvent { message }
+      ... on ExecutionStepFailureEvent { error { message causes { message } } }
+      ... on RunFailureEvent { error { message causes { message } } }
+      ... on EngineEvent { error { message causes { message } } }
+    } }
+  }
+}"""
+
+LOCATION = "eagle3_assets"  # workspace.yaml
+REPOSITORY = "__repository__"  # a Definitions object's repository
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,6 +176,34 @@ class DagsterDev:
                 return b
             time.sleep(2)
         raise TimeoutError(f"backfill {backfill_id} not done in {timeout}s:\n{self.log_tail()}")
+
+    def launch_run(self, job: str, partition: str, run_config: dict) -> dict:
+        params = {
+            "selector": {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY, "jobName": job},
+            "runConfigData": run_config,
+            "executionMetadata": {"tags": [{"key": "dagster/partition", "value": partition}]},
+        }
+        return self.graphql(LAUNCH_RUN, {"params": params})["launchRun"]
+
+    def wait_run(self, run_id: str, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            run = self.graphql(RUN_STATUS, {"id": run_id})["runOrError"]
+            if run.get("status") in ("SUCCESS", "FAILURE", "CANCELED"):
+                return run
+            time.sleep(1)
+        raise TimeoutError(f"run {run_id} not done in {timeout}s:\n{self.log_tail()}")
+
+    def run_messages(self, run_id: str) -> str:
+        """Every message and error text of a run's event log, one per line."""
+        events = self.graphql(RUN_MESSAGES, {"id": run_id})["logsForRun"].get("events", [])
+        lines = []
+        for e in events:
+            lines.append(e.get("message") or "")
+            err = e.get("error") or {}
+            lines.append(err.get("message") or "")
+            lines += [c.get("message") or "" for c in err.get("causes") or []]
+        return "\n".join(x for x in lines if x)
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""

@@ -6,15 +6,17 @@ import json
 
 import polars as pl
 
+from eagle3_assets.config import OpenRouterConfig, SGLangConfig
 from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.generation import GenerationPlan, generate_responses
+from eagle3_assets.core.generation import generate_responses
 from eagle3_assets.core.importer import import_responses
 from eagle3_assets.core.protocol import Sampling
 from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
 from eagle3_assets.core.tokens import build_tokens
-from resources.inference.openrouter import OpenRouterInference, parse_chat_completion
-from resources.inference.sglang import SGLangInference, split_reasoning
+from resources.inference.openrouter import OpenRouterBackend, parse_chat_completion
+from resources.inference.sglang import SGLangBackend, split_reasoning
 
+from .conftest import make_plan
 from .fake_servers import FakeOpenRouter, FakeSGLang
 from .test_engine import dataset
 
@@ -25,12 +27,12 @@ def test_sglang_native_generate_with_exact_prompt_ids(tmp_path, chat, smol_tok):
     texts = ["What is 6 times 7?", "List two colours.", "Why is the sky blue?"]
     layout = dataset(tmp_path, texts)
     with FakeSGLang(smol_tok, chat.eot_id, fail_first=2) as server:
-        res = SGLangInference(base_url=server.base_url, max_concurrency=4)
-        plan = GenerationPlan("B1", 64, 10_000, None, Sampling(temperature=0.7, top_p=0.9, top_k=20))
+        backend = SGLangBackend(SGLangConfig(base_url=server.base_url, max_concurrency=4), chat)
+        plan = make_plan("B1", 64, 10_000, sampling=Sampling(temperature=0.7, top_p=0.9, top_k=20))
         summary = generate_responses(
             layout,
             plan,
-            res.create_backend(chat),
+            backend,
             chat,
             EngineSettings(max_concurrency=4, **SETTINGS),
             log=lambda m: None,
@@ -122,12 +124,14 @@ def test_import_counts_toward_budget_and_serves_as_reference(tmp_path, chat, smo
     # The imported 400+ tokens already exceed a 300-token budget: nothing more is sent.
     monkeypatch.setenv("EAGLE3_TEST_OPENROUTER_KEY", "k")
     with FakeOpenRouter(key="k") as server:
-        res = OpenRouterInference(base_url=server.base_url, api_key_env="EAGLE3_TEST_OPENROUTER_KEY")
-        plan = GenerationPlan("B1", 50, 300, None, Sampling())
+        backend = OpenRouterBackend(
+            OpenRouterConfig(base_url=server.base_url, api_key_env="EAGLE3_TEST_OPENROUTER_KEY"), chat
+        )
+        plan = make_plan("B1", 50, 300)
         out = generate_responses(
             layout,
             plan,
-            res.create_backend(),
+            backend,
             chat,
             EngineSettings(max_concurrency=2, **SETTINGS),
             log=lambda m: None,

@@ -64,3 +64,36 @@ def test_object_store_urls_are_refused_with_the_alternative(tmp_path):
     path = make_project(tmp_path, {"B1": {"rows": user_rows(["hi"])}}, storage={"root": "s3://bucket/eagle3"})
     with pytest.raises(ConfigError, match=r"key 'storage\.root'.*mounted shared volume"):
         load_config(path)
+
+
+def test_errors_name_the_readme_section_not_a_document_users_lack(tmp_path):
+    path = make_project(tmp_path, {"B1": {"rows": user_rows(["x"])}}, storage={"root": "data", "rooot": 1})
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "README, section 'Configuration: eagle3.yaml'" in str(e.value) and "design" not in str(e.value)
+
+
+def test_the_key_goes_over_plain_http_only_to_loopback_or_when_allowed(tmp_path):
+    def cfg(**openrouter):
+        return make_project(tmp_path, {"B1": {"rows": user_rows(["x"])}}, backends={"openrouter": openrouter})
+
+    with pytest.raises(ConfigError, match="allow_insecure_http"):
+        load_config(cfg(base_url="http://10.1.2.3:8000/v1"))
+    assert load_config(cfg(base_url="http://10.1.2.3:8000/v1", allow_insecure_http=True))
+    assert load_config(cfg(base_url="http://127.0.0.1:8000/v1"))
+    assert load_config(cfg(base_url="http://localhost:8000/v1"))
+    assert load_config(cfg(base_url="https://openrouter.ai/api/v1"))
+
+
+def test_remote_code_from_the_hub_must_be_pinned(tmp_path):
+    from eagle3_assets.config import TargetConfig
+    from eagle3_assets.core.target import pin_problems
+
+    hub = TargetConfig(tokenizer="moonshotai/Kimi-K2.5", model="moonshotai/Kimi-K2.5", trust_remote_code=True)
+    assert "target.revision" in pin_problems(hub, tmp_path)[0]
+    assert pin_problems(hub.model_copy(update={"revision": "4a1b2c3d"}), tmp_path) == []
+    assert pin_problems(hub.model_copy(update={"trust_remote_code": False}), tmp_path) == []
+    local = tmp_path / "kimi"
+    local.mkdir()
+    here = TargetConfig(tokenizer=str(local), model="builtin:smollm2", trust_remote_code=True)
+    assert pin_problems(here, tmp_path) == []  # a local copy is what you reviewed

@@ -37,7 +37,7 @@ def prepare_home(home, config, template: str, env: dict | None = None) -> None:
     home.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "deploy" / template / "dagster.yaml", home / "dagster.yaml")
     done = subprocess.run(
-        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(config), "pools"],
+        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(config), "instance"],
         cwd=REPO,
         env={**__import__("os").environ, "DAGSTER_HOME": str(home), **(env or {})},
         capture_output=True,

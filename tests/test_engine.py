@@ -5,15 +5,16 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
+from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.generation import GenerationPlan, PreflightError, generate_responses
+from eagle3_assets.core.generation import PreflightError, generate_responses
 from eagle3_assets.core.ingest import write_prompts
 from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.protocol import FatalRunError, Sampling
+from eagle3_assets.core.protocol import FatalRunError
 from eagle3_assets.core.store import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
-from resources.inference.openrouter import OpenRouterInference
+from resources.inference.openrouter import OpenRouterBackend
 
-from .conftest import user_rows, write_jsonl
+from .conftest import make_plan, user_rows, write_jsonl
 from .fake_servers import FakeOpenRouter, dump_hits
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
@@ -39,7 +40,7 @@ def run(
     max_tokens=100,
     **resource,
 ):
-    res = OpenRouterInference(
+    cfg = OpenRouterConfig(
         base_url=server.base_url,
         api_key_env=KEY_ENV,
         max_concurrency=concurrency,
@@ -47,7 +48,7 @@ def run(
         request_timeout_s=resource.pop("timeout", 30),
         **resource,
     )
-    plan = GenerationPlan(layout.key, max_tokens, budget_tokens, budget_usd, Sampling())
+    plan = make_plan(layout.key, max_tokens, budget_tokens, budget_usd)
     settings = EngineSettings(
         max_concurrency=concurrency,
         max_retries=retries,
@@ -57,7 +58,7 @@ def run(
         progress_interval_s=0.5,
         fatal_grace_s=2,
     )
-    return generate_responses(layout, plan, res.create_backend(chat), chat, settings, log=lambda m: None)
+    return generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
 
 
 def stored(layout):
@@ -291,7 +292,7 @@ def write_finished_partition(root, n: int) -> DatasetLayout:
 
 def test_rerunning_a_finished_100k_partition_sends_nothing(tmp_path, chat):
     layout = write_finished_partition(tmp_path / "data", 100_000)
-    plan = GenerationPlan("B9", 100, 10**9, None, Sampling())
+    plan = make_plan("B9", 100, 10**9)
     summary = generate_responses(
         layout, plan, _MustNotBeCalled(), chat, EngineSettings(max_concurrency=8), log=lambda m: None
     )

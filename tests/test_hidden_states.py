@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from eagle3_assets.config import HiddenStatesConfig
 from eagle3_assets.core.chat_tokens import Answer
 from eagle3_assets.core.export import export
 from eagle3_assets.core.extraction import ExtractionSettings, extract_dataset
@@ -69,7 +70,7 @@ def write_tokens(chat, root, key="B1", n=8, repeat=1) -> DatasetLayout:
 
 
 def settings(**kw) -> ExtractionSettings:
-    return ExtractionSettings(model="builtin:smollm2", tokenizer="builtin:smollm2", **kw)
+    return ExtractionSettings(hidden=HiddenStatesConfig(**kw))
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +182,10 @@ KILL_SCRIPT = """
 import sys
 from pathlib import Path
 from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.config import HiddenStatesConfig
 from eagle3_assets.core.extraction import ExtractionSettings, extract_dataset
 extract_dataset(DatasetLayout(Path(sys.argv[1]), "B1"),
-                ExtractionSettings(model="builtin:smollm2", tokenizer="builtin:smollm2", shard_bytes=int(sys.argv[2])),
+                ExtractionSettings(hidden=HiddenStatesConfig(shard_bytes=int(sys.argv[2]))),
                 log=lambda m: None)
 """
 

@@ -14,12 +14,14 @@ import time
 import polars as pl
 import pytest
 
+from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.generation import GenerationPlan, generate_responses
+from eagle3_assets.core.generation import generate_responses
 from eagle3_assets.core.journal import ResponseJournal
-from eagle3_assets.core.protocol import FatalRunError, Sampling
-from resources.inference.openrouter import OpenRouterInference
+from eagle3_assets.core.protocol import FatalRunError
+from resources.inference.openrouter import OpenRouterBackend
 
+from .conftest import make_plan
 from .fake_servers import FakeOpenRouter
 from .limited_provider import LimitedProvider, ProviderSpec
 from .test_engine import KEY, KEY_ENV, dataset, stored
@@ -33,7 +35,7 @@ def key_env(monkeypatch):
 def drive(
     layout, base_url, chat, *, concurrency, budget_tokens=10**12, max_tokens=512, stream=True, retries=4, **kw
 ):
-    res = OpenRouterInference(
+    cfg = OpenRouterConfig(
         base_url=base_url,
         api_key_env=KEY_ENV,
         model=kw.pop("model", "sim/model"),
@@ -42,7 +44,7 @@ def drive(
         reasoning=None,
         request_timeout_s=60,
     )
-    plan = GenerationPlan(layout.key, max_tokens, budget_tokens, kw.pop("budget_usd", None), Sampling())
+    plan = make_plan(layout.key, max_tokens, budget_tokens, kw.pop("budget_usd", None))
     settings = EngineSettings(
         max_concurrency=concurrency,
         max_retries=retries,
@@ -53,7 +55,7 @@ def drive(
         fatal_grace_s=2,
         **kw,
     )
-    return generate_responses(layout, plan, res.create_backend(chat), chat, settings, log=lambda m: None)
+    return generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
 
 
 def assert_all_answered(layout, n: int, summary) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+from eagle3_assets.config import LocalConfig, TargetConfig
 from eagle3_assets.core.protocol import CompletionRequest, InferenceBackend
-from resources.inference.local import LocalInference
+from resources.inference.local import LocalBackend
 
 
 def test_embedded_model_generates_through_the_protocol(chat):
-    backend = LocalInference(batch_size=4).create_backend(chat)
+    backend = LocalBackend(LocalConfig(batch_size=4), TargetConfig(), ".", chat)
     assert isinstance(backend, InferenceBackend)
     prompts = [[{"role": "user", "content": q}] for q in ("What is 2+2?", "Say hello.", "Name a fruit.")]
     ids = chat.prompt_ids(prompts)

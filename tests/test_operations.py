@@ -21,7 +21,7 @@ def test_pool_limits_from_the_config_are_applied_to_the_instance(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(config), "pools"],
+        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(config), "instance"],
         cwd=REPO,
         env={**os.environ, "DAGSTER_HOME": str(home)},
         capture_output=True,
@@ -32,6 +32,9 @@ def test_pool_limits_from_the_config_are_applied_to_the_instance(tmp_path):
     with dg.DagsterInstance.from_config(str(home)) as instance:
         assert instance.event_log_storage.get_concurrency_info("llm_api").slot_count == 3
         assert instance.event_log_storage.get_concurrency_info("gpu").slot_count == 5
+        # One run per dataset: the per-partition run-tag limit the queued run coordinator enforces.
+        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+        assert {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1} in limits
 
 
 def test_steps_carry_their_pools_and_gpu_requests(tmp_path):
@@ -53,3 +56,29 @@ def test_steps_carry_their_pools_and_gpu_requests(tmp_path):
     stages = ["prompts", "responses", "tokens", "validation_report", "hidden_states"]
     assert {k: s.group_name for k, s in specs.items()} == dict.fromkeys(stages, "eagle3")
     assert all(s.description for s in specs.values()) and all(s.kinds for s in specs.values())
+
+
+def test_under_kubernetes_the_key_reaches_only_the_responses_pods(tmp_path):
+    import yaml
+
+    config = make_project(
+        tmp_path,
+        {"B1": {"rows": user_rows(["x"])}},
+        execution={"executor": "multiprocess", "k8s_api_key_secret": "my-key"},
+    )
+    cfg = load_config(config).model_copy(
+        update={"execution": load_config(config).execution.model_copy(update={"executor": "k8s"})}
+    )
+    from eagle3_assets.definitions import responses_step_tags
+
+    tags = responses_step_tags(cfg)
+    assert tags["dagster-k8s/config"]["container_config"]["env_from"] == [{"secret_ref": {"name": "my-key"}}]
+    defs = build_definitions(load_config(config), str(config))  # not k8s: no secret anywhere
+    assert "dagster-k8s/config" not in defs.resolve_assets_def("responses").op.tags
+    ops = {n.name: n.definition for n in defs.resolve_assets_def("hidden_states").node_def.nodes}
+    assert "secret_ref" not in json.dumps(ops["extract_hidden_state_shard"].tags)  # GPU pods: never
+    values = yaml.safe_load((REPO / "deploy" / "k8s" / "values.yaml").read_text())
+    assert "envSecrets" not in values["runLauncher"]["config"]["k8sRunLauncher"]
+    assert all("envSecrets" not in d for d in values["dagster-user-deployments"]["deployments"])
+    k8s_cfg = yaml.safe_load((REPO / "deploy" / "k8s" / "eagle3.k8s.yaml").read_text())
+    assert k8s_cfg["execution"]["executor"] == "k8s" and k8s_cfg["execution"]["k8s_api_key_secret"]

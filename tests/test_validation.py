@@ -123,15 +123,16 @@ def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):
 
 
 def test_a_failing_blocking_check_keeps_the_report_from_being_built(tmp_path, smol_tok):
+    from eagle3_assets.config import load_config
     from eagle3_assets.core.importer import import_responses
     from eagle3_assets.core.layout import DatasetLayout
-    from resources import TargetTokenizerResource
+    from resources import Target
 
     path = make_project(tmp_path, {"B1": {"rows": user_rows([f"question {i}" for i in range(12)])}})
     layout = DatasetLayout(tmp_path / "data", "B1")
     with dg.instance_for_test() as instance:
         assert run_job(path, "B1", instance, run_config=None, selection=["prompts"]).success
-        chat = TargetTokenizerResource().chat_tokenizer()
+        chat = Target(load_config(path)).chat_tokenizer()
         wrong = smol_tok("Something else entirely.", add_special_tokens=False)["input_ids"]
         ids = pl.read_parquet(layout.prompts)["id"].to_list()
         src = tmp_path / "answers.jsonl"

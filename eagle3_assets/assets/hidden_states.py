@@ -9,7 +9,7 @@ import re
 
 import dagster as dg
 
-from resources import ProjectConfigResource, StorageResource
+from resources import Project, Storage
 
 from ..config import ProjectConfig
 from ..core.extraction import ExtractionSettings, describe_layout, extract, finish, prepare
@@ -30,19 +30,7 @@ IO = "hidden_states_io"
 
 
 def extraction_settings(cfg: ProjectConfig) -> ExtractionSettings:
-    h = cfg.hidden_states
-    return ExtractionSettings(
-        model=cfg.target.model,
-        tokenizer=cfg.target.tokenizer,
-        aux_layers=tuple(h.aux_layers) if h.aux_layers else None,
-        shard_bytes=h.shard_bytes,
-        max_tokens_per_batch=h.max_tokens_per_batch,
-        max_seq_len=h.max_seq_len,
-        device=h.device,
-        store_dtype=h.dtype,
-        trust_remote_code=cfg.target.trust_remote_code,
-        base_dir=cfg.base_dir,
-    )
+    return ExtractionSettings(cfg.target, cfg.hidden_states, cfg.base_dir)
 
 
 def _mapping_key(name: str) -> str:
@@ -55,9 +43,9 @@ def _mapping_key(name: str) -> str:
     description="Plan the shards still to extract (finished shards are never recomputed).",
 )
 def plan_hidden_state_shards(
-    context: dg.OpExecutionContext, project: ProjectConfigResource, storage: StorageResource
+    context: dg.OpExecutionContext, project: dg.ResourceParam[Project], storage: dg.ResourceParam[Storage]
 ):
-    cfg = project.load()
+    cfg = project.cfg
     work = prepare(storage.layout(context.partition_key), extraction_settings(cfg), log=context.log.info)
     for plan in work.todo:
         yield dg.DynamicOutput(plan.name, mapping_key=_mapping_key(plan.name))
@@ -70,9 +58,12 @@ def plan_hidden_state_shards(
     description="Run the target over one shard's samples and write the shard atomically.",
 )
 def extract_hidden_state_shard(
-    context: dg.OpExecutionContext, shard: str, project: ProjectConfigResource, storage: StorageResource
+    context: dg.OpExecutionContext,
+    shard: str,
+    project: dg.ResourceParam[Project],
+    storage: dg.ResourceParam[Storage],
 ) -> dict:
-    cfg = project.load()
+    cfg = project.cfg
     stats = extract(
         storage.layout(context.partition_key), extraction_settings(cfg), [shard], log=context.log.info
     )
@@ -86,7 +77,9 @@ def extract_hidden_state_shard(
 
 
 @dg.op(out=dg.Out(io_manager_key=IO), description="Rebuild index.parquet from the shards on disk.")
-def index_hidden_states(context: dg.OpExecutionContext, results: list[dict], storage: StorageResource):
+def index_hidden_states(
+    context: dg.OpExecutionContext, results: list[dict], storage: dg.ResourceParam[Storage]
+):
     layout = storage.layout(context.partition_key)
     index = finish(layout)
     summary = describe_layout(layout.hidden_states_dir)

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from resources import ProjectConfigResource, StorageResource
+from resources import Project, Storage
 
 from ..core.ingest import quarantine_reasons, write_prompts
 from .common import GROUP, counts_table
@@ -21,9 +21,11 @@ def build_prompts_asset(
         "user turn, one row per prompt with a stable id; unusable rows go to quarantine.parquet with the reason.",
     )
     def prompts(
-        context: dg.AssetExecutionContext, project: ProjectConfigResource, storage: StorageResource
+        context: dg.AssetExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
     ) -> dg.MaterializeResult:
-        cfg = project.load()
+        cfg = project.cfg
         key = context.partition_key
         ds = cfg.dataset(key)
         layout = storage.layout(key)

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from resources import ProjectConfigResource, StorageResource
+from resources import Project, Storage
 
 from ..core.report import render_markdown, write_report
 from .common import GROUP
@@ -22,9 +22,11 @@ def build_report_asset(
         "reference-match rate of one dataset (report.json and a readable report.md).",
     )
     def validation_report(
-        context: dg.AssetExecutionContext, project: ProjectConfigResource, storage: StorageResource
+        context: dg.AssetExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
     ) -> dg.MaterializeResult:
-        cfg = project.load()
+        cfg = project.cfg
         key = context.partition_key
         ds = cfg.dataset(key)
         layout = storage.layout(key)

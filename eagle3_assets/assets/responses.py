@@ -2,19 +2,19 @@
 
 import dagster as dg
 
-from resources import InferenceResource, ProjectConfigResource, StorageResource, TargetTokenizerResource
+from resources import Inference, Project, Storage, Target
 
-from ..core.engine import EngineSettings
 from ..core.generation import GenerationPlan, GenerationSummary, generate_responses
-from ..core.protocol import Sampling
 from .common import GROUP, counts_table
 
 
 class ResponsesRunConfig(dg.Config):
-    """Per-run knobs (set in the launchpad); the dataset's budget and max_tokens come from eagle3.yaml."""
+    """What a launch may choose (the launchpad, a backfill's config). Everything else — endpoints, key variables,
+    models, budgets — comes from eagle3.yaml only."""
 
     limit: int | None = None  # answer at most this many new prompts in this run
     retry_permanent_failures: bool = False  # send prompts again that failed with a permanent error
+    max_concurrency: int | None = None  # a lower ceiling for this run (never above the configured one)
 
 
 def summary_metadata(s: GenerationSummary) -> dict:
@@ -75,7 +75,9 @@ def settings_ceiling(s: GenerationSummary) -> int | None:
 
 
 def build_responses_asset(
-    partitions: dg.PartitionsDefinition, automation_condition: dg.AutomationCondition | None = None
+    partitions: dg.PartitionsDefinition,
+    automation_condition: dg.AutomationCondition | None = None,
+    op_tags: dict | None = None,
 ) -> dg.AssetsDefinition:
     @dg.asset(
         name="responses",
@@ -85,6 +87,7 @@ def build_responses_asset(
         group_name=GROUP,
         kinds={"python", "parquet"},
         pool="llm_api",
+        op_tags=op_tags,
         description="The target model's answer to every prompt (text, reasoning, finish reason, usage, cost and "
         "output token ids where the backend returns them). Resumable: an answered prompt is never sent again; "
         "stops at the dataset's token/dollar budget.",
@@ -92,28 +95,22 @@ def build_responses_asset(
     def responses(
         context: dg.AssetExecutionContext,
         config: ResponsesRunConfig,
-        project: ProjectConfigResource,
-        storage: StorageResource,
-        inference: InferenceResource,
-        target: TargetTokenizerResource,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+        inference: dg.ResourceParam[Inference],
+        target: dg.ResourceParam[Target],
     ) -> dg.MaterializeResult:
-        cfg = project.load()
+        cfg = project.cfg
         key = context.partition_key
-        ds = cfg.dataset(key)
-        sampling = cfg.sampling_for(key)
         plan = GenerationPlan(
             key=key,
-            max_tokens=ds.max_tokens,
-            budget_tokens=ds.budget_tokens,
-            budget_usd=ds.budget_usd,
-            sampling=Sampling(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed),
+            dataset=cfg.dataset(key),
+            sampling=cfg.sampling_for(key),
             retry_permanent_failures=config.retry_permanent_failures,
             limit=config.limit,
         )
         chat = target.chat_tokenizer()
-        settings = EngineSettings(
-            max_concurrency=inference.max_concurrency, max_retries=inference.max_retries
-        )
+        settings = inference.engine_settings(config.max_concurrency)
         summary = generate_responses(
             storage.layout(key),
             plan,

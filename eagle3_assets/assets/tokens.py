@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from resources import ProjectConfigResource, StorageResource, TargetTokenizerResource
+from resources import Project, Storage, Target
 
 from ..core.tokens import build_tokens
 from .common import GROUP, counts_table
@@ -23,11 +23,11 @@ def build_tokens_asset(
     )
     def tokens(
         context: dg.AssetExecutionContext,
-        project: ProjectConfigResource,
-        storage: StorageResource,
-        target: TargetTokenizerResource,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+        target: dg.ResourceParam[Target],
     ) -> dg.MaterializeResult:
-        cfg = project.load()
+        cfg = project.cfg
         key = context.partition_key
         layout = storage.layout(key)
         s = build_tokens(

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from ..config import HiddenStatesConfig, TargetConfig
 from .files import write_json
 from .hidden_states import (
     ExtractionStats,
@@ -40,20 +41,24 @@ PLAN_FILE = "plan.json"
 
 @dataclass(frozen=True)
 class ExtractionSettings:
-    model: str  # a reference `target.resolve` understands (builtin:smollm2, a folder, a hub id)
-    tokenizer: str
-    aux_layers: tuple[int, ...] | None = None
-    shard_bytes: int = 2 * 1024**3
-    max_tokens_per_batch: int = 16384
-    max_seq_len: int = 32768
-    device: str = "auto"
-    store_dtype: str = "bfloat16"
-    trust_remote_code: bool = False
+    """The sections of eagle3.yaml extraction reads, and the folder relative references resolve against."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    hidden: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
     base_dir: str = "."
+
+    @property
+    def store_dtype(self) -> str:
+        """`auto` stores bf16, what the training frameworks read (compute runs in the device's own dtype)."""
+        return "bfloat16" if self.hidden.dtype == "auto" else self.hidden.dtype
+
+    @property
+    def model_ref(self) -> str:
+        return resolve(self.target.model, self.base_dir)
 
 
 @lru_cache(maxsize=1)
-def _model(ref: str, device: str, trust_remote_code: bool) -> Any:
+def _model(ref: str, device: str, trust_remote_code: bool, revision: str | None = None) -> Any:
     """The target, once per process (a pod extracting many shards loads the weights once)."""
     attn = None
     if device.startswith("cuda"):
@@ -63,7 +68,9 @@ def _model(ref: str, device: str, trust_remote_code: bool) -> Any:
             attn = "flash_attention_2"
         except ImportError:
             attn = "sdpa"
-    return load_model(ref, device=device, trust_remote_code=trust_remote_code, attn_implementation=attn)
+    return load_model(
+        ref, device=device, trust_remote_code=trust_remote_code, revision=revision, attn_implementation=attn
+    )
 
 
 def model_config(settings: ExtractionSettings) -> dict[str, Any]:
@@ -71,7 +78,9 @@ def model_config(settings: ExtractionSettings) -> dict[str, Any]:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(
-        resolve(settings.model, settings.base_dir), trust_remote_code=settings.trust_remote_code
+        settings.model_ref,
+        trust_remote_code=settings.target.trust_remote_code,
+        revision=settings.target.revision,
     )
     text = getattr(cfg, "text_config", None) or cfg
     return {"num_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size)}
@@ -86,7 +95,7 @@ def prepare(
     sizes = model_config(settings)
     tokens = pl.read_parquet(layout.tokens, columns=["id", "input_ids"])
     per_token = bytes_per_token(sizes["hidden_size"], settings.store_dtype)
-    work = plan_work(tokens, folder, settings.shard_bytes, per_token, settings.max_seq_len)
+    work = plan_work(tokens, folder, settings.hidden.shard_bytes, per_token, settings.hidden.max_seq_len)
     for name in work.stale_shards:
         (folder / name).unlink(missing_ok=True)
     write_json(
@@ -123,16 +132,17 @@ def extract(
     stats = ExtractionStats()
     if not plans:
         return stats
-    device = pick_device(settings.device)
-    model = _model(resolve(settings.model, settings.base_dir), device, settings.trust_remote_code)
+    device = pick_device(settings.hidden.device)
+    t = settings.target
+    model = _model(settings.model_ref, device, t.trust_remote_code, t.revision)
     num_layers = model.config.get_text_config().num_hidden_layers
-    aux = list(settings.aux_layers) if settings.aux_layers else default_aux_layers(num_layers)
+    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
     capture = HiddenStateCapture(model, aux)
     attn = getattr(model.config, "_attn_implementation", None)
-    row_tokens = row_budget(device, attn, settings.max_tokens_per_batch)
+    row_tokens = row_budget(device, attn, settings.hidden.max_tokens_per_batch)
     metadata = {
-        "model": settings.model,
-        "tokenizer": settings.tokenizer,
+        "model": settings.target.model,
+        "tokenizer": settings.target.tokenizer,
         "aux_layers": json.dumps(aux),
         "last_layer": str(capture.last_layer),
         "layer_convention": "outputs of decoder layers (0-based); last_hidden_state is before the final norm",

@@ -15,6 +15,7 @@ from typing import Any
 
 import polars as pl
 
+from ..config import DatasetConfig
 from .budget import Budget
 from .chat_tokens import ChatTokenizer, TemplateError
 from .engine import EngineReport, EngineSettings, GenerationEngine
@@ -32,13 +33,25 @@ class PreflightError(RuntimeError):
 
 @dataclass
 class GenerationPlan:
+    """One run over one dataset: its section of eagle3.yaml and what the launch chose."""
+
     key: str
-    max_tokens: int
-    budget_tokens: int
-    budget_usd: float | None
+    dataset: DatasetConfig
     sampling: Sampling
     retry_permanent_failures: bool = False
     limit: int | None = None  # answer at most this many prompts in this run
+
+    @property
+    def max_tokens(self) -> int:
+        return self.dataset.max_tokens
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.dataset.budget_tokens
+
+    @property
+    def budget_usd(self) -> float | None:
+        return self.dataset.budget_usd
 
 
 @dataclass

@@ -11,13 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
+from ..config import SamplingConfig as Sampling  # one sampling model: eagle3.yaml's
 
 
 @dataclass(slots=True)

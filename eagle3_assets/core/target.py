@@ -113,6 +113,26 @@ def resolve(ref: str, base_dir: str | Path | None = None) -> str:
     return str(path) if path.exists() else ref
 
 
+def is_hub_reference(ref: str, base_dir: str | Path | None = None) -> bool:
+    """A Hugging Face repo id (code and weights fetched from the hub), not a builtin or a local folder."""
+    return not ref.startswith(BUILTIN_PREFIX) and not Path(resolve(ref, base_dir)).exists()
+
+
+def pin_problems(target: Any, base_dir: str | Path | None = None) -> list[str]:
+    """Remote code from the hub runs in this process: it must be pinned to a revision (a commit), or a push to
+    the repo changes what runs. `target.revision` pins the tokenizer, the model and their code alike."""
+    if not target.trust_remote_code or target.revision:
+        return []
+    hub = [ref for ref in {target.tokenizer, target.model} if is_hub_reference(ref, base_dir)]
+    if not hub:
+        return []
+    return [
+        f"target.trust_remote_code is true for {', '.join(sorted(hub))} from the hub with no target.revision: pin "
+        "the commit whose code you reviewed (target.revision: <sha>) or use a local copy "
+        "(README, section 'Configuration: eagle3.yaml')"
+    ]
+
+
 @lru_cache(maxsize=4)
 def load_tokenizer(ref: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
     from transformers import AutoTokenizer

@@ -1,8 +1,50 @@
-"""Inference resources: one per serving system, all driven by the same generation engine."""
+"""Inference: the configured backend (`backend:` and its `backends.<name>` section), all driven by one engine."""
 
-from .base import InferenceResource
-from .local import LocalInference
-from .openrouter import OpenRouterInference
-from .sglang import SGLangInference
+from __future__ import annotations
 
-__all__ = ["InferenceResource", "LocalInference", "OpenRouterInference", "SGLangInference"]
+from eagle3_assets.config import README_CONFIG, ProjectConfig
+from eagle3_assets.core.chat_tokens import ChatTokenizer
+from eagle3_assets.core.engine import EngineSettings
+from eagle3_assets.core.protocol import InferenceBackend
+
+from .local import LocalBackend
+from .openrouter import OpenRouterBackend
+from .sglang import SGLangBackend
+
+
+class Inference:
+    """Builds the backend of one run from the config; the engine's concurrency ceiling and retries come with it."""
+
+    def __init__(self, cfg: ProjectConfig):
+        self.name = cfg.backend
+        self.section = getattr(cfg.backends, cfg.backend)
+        self._cfg = cfg
+
+    @property
+    def max_concurrency(self) -> int:
+        if self.name == "local":
+            return 2 * self.section.batch_size  # enough waiting callers to fill every batch
+        return self.section.max_concurrency
+
+    def engine_settings(self, max_concurrency: int | None = None) -> EngineSettings:
+        """`max_concurrency` from a launch may lower the configured ceiling, never raise it."""
+        ceiling = self.max_concurrency
+        if max_concurrency is not None and max_concurrency > ceiling:
+            raise ValueError(
+                f"max_concurrency {max_concurrency} is above the ceiling of backends.{self.name} ({ceiling}); "
+                f"raise it in the config file ({README_CONFIG}) or launch with a lower value"
+            )
+        return EngineSettings(
+            max_concurrency=max_concurrency or ceiling, max_retries=self.section.max_retries
+        )
+
+    def create_backend(self, chat: ChatTokenizer) -> InferenceBackend:
+        """A fresh backend for one run; it opens its connections in `start()` inside the engine's loop."""
+        if self.name == "openrouter":
+            return OpenRouterBackend(self.section, chat)
+        if self.name == "sglang":
+            return SGLangBackend(self.section, chat)
+        return LocalBackend(self.section, self._cfg.target, self._cfg.base_dir, chat)
+
+
+__all__ = ["Inference", "LocalBackend", "OpenRouterBackend", "SGLangBackend"]

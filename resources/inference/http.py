@@ -51,7 +51,9 @@ def make_session(timeout_s: float, headers: dict[str, str] | None = None) -> aio
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
-        headers=headers or {},
+        # Bodies go out as pre-encoded bytes, which get no content type of their own; strict servers
+        # (FastAPI's, behind `transformers serve` and vLLM) refuse a body without one.
+        headers={"Content-Type": "application/json", **(headers or {})},
         json_serialize=lambda o: dumps(o).decode(),
     )
 
@@ -237,34 +239,45 @@ async def post_sse(
             if resp.status != 200:
                 raise _error_response(resp.status, redact(await resp.read(), secrets), headers)
             buf = b""
-            async for chunk in resp.content.iter_any():
+            while chunk := await resp.content.readany():
                 buf += chunk
-                if b"\n" not in chunk:
-                    continue
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators, ": keep-alive" comments, event:/id: fields
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+                if b"\n" in chunk:
+                    *lines, buf = buf.split(b"\n")
+                    if _feed(lines, on_event, headers, secrets):
                         return True
-                    if secrets:
-                        data = redact(data, secrets)
-                    try:
-                        event = loads(data)
-                    except ValueError:
-                        raise InferenceError(
-                            ErrorKind.MALFORMED,
-                            f"unparsable stream event: {describe(data.decode('utf-8', 'replace'))}",
-                            status=200,
-                        ) from None
-                    if isinstance(event, dict):
-                        on_event(event, headers)
-            return False
+            return _feed([buf], on_event, headers, secrets)
     except InferenceError:
         raise
     except _TRANSPORT_ERRORS as e:
         raise _transport_error(e) from None
+
+
+def _feed(
+    lines: list[bytes],
+    on_event: Callable[[dict, Mapping[str, str]], None],
+    headers: Mapping[str, str],
+    secrets: tuple[bytes, ...],
+) -> bool:
+    """Decode the `data:` lines and pass each event on; True at `[DONE]`."""
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue  # blank separators, ": keep-alive" comments, event:/id: fields
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        if secrets:
+            data = redact(data, secrets)
+        try:
+            event = loads(data)
+        except ValueError:
+            raise InferenceError(
+                ErrorKind.MALFORMED,
+                f"unparsable stream event: {describe(data.decode('utf-8', 'replace'))}",
+                status=200,
+            ) from None
+        if isinstance(event, dict):
+            on_event(event, headers)
+    return False
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 15.0) -> tuple[int, Any]:

@@ -13,17 +13,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from eagle3_assets.config import LocalConfig, TargetConfig
 from eagle3_assets.core.chat_tokens import ChatTokenizer
 from eagle3_assets.core.protocol import Completion, CompletionRequest, ErrorKind, InferenceError, Sampling
 from eagle3_assets.core.target import load_model, pick_device, resolve
 
-from .base import InferenceResource
-
 
 @lru_cache(maxsize=2)
-def _shared_model(ref: str, device: str, trust_remote_code: bool) -> Any:
+def _shared_model(ref: str, device: str, trust_remote_code: bool, revision: str | None) -> Any:
     """One copy of the weights per process, shared by every run (the demo materialises eight partitions)."""
-    return load_model(ref, device=device, trust_remote_code=trust_remote_code)
+    return load_model(ref, device=device, trust_remote_code=trust_remote_code, revision=revision)
 
 
 _GENERATE_LOCK = threading.Lock()
@@ -83,28 +82,27 @@ class LocalBackend:
     name = "local"
     wants_prompt_ids = True
 
-    def __init__(
-        self,
-        model_ref: str,
-        device: str,
-        batch_size: int,
-        chat_tokenizer: ChatTokenizer,
-        model_name: str,
-        trust_remote_code: bool = False,
-    ):
-        self.model_ref = model_ref
-        self.device = device
-        self.batch_size = batch_size
-        self.chat = chat_tokenizer
-        self.model = model_name
-        self.trust_remote_code = trust_remote_code
+    def __init__(self, cfg: LocalConfig, target: TargetConfig, base_dir: str, chat: ChatTokenizer):
+        self.model_ref = (
+            target.model if target.model.startswith("builtin:") else resolve(target.model, base_dir)
+        )
+        self.device = cfg.device
+        self.batch_size = cfg.batch_size
+        self.chat = chat
+        self.model = "SmolLM2-135M-Instruct" if target.model == "builtin:smollm2" else target.model
+        self.trust_remote_code = target.trust_remote_code
+        self.revision = target.revision
         self._queue: asyncio.Queue | None = None
         self._batcher: asyncio.Task | None = None
         self._weights: Any = None
 
     async def start(self) -> None:
         self._weights = await asyncio.to_thread(
-            _shared_model, resolve(self.model_ref), pick_device(self.device), self.trust_remote_code
+            _shared_model,
+            resolve(self.model_ref),
+            pick_device(self.device),
+            self.trust_remote_code,
+            self.revision,
         )
         self._queue = asyncio.Queue()
         self._batcher = asyncio.create_task(self._run_batches())
@@ -188,25 +186,3 @@ class LocalBackend:
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
-
-
-class LocalInference(InferenceResource):
-    """The embedded target model, in process. Offline, no key; the default backend."""
-
-    model: str = "builtin:smollm2"
-    device: str = "auto"
-    batch_size: int = 16
-    trust_remote_code: bool = False
-    base_dir: str = "."
-    max_retries: int = 1
-
-    @property
-    def backend_name(self) -> str:
-        return "local"
-
-    def create_backend(self, chat_tokenizer: ChatTokenizer) -> LocalBackend:
-        ref = self.model
-        if not ref.startswith("builtin:"):
-            ref = resolve(ref, self.base_dir)
-        name = "SmolLM2-135M-Instruct" if self.model == "builtin:smollm2" else self.model
-        return LocalBackend(ref, self.device, self.batch_size, chat_tokenizer, name, self.trust_remote_code)

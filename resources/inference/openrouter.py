@@ -1,7 +1,7 @@
 """OpenRouter (and any OpenAI-compatible chat-completions endpoint: vLLM, SGLang's OpenAI API, `transformers serve`).
 
-The API key is read from the environment variable the config names, at run time, and lives only in the session's
-headers: it is not a field of the resource, so it never reaches run config, logs, metadata or files.
+Built from `backends.openrouter` of eagle3.yaml. The API key is read from the environment variable the config names,
+at run time, and lives only in the session's headers: it never reaches run config, logs, metadata or files.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from eagle3_assets.config import OpenRouterConfig
+from eagle3_assets.core.chat_tokens import ChatTokenizer
 from eagle3_assets.core.protocol import Completion, CompletionRequest, ErrorKind, InferenceError, describe
 
-from .base import InferenceResource
 from .http import classify, get_json, make_session, post_json, post_sse, secret_forms
 
 TokenCounter = Callable[[str], int]
@@ -192,11 +193,12 @@ class OpenRouterBackend:
     name = "openrouter"
     wants_prompt_ids = False
 
-    def __init__(self, cfg: OpenRouterInference, count_tokens: TokenCounter | None = None):
+    def __init__(self, cfg: OpenRouterConfig, chat: ChatTokenizer | None = None):
         self.cfg = cfg
         self.model = cfg.model
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
-        self.count_tokens = count_tokens
+        # Answers that come without usage are counted with the target tokenizer, never as 0.
+        self.count_tokens: TokenCounter | None = chat.count_tokens if chat is not None else None
         self._session: aiohttp.ClientSession | None = None
         self._secrets: tuple[bytes, ...] = ()
         # Streams may run for many minutes (reasoning); what must not happen is a silent connection.
@@ -302,29 +304,3 @@ class OpenRouterBackend:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-class OpenRouterInference(InferenceResource):
-    """OpenRouter or any OpenAI-compatible endpoint. The key comes from the environment variable `api_key_env`."""
-
-    base_url: str = "https://openrouter.ai/api/v1"
-    api_key_env: str = "OPENROUTER_API_KEY"
-    model: str = "moonshotai/kimi-k2.5"
-    provider: dict[str, Any] = {}
-    reasoning: dict[str, Any] | None = {"enabled": True}
-    extra_body: dict[str, Any] = {}
-    request_timeout_s: float = 900.0
-    stream: bool = True
-    stream_idle_timeout_s: float = 300.0
-    max_concurrency: int = 2000
-    max_retries: int = 8
-    app_url: str = "https://github.com/eagle3-assets"
-    app_title: str = "eagle3-assets"
-
-    @property
-    def backend_name(self) -> str:
-        return "openrouter"
-
-    def create_backend(self, chat_tokenizer: Any = None) -> OpenRouterBackend:
-        count = chat_tokenizer.count_tokens if chat_tokenizer is not None else None
-        return OpenRouterBackend(self, count)

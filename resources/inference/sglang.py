@@ -11,10 +11,10 @@ from typing import Any
 
 import aiohttp
 
+from eagle3_assets.config import SGLangConfig
 from eagle3_assets.core.chat_tokens import ChatTokenizer
 from eagle3_assets.core.protocol import Completion, CompletionRequest, ErrorKind, InferenceError, describe
 
-from .base import InferenceResource
 from .http import CONTEXT_MARKERS, get_json, make_session, post_json
 
 
@@ -35,7 +35,7 @@ class SGLangBackend:
     name = "sglang"
     wants_prompt_ids = True
 
-    def __init__(self, cfg: SGLangInference, chat: ChatTokenizer):
+    def __init__(self, cfg: SGLangConfig, chat: ChatTokenizer):
         self.cfg = cfg
         self.chat = chat
         self.base = cfg.base_url.rstrip("/")
@@ -128,20 +128,3 @@ class SGLangBackend:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-class SGLangInference(InferenceResource):
-    """A local SGLang server (native API); returns token ids, so the tokens stage has ground truth."""
-
-    base_url: str = "http://127.0.0.1:30000"
-    request_timeout_s: float = 900.0
-    max_concurrency: int = 512
-    max_retries: int = 8
-    extra_sampling_params: dict[str, Any] = {}
-
-    @property
-    def backend_name(self) -> str:
-        return "sglang"
-
-    def create_backend(self, chat_tokenizer: ChatTokenizer) -> SGLangBackend:
-        return SGLangBackend(self, chat_tokenizer)
