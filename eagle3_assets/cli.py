@@ -29,6 +29,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         source = cfg.resolve_path(cfg.datasets[key].source)
         if not source.exists():
             problems.append(f"datasets.{key}.source: {source} does not exist")
+    for warning in res["target"].warnings():
+        print(f"warning: {warning}")
     if problems:
         print("preflight failed:\n- " + "\n- ".join(problems))
         return 1

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 
 from eagle3_assets.config import ProjectConfig, TargetConfig
-from eagle3_assets.core.chat_tokens import ChatTokenizer
-from eagle3_assets.core.target import load_tokenizer, pin_problems, resolve
+from eagle3_assets.core.chat_tokens import ChatRecipe, ChatTokenizer, chat_tokenizer
+from eagle3_assets.core.target import pin_problems, resolve
 
 
 class Target:
@@ -19,14 +18,16 @@ class Target:
 
     def chat_tokenizer(self) -> ChatTokenizer:
         t = self.cfg
-        return _chat_tokenizer(
-            resolve(t.tokenizer, self.base_dir),
-            t.trust_remote_code,
-            t.revision,
-            json.dumps(t.chat_template_kwargs, sort_keys=True),
-            t.end_of_turn_token,
-            t.think_open,
-            t.think_close,
+        return chat_tokenizer(
+            ChatRecipe(
+                resolve(t.tokenizer, self.base_dir),
+                t.trust_remote_code,
+                t.revision,
+                json.dumps(t.chat_template_kwargs, sort_keys=True),
+                t.end_of_turn_token,
+                t.think_open,
+                t.think_close,
+            )
         )
 
     def problems(self) -> list[str]:
@@ -36,20 +37,15 @@ class Target:
         if pins:
             return pins
         try:
-            return self.chat_tokenizer().special_token_problems(self.cfg.end_of_turn_id)
+            chat = self.chat_tokenizer()
+            problems = chat.special_token_problems(self.cfg.end_of_turn_id)
+            return problems or chat.exactness()[0]
         except Exception as e:
             return [f"target.tokenizer {self.cfg.tokenizer!r} cannot be used: {e}"]
 
-
-@lru_cache(maxsize=4)
-def _chat_tokenizer(
-    ref: str,
-    trust: bool,
-    revision: str | None,
-    kwargs_json: str,
-    eot: str | None,
-    think_open: str,
-    think_close: str,
-) -> ChatTokenizer:
-    tok = load_tokenizer(ref, trust, revision)
-    return ChatTokenizer(tok, json.loads(kwargs_json), eot, think_open, think_close)
+    def warnings(self) -> list[str]:
+        """What preflight reports without stopping: rows or options this family cannot rebuild exactly."""
+        try:
+            return self.chat_tokenizer().exactness()[1]
+        except Exception:
+            return []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,37 @@ class _Plan:
     regions: tuple[tuple[tuple[Item, ...], bool], ...]  # (items, trained)
 
 
+@dataclass(frozen=True)
+class ChatRecipe:
+    """How to build a ChatTokenizer anywhere (a worker process): the target's tokenizer and template settings."""
+
+    ref: str
+    trust_remote_code: bool = False
+    revision: str | None = None
+    kwargs_json: str = "{}"
+    end_of_turn_token: str | None = None
+    think_open: str = "<think>"
+    think_close: str = "</think>"
+
+
+@lru_cache(maxsize=4)
+def chat_tokenizer(recipe: ChatRecipe) -> ChatTokenizer:
+    """One ChatTokenizer per recipe and process."""
+    import json
+
+    from .target import load_tokenizer
+
+    tok = load_tokenizer(recipe.ref, recipe.trust_remote_code, recipe.revision)
+    chat = ChatTokenizer(
+        tok, json.loads(recipe.kwargs_json), recipe.end_of_turn_token, recipe.think_open, recipe.think_close
+    )
+    chat.recipe = recipe
+    return chat
+
+
 class ChatTokenizer:
+    recipe: ChatRecipe | None = None  # set when built from a recipe: worker processes can then rebuild it
+
     def __init__(
         self,
         tokenizer: Any,
@@ -79,7 +110,7 @@ class ChatTokenizer:
         strings = sorted(self.encoder.control_ids, key=len, reverse=True)
         self._control_re = re.compile("|".join(re.escape(s) for s in strings)) if strings else None
         self._plans: dict[tuple, _Plan] = {}
-        self._verified: set[tuple] = set()
+        self._sentinel_renders: dict[tuple, str] = {}
         self.eot_token = end_of_turn_token or self._detect_end_of_turn() or tokenizer.eos_token
         if not self.eot_token:
             raise TemplateError(
@@ -247,27 +278,72 @@ class ChatTokenizer:
             vals.append((answer.content or "", answer.reasoning or ""))
         return vals
 
-    def _verify_shape(self, key: tuple, values: list[tuple[str, str]], gen: bool) -> None:
-        """Once per shape: the template must place text verbatim (no trimming or rewriting of content)."""
-        if key in self._verified:
-            return
-        roles, reasoning = key[0], key[1]
-        real = self.render(self._messages(roles, reasoning, lambda i, f: values[i][f == "r"]), gen)
-        sentinel = self._render_shape(roles, reasoning, gen)
-        filled = _SENTINEL.sub(lambda m: values[int(m.group(1))][m.group(2) == "r"], sentinel)
-        if real != filled:
-            raise TemplateError(
-                "the chat template rewrites message text (e.g. trims it); exact rebuild impossible"
+    def _sentinel(self, roles: tuple, reasoning: tuple, gen: bool) -> str:
+        key = (roles, reasoning, gen)
+        text = self._sentinel_renders.get(key)
+        if text is None:
+            text = self._sentinel_renders[key] = self._render_shape(roles, reasoning, gen)
+        return text
+
+    def _render_many(self, convs: list[list[dict[str, Any]]], gen: bool) -> list[str | Exception]:
+        """The real conversations rendered in one call (40% cheaper per row); row by row if the template raises."""
+        if not convs:
+            return []
+        try:
+            return list(
+                self.tok.apply_chat_template(convs, tokenize=False, add_generation_prompt=gen, **self.kwargs)
             )
-        self._verified.add(key)
+        except Exception:
+            out: list[str | Exception] = []
+            for c in convs:
+                try:
+                    out.append(self.render(c, gen))
+                except Exception as e:
+                    out.append(e)
+            return out
+
+    def _verify(
+        self, rows: list[tuple[int, tuple, tuple, list[tuple[str, str]], bool]]
+    ) -> dict[int, TemplateError]:
+        """Every row: the template must place this row's text verbatim. Templates that trim (Llama-3's `| trim`),
+        strip newlines around reasoning (Qwen3) or rewrite content would otherwise get ids the template never
+        produces; checked per row, since whether text is rewritten depends on the text, not on the shape, and the
+        verdict must not depend on which rows came first."""
+        bad: dict[int, TemplateError] = {}
+        for gen in (False, True):
+            group = [r for r in rows if r[4] is gen]
+            reals = self._render_many(
+                [
+                    self._messages(roles, reasoning, lambda i, f, v=values: v[i][f == "r"])
+                    for _, roles, reasoning, values, _ in group
+                ],
+                gen,
+            )
+            for (row, roles, reasoning, values, _), real in zip(group, reals, strict=True):
+                if isinstance(real, Exception):
+                    bad[row] = TemplateError(f"chat template failed: {type(real).__name__}: {real}")
+                    continue
+                sentinel = self._sentinel(roles, reasoning, gen)
+                filled = _SENTINEL.sub(lambda m, v=values: v[int(m.group(1))][m.group(2) == "r"], sentinel)
+                if real != filled:
+                    at = next(
+                        (i for i, (a, b) in enumerate(zip(real, filled, strict=False)) if a != b),
+                        min(len(real), len(filled)),
+                    )
+                    bad[row] = TemplateError(
+                        "the chat template rewrites this conversation's text (e.g. trims or strips it), so its ids "
+                        f"cannot be rebuilt exactly: at character {at} the template wrote {real[at : at + 24]!r} "
+                        f"where the text has {filled[at : at + 24]!r}"
+                    )
+        return bad
 
     def tokenize(
         self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool = False
     ) -> list[TokenizedConversation | TemplateError]:
         """Tokenize many conversations in one batch; a conversation that cannot be rendered yields its error."""
-        plans: list[tuple[_Plan, list[tuple[str, str]]] | TemplateError] = []
-        texts: list[str] = []
-        for messages, answer in conversations:
+        planned: list[tuple[_Plan, list[tuple[str, str]]] | TemplateError] = []
+        to_verify: list[tuple[int, tuple, tuple, list[tuple[str, str]], bool]] = []
+        for row, (messages, answer) in enumerate(conversations):
             try:
                 roles, reasoning = self._shape(messages, answer)
                 values = self._values(messages, answer)
@@ -279,24 +355,40 @@ class ChatTokenizer:
                     )
                     ans_key = (answer.finished, nonempty)
                 plan = self._plan(roles, reasoning, ans_key, train_all)
-                self._verify_shape((roles, reasoning, ans_key, train_all), values, answer is None)
             except TemplateError as e:
-                plans.append(e)
+                planned.append(e)
                 continue
             except Exception as e:  # a template that raises on this input
-                plans.append(TemplateError(f"chat template failed: {type(e).__name__}: {e}"))
+                planned.append(TemplateError(f"chat template failed: {type(e).__name__}: {e}"))
                 continue
-            plans.append((plan, values))
-            for items, _ in plan.regions:
-                for cid, frags in items:
-                    if cid is None:
-                        texts.append(
-                            "".join(
-                                f if isinstance(f, str) else values[f[0]][0 if f[1] == "c" else 1]
-                                for f in frags
-                            )
-                        )
-        encoded = self.encoder.encode_texts(texts)
+            planned.append((plan, values))
+            to_verify.append((row, roles, reasoning, values, answer is None))
+        for row, err in self._verify(to_verify).items():
+            planned[row] = err
+        plans: list[tuple[_Plan, list[tuple[str, str]]] | TemplateError] = planned
+        texts: list[str] = []
+        at_start: list[bool] = []
+        lstrip, rstrip = self.encoder.lstrip_ids, self.encoder.rstrip_ids
+        for entry in plans:
+            if isinstance(entry, TemplateError):
+                continue
+            plan, values = entry
+            flat = [item for items, _ in plan.regions for item in items]
+            for k, (cid, frags) in enumerate(flat):
+                if cid is not None:
+                    continue
+                text = "".join(
+                    f if isinstance(f, str) else values[f[0]][0 if f[1] == "c" else 1] for f in frags
+                )
+                # An added token with lstrip/rstrip absorbs the whitespace beside it when the whole text is
+                # encoded (Mistral's [/INST]); the run must give it up too.
+                if k + 1 < len(flat) and flat[k + 1][0] in lstrip:
+                    text = text.rstrip()
+                if k > 0 and flat[k - 1][0] in rstrip:
+                    text = text.lstrip()
+                texts.append(text)
+                at_start.append(k == 0)
+        encoded = self.encoder.encode_texts(texts, at_start)
         out: list[TokenizedConversation | TemplateError] = []
         t = 0
         for entry in plans:
@@ -366,3 +458,58 @@ class ChatTokenizer:
             elif int(probe.input_ids[-1]) != eot_id:
                 problems.append(f"the chat template does not end an answer with {eot!r}")
         return problems
+
+    def reference_ids(self, messages: Sequence[dict[str, Any]], answer: str) -> list[int]:
+        """The ids a serving stack and the model give a finished answer, from the tokenizer's own encoding alone:
+        the rendered generation prompt as a server tokenizes it, then the answer as text that follows a control
+        token, closed by the end-of-turn token. (Encoding the whole rendered conversation at once is not it: a
+        prompt that ends in template whitespace merges with the answer's first word there, which the model never
+        saw.)"""
+        prompt = self.tok(self.render(list(messages), True), add_special_tokens=False)["input_ids"]
+        after = self.tok(self.eot_token + answer + self.eot_token, add_special_tokens=False)["input_ids"]
+        return [*prompt, *after[1:]]
+
+    def exactness(self) -> tuple[list[str], list[str]]:
+        """(problems, warnings) about rebuilding this family's ids exactly, found with probe conversations before
+        any request is paid for. A problem: ordinary text does not rebuild to the ids the tokenizer itself gives
+        the rendered conversation (the run must not start). A warning: some rows will not rebuild (they become
+        tokens_errors rows with their reason) or an option cannot be exact."""
+        problems: list[str] = []
+        warnings: list[str] = []
+        clean = [
+            {"role": "system", "content": "You are brief."},
+            {"role": "user", "content": "Name a city, then write f(x) = 2x in Python."},
+        ]
+        answer = Answer("Paris.\nA function:\n    def f(x):\n        return 2 * x", None, True)
+        got = self.tokenize([(clean, answer)])[0]
+        if isinstance(got, TemplateError):
+            problems.append(f"the chat template cannot render a plain conversation exactly: {got}")
+        else:
+            ours = got.input_ids.tolist()
+            truth = self.reference_ids(clean, answer.content)
+            if truth != ours:
+                at = next((i for i, (a, b) in enumerate(zip(ours, truth, strict=False)) if a != b), len(ours))
+                problems.append(
+                    "this tokenizer and template cannot be rebuilt exactly: a plain conversation's ids differ from the "
+                    f"tokenizer's own encoding at token {at} "
+                    f"({self.encoder.decode(ours[at : at + 3])!r} vs {self.encoder.decode(truth[at : at + 3])!r})"
+                )
+        padded = [{"role": "user", "content": "  padded question \n"}]
+        if isinstance(self.tokenize([(padded, Answer(" padded answer\n", None, True))])[0], TemplateError):
+            warnings.append(
+                "the chat template rewrites message text (it trims or strips whitespace): conversations whose "
+                "messages start or end with whitespace cannot be rebuilt and go to tokens_errors.parquet"
+            )
+        history = [
+            {"role": "user", "content": "First?"},
+            {"role": "assistant", "content": "One.", "reasoning": "Count."},
+            {"role": "user", "content": "Second?"},
+        ]
+        if isinstance(
+            self.tokenize([(history, Answer("Two.", "Count again.", True))], train_all=True)[0], TemplateError
+        ):
+            warnings.append(
+                "the template renders earlier assistant turns differently once later turns follow (it drops their "
+                "reasoning): tokens.train_all_assistant_turns cannot be exact for multi-turn rows with reasoning"
+            )
+        return problems, warnings

@@ -18,23 +18,43 @@ from typing import Any, Protocol
 class TextEncoder(Protocol):
     control_ids: dict[str, int]  # every added token string -> id (the strings a template may emit)
     special_ids: set[int]  # ids of tokens marked special
+    lstrip_ids: set[int]  # added tokens that absorb the whitespace on their left (AddedToken.lstrip)
+    rstrip_ids: set[int]  # ... and on their right (AddedToken.rstrip)
     is_fast: bool
 
-    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def encode_texts(self, texts: Sequence[str], at_start: Sequence[bool] | None = None) -> list[list[int]]:
+        """Each text as the tokenizer encodes it between control tokens; `at_start[i]` marks a text that opens
+        the whole input (where a Metaspace tokenizer with prepend_scheme "first" adds its "▁")."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-def _added_tokens(tok: Any) -> tuple[dict[str, int], set[int]]:
+def _added_tokens(tok: Any) -> tuple[dict[str, int], set[int], set[int], set[int]]:
     decoder = getattr(tok, "added_tokens_decoder", None) or {}
     control = {t.content: int(i) for i, t in decoder.items()}
     special = {int(i) for i, t in decoder.items() if getattr(t, "special", False)}
+    lstrip = {int(i) for i, t in decoder.items() if getattr(t, "lstrip", False)}
+    rstrip = {int(i) for i, t in decoder.items() if getattr(t, "rstrip", False)}
     for s in getattr(tok, "all_special_tokens", []) or []:
         i = tok.convert_tokens_to_ids(s)
         if isinstance(i, int) and i >= 0:
             control.setdefault(s, i)
             special.add(i)
-    return control, special
+    return control, special, lstrip, rstrip
+
+
+def _without_first_prepend(node: Any) -> bool:
+    """Turn Metaspace prepend_scheme "first" into "never" in a pre-tokenizer spec; True if there was one."""
+    if not isinstance(node, dict):
+        return False
+    found = False
+    if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+        node["prepend_scheme"] = "never"
+        found = True
+    for child in node.get("pretokenizers", []) or []:
+        found |= _without_first_prepend(child)
+    return found
 
 
 class FastTextEncoder:
@@ -43,19 +63,41 @@ class FastTextEncoder:
     def __init__(self, tok: Any):
         from tokenizers import Tokenizer
 
-        self.control_ids, self.special_ids = _added_tokens(tok)
+        self.control_ids, self.special_ids, self.lstrip_ids, self.rstrip_ids = _added_tokens(tok)
         spec = json.loads(tok.backend_tokenizer.to_str())
         for t in spec.get("added_tokens", []):
             t["special"] = True  # so encode_special_tokens turns off matching for all of them
-        self._raw = Tokenizer.from_str(json.dumps(spec))
-        self._raw.encode_special_tokens = True
+        self._raw = self._build(Tokenizer, spec)
+        # Metaspace with prepend_scheme "first" (Llama-2/Mistral conversions) adds "▁" only to the text that opens
+        # the whole input, never to text after a control token: text in the middle gets a clone that never adds it.
+        mid = json.loads(json.dumps(spec))
+        self._raw_mid = (
+            self._build(Tokenizer, mid) if _without_first_prepend(mid.get("pre_tokenizer")) else None
+        )
         self._tok = tok
 
-    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+    @staticmethod
+    def _build(cls: Any, spec: dict) -> Any:
+        raw = cls.from_str(json.dumps(spec))
+        raw.encode_special_tokens = True
+        return raw
+
+    def encode_texts(self, texts: Sequence[str], at_start: Sequence[bool] | None = None) -> list[list[int]]:
         if not texts:
             return []
         # encode_batch_fast skips offset tracking, which nothing here needs.
-        return [e.ids for e in self._raw.encode_batch_fast(list(texts), add_special_tokens=False)]
+        if self._raw_mid is None or at_start is None:
+            raw = self._raw if self._raw_mid is None else self._raw_mid
+            return [e.ids for e in raw.encode_batch_fast(list(texts), add_special_tokens=False)]
+        out: list[list[int]] = [[] for _ in texts]
+        for raw, want in ((self._raw, True), (self._raw_mid, False)):
+            idx = [i for i, s in enumerate(at_start) if s is want]
+            if idx:
+                for i, e in zip(
+                    idx, raw.encode_batch_fast([texts[i] for i in idx], add_special_tokens=False), strict=True
+                ):
+                    out[i] = e.ids
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -67,7 +109,7 @@ class SlowTextEncoder:
     is_fast = False
 
     def __init__(self, tok: Any, workers: int | None = None):
-        self.control_ids, self.special_ids = _added_tokens(tok)
+        self.control_ids, self.special_ids, self.lstrip_ids, self.rstrip_ids = _added_tokens(tok)
         self._tok = tok
         self._pool = ThreadPoolExecutor(max_workers=workers or max(1, (os.cpu_count() or 2)))
         self._encode_one = self._pick_method(tok)
@@ -98,7 +140,7 @@ class SlowTextEncoder:
             "(neither split_special_tokens nor _tokenize keeps '<|im_end|>' as text)"
         )
 
-    def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_texts(self, texts: Sequence[str], at_start: Sequence[bool] | None = None) -> list[list[int]]:
         if len(texts) < 64:
             return [self._encode_one(t) for t in texts]
         return list(self._pool.map(self._encode_one, texts, chunksize=64))

@@ -7,16 +7,21 @@ same ids. Text-only answers (OpenRouter) get the reconstruction, `reference_matc
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
+import itertools
+import os
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from .chat_tokens import Answer, ChatTokenizer, TemplateError, TokenizedConversation
-from .files import write_parquet
+from .files import atomic_write, write_parquet
 from .layout import DatasetLayout
 from .store import RESPONSE_SCHEMA, JournalTable
 
@@ -91,10 +96,25 @@ class TokensSummary:
     n_tokens: int = 0
     n_loss_tokens: int = 0
     errors: Counter = field(default_factory=Counter)
+    workers: int = 1
 
     @property
     def match_rate(self) -> float | None:
         return self.n_match / self.n_reference if self.n_reference else None
+
+    def add(self, other: TokensSummary) -> None:
+        for name in (
+            "n_rows",
+            "n_errors",
+            "n_reference",
+            "n_match",
+            "n_explained",
+            "n_tokens",
+            "n_loss_tokens",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("mismatch_kinds", "ids_source", "errors"):
+            getattr(self, name).update(getattr(other, name))
 
 
 def build_tokens(
@@ -104,7 +124,14 @@ def build_tokens(
     prefer_reference: bool = True,
     batch_size: int = 2048,
     log: Callable[[str], None] = print,
+    workers: int | None = None,
 ) -> TokensSummary:
+    """Tokenize every answered conversation in chunks and write tokens.parquet as the chunks come back in order.
+
+    Chunks run on a thread per core: the encoding is Rust and releases the GIL, so one chunk's Python work (the
+    per-row template render, the splicing, the comparison) overlaps another chunk's encoding. Worker processes were
+    measured slower here: each pays seconds to import transformers and load the tokenizer.
+    """
     prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
     responses = (
         JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
@@ -112,92 +139,145 @@ def build_tokens(
         .select("id", "content", "reasoning", "finish_reason", "output_ids")
     )
     rows = prompts.join(responses, on="id", how="inner", maintain_order="left")
-    stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
-    summary = TokensSummary()
-    out: dict[str, list] = {
-        k: []
-        for k in (
-            "id",
-            "input_ids",
-            "loss_mask",
-            "reference_match",
-            "match_explained",
-            "ids_source",
-            "mismatch",
-            "first_diff",
-            "answer_start",
-            "finish_reason",
-        )
-    }
+    chunks = [rows.slice(start, batch_size) for start in range(0, rows.height, batch_size)]
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(chunks)))
+    summary = TokensSummary(workers=n_workers)
     errors: list[dict] = []
-    for start in range(0, rows.height, batch_size):
-        chunk = rows.slice(start, batch_size)
-        ids = chunk["id"].to_list()
-        finished = [f == "stop" for f in chunk["finish_reason"].to_list()]
-        convs = [
-            (m, Answer(c or "", r, fin))
-            for m, c, r, fin in zip(
-                chunk["messages"].to_list(),
-                chunk["content"].to_list(),
-                chunk["reasoning"].to_list(),
-                finished,
-                strict=True,
-            )
-        ]
-        results = chat.tokenize(convs, train_all=train_all)
-        refs = chunk["output_ids"].to_list()
-        for pid, res, ref, fin, fr in zip(
-            ids, results, refs, finished, chunk["finish_reason"].to_list(), strict=True
+
+    def results() -> Iterator[pl.DataFrame]:
+        done = 0
+        for df, errs, part in _map_in_order(
+            lambda c: tokenize_chunk(c, chat, train_all, prefer_reference), chunks, n_workers
         ):
-            if isinstance(res, TemplateError):
-                errors.append({"id": pid, "reason": str(res)})
-                summary.errors[str(res)[:80]] += 1
-                continue
-            input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
-            out["id"].append(pid)
-            out["input_ids"].append(input_ids)
-            out["loss_mask"].append(mask)
-            out["reference_match"].append(None if cmp is None else cmp.match)
-            out["match_explained"].append(None if cmp is None else cmp.explained)
-            out["ids_source"].append(source)
-            out["mismatch"].append(None if cmp is None else cmp.kind)
-            out["first_diff"].append(None if cmp is None else cmp.first_diff)
-            out["answer_start"].append(res.answer_start)
-            out["finish_reason"].append(fr)
-            summary.ids_source[source] += 1
-            if cmp is not None:
-                summary.n_reference += 1
-                summary.n_match += cmp.match
-                summary.n_explained += cmp.explained
-                if cmp.kind:
-                    summary.mismatch_kinds[cmp.kind] += 1
-        log(f"tokens: {min(start + batch_size, rows.height):,}/{rows.height:,} conversations")
-    summary.n_rows = len(out["id"])
-    # Per-row counts once; the summary's totals are their sums.
-    n_tokens = pl.Series([len(a) for a in out["input_ids"]], dtype=pl.Int32)
-    n_loss_tokens = pl.Series([int(m.sum()) for m in out["loss_mask"]], dtype=pl.Int32)
-    summary.n_tokens = int(n_tokens.sum())
-    summary.n_loss_tokens = int(n_loss_tokens.sum())
-    summary.n_errors = len(errors)
-    df = pl.DataFrame(
-        {
-            "id": pl.Series(out["id"], dtype=pl.String),
-            "input_ids": _list_column(out["input_ids"], pa.int32()),
-            "loss_mask": _list_column(out["loss_mask"], pa.int8()),
-            "reference_match": pl.Series(out["reference_match"], dtype=pl.Boolean),
-            "match_explained": pl.Series(out["match_explained"], dtype=pl.Boolean),
-            "n_tokens": n_tokens,
-            "n_loss_tokens": n_loss_tokens,
-            "answer_start": pl.Series(out["answer_start"], dtype=pl.Int32),
-            "ids_source": pl.Series(out["ids_source"], dtype=pl.String),
-            "mismatch": pl.Series(out["mismatch"], dtype=pl.String),
-            "first_diff": pl.Series(out["first_diff"], dtype=pl.Int32),
-            "finish_reason": pl.Series(out["finish_reason"], dtype=pl.String),
-        }
-    )
-    write_parquet(df, layout.tokens)
+            summary.add(part)
+            errors.extend(errs)
+            done += df.height + len(errs)
+            log(f"tokens: {done:,}/{rows.height:,} conversations")
+            yield df
+
+    atomic_write(layout.tokens, lambda tmp: _write_chunks(tmp, results()))
     write_parquet(pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA), layout.tokens_errors)
     return summary
+
+
+def _map_in_order(fn: Callable, items: list, n_workers: int) -> Iterator:
+    """fn over items on n_workers threads, results in order, at most 2·n_workers in flight (bounded memory)."""
+    if n_workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(n_workers) as pool:
+        pending: deque = deque()
+        it = iter(items)
+        for item in itertools.islice(it, 2 * n_workers):
+            pending.append(pool.submit(fn, item))
+        while pending:
+            result = pending.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(pool.submit(fn, nxt))
+            yield result
+
+
+def _write_chunks(path: Path, frames: Iterator[pl.DataFrame]) -> None:
+    writer: pq.ParquetWriter | None = None
+    try:
+        for df in frames:
+            table = df.to_arrow()
+            if writer is None:
+                writer = pq.ParquetWriter(path, table.schema, compression="zstd")
+            writer.write_table(table)
+        if writer is None:  # no rows: still a readable, empty file with the full schema
+            pl.DataFrame(schema=TOKENS_SCHEMA).write_parquet(path)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+TOKENS_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String,
+    "input_ids": pl.List(pl.Int32),
+    "loss_mask": pl.List(pl.Int8),
+    "reference_match": pl.Boolean,
+    "match_explained": pl.Boolean,
+    "n_tokens": pl.Int32,
+    "n_loss_tokens": pl.Int32,
+    "answer_start": pl.Int32,
+    "ids_source": pl.String,
+    "mismatch": pl.String,
+    "first_diff": pl.Int32,
+    "finish_reason": pl.String,
+}
+
+
+def tokenize_chunk(
+    chunk: pl.DataFrame, chat: ChatTokenizer, train_all: bool, prefer_reference: bool
+) -> tuple[pl.DataFrame, list[dict], TokensSummary]:
+    """One chunk of joined prompt + response rows -> its tokens rows, its error rows and its counts."""
+    stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
+    summary = TokensSummary()
+    out: dict[str, list] = {k: [] for k in TOKENS_SCHEMA if k not in ("n_tokens", "n_loss_tokens")}
+    errors: list[dict] = []
+    ids = chunk["id"].to_list()
+    reasons = chunk["finish_reason"].to_list()
+    finished = [f == "stop" for f in reasons]
+    convs = [
+        (m, Answer(c or "", r, fin))
+        for m, c, r, fin in zip(
+            chunk["messages"].to_list(),
+            chunk["content"].to_list(),
+            chunk["reasoning"].to_list(),
+            finished,
+            strict=True,
+        )
+    ]
+    results = chat.tokenize(convs, train_all=train_all)
+    for pid, res, ref, fin, fr in zip(
+        ids, results, chunk["output_ids"].to_list(), finished, reasons, strict=True
+    ):
+        if isinstance(res, TemplateError):
+            errors.append({"id": pid, "reason": str(res)})
+            summary.errors[str(res)[:80]] += 1
+            continue
+        input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
+        out["id"].append(pid)
+        out["input_ids"].append(input_ids)
+        out["loss_mask"].append(mask)
+        out["reference_match"].append(None if cmp is None else cmp.match)
+        out["match_explained"].append(None if cmp is None else cmp.explained)
+        out["ids_source"].append(source)
+        out["mismatch"].append(None if cmp is None else cmp.kind)
+        out["first_diff"].append(None if cmp is None else cmp.first_diff)
+        out["answer_start"].append(res.answer_start)
+        out["finish_reason"].append(fr)
+        summary.ids_source[source] += 1
+        if cmp is not None:
+            summary.n_reference += 1
+            summary.n_match += cmp.match
+            summary.n_explained += cmp.explained
+            if cmp.kind:
+                summary.mismatch_kinds[cmp.kind] += 1
+    # Per-row counts once; the summary's totals are their sums.
+    n_tokens = np.fromiter((len(a) for a in out["input_ids"]), dtype=np.int32, count=len(out["input_ids"]))
+    n_loss = np.fromiter(
+        (int(m.sum()) for m in out["loss_mask"]), dtype=np.int32, count=len(out["loss_mask"])
+    )
+    summary.n_rows = len(out["id"])
+    summary.n_tokens, summary.n_loss_tokens = int(n_tokens.sum()), int(n_loss.sum())
+    summary.n_errors = len(errors)
+    columns = {
+        "id": pl.Series(out["id"], dtype=pl.String),
+        "input_ids": _list_column(out["input_ids"], pa.int32()),
+        "loss_mask": _list_column(out["loss_mask"], pa.int8()),
+        "n_tokens": pl.Series(n_tokens, dtype=pl.Int32),
+        "n_loss_tokens": pl.Series(n_loss, dtype=pl.Int32),
+    }
+    df = pl.DataFrame(
+        {
+            name: columns[name] if name in columns else pl.Series(out[name], dtype=dtype)
+            for name, dtype in TOKENS_SCHEMA.items()
+        }
+    )
+    return df, errors, summary
 
 
 def _resolve_row(
