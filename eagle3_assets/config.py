@@ -166,6 +166,10 @@ class TokensConfig(Strict):
 
 class ChecksConfig(Strict):
     min_reference_match_rate: float = Field(0.99, ge=0, le=1)
+    # Answered prompts whose conversation cannot be tokenized exactly (tokens_errors), as a share: blocking above.
+    max_token_error_share: float = Field(0.05, ge=0, le=1)
+    # hidden_states: samples recomputed by an independent forward and compared with what is stored.
+    hidden_states_spot_samples: int = Field(3, ge=0)
     max_truncated_share: float = Field(0.5, ge=0, le=1)
     max_failure_share: float = Field(0.05, ge=0, le=1)
     max_degenerate_share: float = Field(0.2, ge=0, le=1)

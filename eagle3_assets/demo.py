@@ -14,8 +14,9 @@ import time
 import dagster as dg
 
 from .config import config_path, get_config
+from .core.export import export
 from .core.layout import DatasetLayout
-from .definitions import TRAINING_DATA_JOB, defs
+from .definitions import HIDDEN_STATES_JOB, TRAINING_DATA_JOB, defs
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
@@ -24,7 +25,7 @@ def _instance() -> dg.DagsterInstance:
     return dg.DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else dg.DagsterInstance.ephemeral()
 
 
-def _row(key: str, layout: DatasetLayout, ok: bool, seconds: float, checks: str) -> dict:
+def _row(key: str, layout: DatasetLayout, ok: bool, seconds: float, checks: str, hidden: str = "-") -> dict:
     r = json.loads(layout.report_json.read_text()) if layout.report_json.exists() else {}
     rate = r.get("reference_match_rate")
     return {
@@ -37,6 +38,7 @@ def _row(key: str, layout: DatasetLayout, ok: bool, seconds: float, checks: str)
         "match": f"{100 * rate:.1f}%" if rate is not None else "n/a",
         "ref": r.get("n_reference", 0),
         "checks": checks,
+        "hidden states": hidden,
         "run": "ok" if ok else "FAILED",
         "secs": f"{seconds:.0f}",
     }
@@ -73,9 +75,37 @@ def _print_table(rows: list[dict]) -> None:
         print("  ".join(str(r[c]).ljust(width[c]) for c in cols))
 
 
-def main(keys: list[str] | None = None) -> int:
+def _checks(result) -> tuple[int, int]:
+    evaluations = [
+        e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    ]
+    return sum(1 for ev in evaluations if ev.passed), len(evaluations)
+
+
+def _hidden_states(key: str, instance, root) -> tuple[bool, str, float]:
+    """hidden_states (CPU for the embedded model) with its blocking checks, then a speculators export."""
+    t0 = time.monotonic()
+    result = defs.resolve_job_def(HIDDEN_STATES_JOB).execute_in_process(
+        partition_key=key,
+        instance=instance,
+        raise_on_error=False,
+        run_config=QUIET_LOGS,
+        tags={"eagle3/source": "make demo"},
+    )
+    passed, total = _checks(result)
+    layout = DatasetLayout(root, key)
+    if not result.success or not (layout.hidden_states_dir / "index.parquet").exists():
+        return False, f"FAILED ({passed}/{total} checks)", time.monotonic() - t0
+    out = layout.dir / "exports" / "speculators"
+    n = export(layout.hidden_states_dir, out, "speculators", log=lambda m: None)
+    return True, f"{n} samples, {passed}/{total} checks, exported", time.monotonic() - t0
+
+
+def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) -> int:
     cfg = get_config()
     keys = keys or list(cfg.datasets)
+    # Hidden states on CPU are slow beside everything else: one partition shows the whole path (B3, code, by default).
+    hidden_keys = hidden_keys if hidden_keys is not None else ["B3" if "B3" in keys else keys[0]]
     instance = _instance()
     job = defs.resolve_job_def(TRAINING_DATA_JOB)
     print(f"eagle3-assets demo: config {config_path()}, backend {cfg.backend}, {len(keys)} datasets")
@@ -92,17 +122,18 @@ def main(keys: list[str] | None = None) -> int:
             run_config=QUIET_LOGS,
             tags={"eagle3/source": "make demo"},
         )
-        evaluations = [
-            e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
-        ]
-        passed = sum(1 for ev in evaluations if ev.passed)
+        passed, total = _checks(result)
+        ok, hidden = result.success, "-"
+        if ok and key in hidden_keys:
+            ok, hidden, _ = _hidden_states(key, instance, cfg.storage_root)
         rows.append(
             _row(
                 key,
                 DatasetLayout(cfg.storage_root, key),
-                result.success,
+                ok,
                 time.monotonic() - t0,
-                f"{passed}/{len(evaluations)}",
+                f"{passed}/{total}",
+                hidden,
             )
         )
     total = time.monotonic() - started
@@ -111,6 +142,11 @@ def main(keys: list[str] | None = None) -> int:
     print(f"\nreference match over all datasets: {_overall_match(cfg.storage_root, keys)}")
     print(f"total time {total / 60:.1f} min")
     print(f"outputs: {cfg.storage_root}/<dataset>/ (prompts.parquet, responses/, tokens.parquet, report.md)")
+    for key in hidden_keys:
+        print(
+            f"hidden states: {cfg.storage_root}/{key}/hidden_states/ (shards + index.parquet); a speculators export in "
+            f"{cfg.storage_root}/{key}/exports/speculators/"
+        )
     print("inspect runs, lineage and checks with `make dev`, then open http://127.0.0.1:3000")
     return 0 if all(r["run"] == "ok" for r in rows) else 1
 

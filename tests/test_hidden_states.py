@@ -289,3 +289,65 @@ def test_exports_load_the_way_each_framework_loads_them(chat, tmp_path, referenc
         assert d["input_ids"].ndim == 1 and d["hidden_states"].shape == (d["input_ids"].shape[0], H)
         assert d["aux_hidden_states"].shape == (d["input_ids"].shape[0], 3 * H)
         assert isinstance(d["conversation_id"], str)
+
+
+def test_configured_layers_are_output_hidden_states_plus_one_and_exports_say_so(
+    chat, tmp_path, reference_model
+):
+    """aux_layers counts decoder-layer outputs: layer i is output_hidden_states[i + 1]. Each export names the ids in
+    its framework's own key and convention."""
+    layout = write_tokens(chat, tmp_path, n=3)
+    extract_dataset(layout, settings(aux_layers=[0, 5, 20]), log=lambda m: None)
+    reader = HiddenStatesReader(layout.hidden_states_dir)
+    tokens = pl.read_parquet(layout.tokens)
+    for sid, ids in zip(tokens["id"].to_list(), tokens["input_ids"].to_list(), strict=True):
+        with torch.inference_mode():
+            hs = reference_model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        aux = reader.sample(sid)["aux_hidden_states"]
+        for k, layer in enumerate([0, 5, 20]):
+            right = rel_err(aux[:, k * H : (k + 1) * H], hs[layer + 1][0])
+            off_by_one = rel_err(aux[:, k * H : (k + 1) * H], hs[layer][0])
+            assert right < 1e-2 and right < off_by_one / 2  # clearly index i + 1, not i
+    for fmt, ids in (("speculators", [1, 6, 21]), ("specforge", [0, 5, 20]), ("modelopt", [0, 5, 20])):
+        out = tmp_path / fmt
+        export(layout.hidden_states_dir, out, fmt, log=lambda m: None)
+        cfg = json.loads((out / "eagle3_config.json").read_text())
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == ids and cfg["num_hidden_layers"] == L, fmt
+
+
+def test_a_model_whose_attention_ignores_packing_is_extracted_unpacked(
+    chat, tmp_path, reference_model, monkeypatch
+):
+    """Simulated by taking away the packed-sequence detection transformers' masks rely on: a packed forward then lets
+    samples attend to each other. The self-test at load sees it and extraction falls back to one sample per forward,
+    whose values are right."""
+    import transformers.masking_utils as masking
+
+    from eagle3_assets.core import extraction
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    monkeypatch.setattr(extraction, "_PACKING", {})  # the verdict is cached per loaded model
+    logs: list[str] = []
+    layout = write_tokens(chat, tmp_path, n=4)
+    extract_dataset(layout, settings(), log=logs.append)
+    assert any("ignores packed sample boundaries" in m for m in logs)
+    index = pl.read_parquet(layout.hidden_states_dir / "index.parquet")
+    meta = safe_open(str(layout.hidden_states_dir / index["shard"][0]), framework="pt").metadata()
+    assert meta["packing"].startswith("one sample per forward")
+    reader = HiddenStatesReader(layout.hidden_states_dir)
+    tokens = pl.read_parquet(layout.tokens)
+    for sid, ids in zip(tokens["id"].to_list(), tokens["input_ids"].to_list(), strict=True):
+        aux, _last, _ = reference_states(reference_model, ids)
+        assert rel_err(reader.sample(sid)["aux_hidden_states"], aux) < 1e-2
+
+
+def test_packing_is_used_where_the_model_respects_it(chat, tmp_path, monkeypatch):
+    from eagle3_assets.core import extraction
+
+    monkeypatch.setattr(extraction, "_PACKING", {})
+    layout = write_tokens(chat, tmp_path, n=4)
+    logs: list[str] = []
+    extract_dataset(layout, settings(), log=logs.append)
+    index = pl.read_parquet(layout.hidden_states_dir / "index.parquet")
+    meta = safe_open(str(layout.hidden_states_dir / index["shard"][0]), framework="pt").metadata()
+    assert meta["packing"] == "packed" and not any("ignores packed" in m for m in logs)

@@ -10,6 +10,12 @@
   the final norm, `aux_hidden_states` [S, 3H], `loss_mask` [S], `conversation_id`.
 
 The post-norm states are computed here from the final norm's weights, saved beside the shards at extraction time.
+
+Layer ids: `hidden_states.aux_layers` counts outputs of decoder layers, 0-based ([1, L//2-1, L-4] by default).
+SpecForge (through SGLang, which captures the input of layer id + 1) and Model-Optimizer (forward hooks on layer
+outputs) use that same convention; vLLM and speculators count `output_hidden_states` indices (index j is the output of
+layer j - 1, 0 the embeddings), so their ids are ours + 1. Each export writes `eagle3_config.json` with
+`eagle_aux_hidden_state_layer_ids` in its framework's own convention, so nobody has to guess.
 """
 
 from __future__ import annotations
@@ -61,8 +67,40 @@ def export(folder: Path, out: Path, fmt: str, log: Callable[[str], None] = print
     n = {"speculators": _speculators, "specforge": _specforge, "modelopt": _modelopt}[fmt](
         reader, folder, out
     )
+    (out / "eagle3_config.json").write_text(json.dumps(layer_config(folder, fmt), indent=2) + "\n")
     log(f"exported {n} samples from {folder} to {out} ({fmt})")
     return n
+
+
+def layer_config(folder: Path, fmt: str) -> dict[str, Any]:
+    """The aux layer ids in the key and the convention `fmt` reads them in."""
+    from .hidden_states import finished_shards
+
+    metas = list(finished_shards(folder).values())
+    if not metas:
+        raise FileNotFoundError(f"no hidden-state shards in {folder}")
+    aux = json.loads(metas[0]["aux_layers"])
+    num_layers = int(metas[0]["num_layers"])
+    if fmt == "speculators":
+        ids = [i + 1 for i in aux]
+        convention = (
+            "output_hidden_states indices (id j = output of decoder layer j - 1; 0 = embeddings), as vLLM"
+        )
+    else:
+        ids = list(aux)
+        convention = "outputs of decoder layers, 0-based" + (
+            " (SGLang captures the input of layer id + 1)" if fmt == "specforge" else " (forward hooks)"
+        )
+    last = "before the final norm" if fmt == "speculators" else "after the final norm"
+    return {
+        "format": fmt,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "layer_convention": convention,
+        "num_hidden_layers": num_layers,
+        "last_hidden_state": f"output of decoder layer {num_layers - 1}, {last}",
+        "model": metas[0].get("model"),
+        "revision": metas[0].get("revision") or None,
+    }
 
 
 def _speculators(reader: HiddenStatesReader, folder: Path, out: Path) -> int:

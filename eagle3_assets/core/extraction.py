@@ -28,6 +28,7 @@ from .hidden_states import (
     default_aux_layers,
     extract_shard,
     load_samples,
+    packing_is_exact,
     plan_work,
     row_budget,
     save_final_norm,
@@ -73,6 +74,12 @@ def _model(ref: str, device: str, trust_remote_code: bool, revision: str | None 
     )
 
 
+def load_target_model(settings: ExtractionSettings) -> Any:
+    """The target on the configured device, once per process (shared with extraction)."""
+    t = settings.target
+    return _model(settings.model_ref, pick_device(settings.hidden.device), t.trust_remote_code, t.revision)
+
+
 def model_config(settings: ExtractionSettings) -> dict[str, Any]:
     """num_layers and hidden_size from config.json, without loading weights (planning needs only sizes)."""
     from transformers import AutoConfig
@@ -84,6 +91,28 @@ def model_config(settings: ExtractionSettings) -> dict[str, Any]:
     )
     text = getattr(cfg, "text_config", None) or cfg
     return {"num_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size)}
+
+
+def expected_metadata(settings: ExtractionSettings, num_layers: int | None = None) -> dict[str, str]:
+    """What every shard of this configuration must say about itself (the hidden_states checks compare)."""
+    if num_layers is None:
+        num_layers = model_config(settings)["num_layers"]
+    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
+    t = settings.target
+    return {
+        "model": t.model,
+        "revision": t.revision or "",
+        "tokenizer": t.tokenizer,
+        "aux_layers": json.dumps(aux),
+        "dtype": settings.store_dtype,
+        "num_layers": str(num_layers),
+    }
+
+
+def skipped_samples(layout: DatasetLayout) -> dict[str, str]:
+    """Samples the last plan left out, with the reason (longer than hidden_states.max_seq_len)."""
+    path = layout.hidden_states_dir / PLAN_FILE
+    return json.loads(path.read_text()).get("skipped", {}) if path.exists() else {}
 
 
 def prepare(
@@ -133,22 +162,27 @@ def extract(
     if not plans:
         return stats
     device = pick_device(settings.hidden.device)
-    t = settings.target
-    model = _model(settings.model_ref, device, t.trust_remote_code, t.revision)
+    model = load_target_model(settings)
     num_layers = model.config.get_text_config().num_hidden_layers
     aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
     capture = HiddenStateCapture(model, aux)
     attn = getattr(model.config, "_attn_implementation", None)
     row_tokens = row_budget(device, attn, settings.hidden.max_tokens_per_batch)
+    packed, similarity = _packing_verdict(capture, model)
+    if not packed:
+        log(
+            f"{layout.key}: WARNING: this model's attention ignores packed sample boundaries (a packed forward of two "
+            f"samples differs from separate ones, cosine {similarity:.4f}); extracting one sample per forward "
+            "instead (slower, never mixed samples)"
+        )
+        row_tokens = 1  # every sample in a row of its own
     metadata = {
-        "model": settings.target.model,
-        "tokenizer": settings.target.tokenizer,
+        **expected_metadata(settings, num_layers),
         "aux_layers": json.dumps(aux),
         "last_layer": str(capture.last_layer),
         "layer_convention": "outputs of decoder layers (0-based); last_hidden_state is before the final norm",
-        "dtype": settings.store_dtype,
         "hidden_size": str(model.config.get_text_config().hidden_size),
-        "num_layers": str(num_layers),
+        "packing": "packed" if packed else "one sample per forward (the model ignores packed boundaries)",
     }
     save_final_norm(model, folder)
     samples = load_samples(layout.tokens, {i for p in plans for i in p.ids})
@@ -172,6 +206,17 @@ def extract(
         capture.close()
     stats.bytes_written = sum((folder / n).stat().st_size for n in stats.shards)
     return stats
+
+
+_PACKING: dict[int, tuple[bool, float]] = {}
+
+
+def _packing_verdict(capture: HiddenStateCapture, model: Any) -> tuple[bool, float]:
+    """The packing self-test, once per loaded model and process."""
+    key = id(model)
+    if key not in _PACKING:
+        _PACKING[key] = packing_is_exact(capture, int(model.config.get_text_config().vocab_size))
+    return _PACKING[key]
 
 
 def finish(layout: DatasetLayout) -> pl.DataFrame:

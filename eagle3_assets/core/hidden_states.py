@@ -374,6 +374,28 @@ def extract_shard(
     return stats
 
 
+PACKING_COSINE = 0.999
+
+
+def packing_is_exact(capture: HiddenStateCapture, vocab_size: int) -> tuple[bool, float]:
+    """Two short samples forwarded packed (positions restarting, no mask) against each forwarded alone. A model whose
+    attention ignores the packed boundaries (some trust_remote_code models build their own causal mask) lets the
+    second sample see the first: its states then differ, and extraction must not pack for that model."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(10, min(vocab_size, 30_000), 9).astype(np.int32)
+    b = rng.integers(10, min(vocab_size, 30_000), 7).astype(np.int32)
+    aux_ab, last_ab = capture.forward_packed([a, b])
+    packed = torch.cat([*aux_ab, last_ab], dim=-1).float()
+    alone = []
+    for x in (a, b):
+        aux, last = capture.forward_packed([x])
+        alone.append(torch.cat([*aux, last], dim=-1).float())
+    sim = float(torch.nn.functional.cosine_similarity(packed, torch.cat(alone), dim=-1).min())
+    return sim >= PACKING_COSINE, sim
+
+
 def row_budget(device: str, attn_implementation: str | None, max_tokens_per_batch: int) -> int:
     if attn_implementation and attn_implementation.startswith("flash_attention"):
         return max_tokens_per_batch

@@ -29,6 +29,28 @@ def failure_share(n_failures: int, n_prompts: int, limit: float) -> Verdict:
     )
 
 
+def token_coverage(
+    response_ids: set[str], token_ids: set[str], error_ids: set[str], max_error_share: float
+) -> Verdict:
+    """Every answered prompt has a token row or a recorded reason why not (tokens_errors), and the errors stay
+    under the threshold: a partition whose every row failed templating must not pass with an empty table."""
+    missing = response_ids - token_ids - error_ids
+    n = len(response_ids)
+    share = len(error_ids & response_ids) / n if n else 0.0
+    return Verdict(
+        not missing and share <= max_error_share and (bool(token_ids) or n == 0),
+        {
+            "responses": n,
+            "token_rows": len(token_ids),
+            "error_rows": len(error_ids),
+            "error_share": round(share, 4),
+            "max_error_share": max_error_share,
+            "without_row_or_reason": len(missing),
+            "examples": json.dumps(sorted(missing)[:5]),
+        },
+    )
+
+
 def lengths_match(tokens: pl.DataFrame) -> Verdict:
     """input_ids and loss_mask must align token for token."""
     bad = tokens.filter(pl.col("input_ids").list.len() != pl.col("loss_mask").list.len())
@@ -70,7 +92,15 @@ def reference_match(tokens: pl.DataFrame, threshold: float) -> Verdict:
     """
     refs = tokens.filter(pl.col("reference_match").is_not_null())
     if refs.height == 0:
-        return Verdict(True, {"reference_rows": 0, "note": "no reference ids (text-only backend)"})
+        # Nothing was compared: the caller reports it as UNVERIFIED, never as a bare pass.
+        return Verdict(
+            True,
+            {
+                "verified": False,
+                "reference_rows": 0,
+                "note": "UNVERIFIED: no reference ids (text-only backend)",
+            },
+        )
     exact = int(refs["reference_match"].sum())
     explained = int(refs["match_explained"].sum())
     low, high = wilson_interval(explained, refs.height)
@@ -78,6 +108,7 @@ def reference_match(tokens: pl.DataFrame, threshold: float) -> Verdict:
     return Verdict(
         high >= threshold,
         {
+            "verified": True,
             "exact_rate": exact / refs.height,
             "rate_excluding_truncation_tails": explained / refs.height,
             "threshold": threshold,
