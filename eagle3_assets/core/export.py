@@ -125,6 +125,7 @@ def _speculators(reader: HiddenStatesReader, folder: Path, out: Path) -> int:
         rows["seq_len"].append(int(t))
         rows["id"].append(sid)
     # The Arrow dataset goes beside hidden_states/ (save_to_disk writes its own files, it does not clear the folder).
+    datasets.disable_progress_bars()
     datasets.Dataset.from_dict(rows).save_to_disk(str(out))
     (out / "eagle3_assets_export.json").write_text(
         json.dumps({"format": "speculators", "source": str(folder), "samples": len(rows["id"])})
