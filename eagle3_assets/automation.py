@@ -5,13 +5,13 @@ import dagster as dg
 
 from .config import load_config
 from .core.layout import DatasetLayout
-from .core.topup import top_up_status
+from .core.topup import source_changed, top_up_status
 
 
-class BudgetNotMet(dg.AutomationCondition):
-    """True for the partitions whose dataset is under budget and has prompts left to answer (or a changed source).
+class _PerDataset(dg.AutomationCondition):
+    """True for the partitions whose dataset passes `wanted` (reads the outputs, so it runs on the code server)."""
 
-    Reads the outputs on storage, so it runs on the code server (the sensor sets use_user_code_server)."""
+    label_text = ""
 
     def __init__(self, config_path: str, backend: str | None = None):
         self.config_path = config_path
@@ -19,43 +19,81 @@ class BudgetNotMet(dg.AutomationCondition):
 
     @property
     def description(self) -> str:
-        return "dataset budget not met and work remains"
+        return self.label_text
 
-    @property
-    def name(self) -> str:
-        return "budget_not_met"
+    def wanted(self, cfg, key: str) -> bool:
+        raise NotImplementedError
 
     def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:
         if context.candidate_subset.is_empty:  # no cron tick: do not read every dataset's journal
             return dg.AutomationResult(context=context, true_subset=context.candidate_subset)
         cfg = load_config(self.config_path, self.backend)
-        keys = {
-            key
-            for key, ds in cfg.datasets.items()
-            if top_up_status(
-                DatasetLayout(cfg.storage_root, key),
-                cfg.resolve_path(ds.source),
-                ds.budget_tokens,
-                ds.budget_usd,
-                ds.max_tokens,
-            ).needed
-        }
+        keys = {key for key in cfg.datasets if self.wanted(cfg, key)}
         return dg.AutomationResult(
             context=context,
             true_subset=context.candidate_subset.compute_intersection_with_partition_keys(keys),
         )
 
 
-def top_up_condition(cron: str, config_path: str, backend: str | None) -> dg.AutomationCondition:
-    return (dg.AutomationCondition.on_cron(cron) & BudgetNotMet(config_path, backend)).with_label(
-        "scheduled top-up"
+class BudgetNotMet(_PerDataset):
+    """Generation has work: the dataset is under budget with prompts unanswered (or was never ingested)."""
+
+    label_text = "dataset budget not met and prompts left"
+
+    @property
+    def name(self) -> str:
+        return "budget_not_met"
+
+    def wanted(self, cfg, key: str) -> bool:
+        ds = cfg.datasets[key]
+        layout = DatasetLayout(cfg.storage_root, key)
+        return top_up_status(layout, ds.budget_tokens, ds.budget_usd, ds.max_tokens).needed
+
+
+class SourceChanged(_PerDataset):
+    """The dataset's source file changed since it was ingested (or it never was)."""
+
+    label_text = "source file changed since ingestion"
+
+    @property
+    def name(self) -> str:
+        return "source_changed"
+
+    def wanted(self, cfg, key: str) -> bool:
+        return source_changed(
+            DatasetLayout(cfg.storage_root, key), cfg.resolve_path(cfg.datasets[key].source)
+        )
+
+
+def _quiet() -> dg.AutomationCondition:
+    return ~dg.AutomationCondition.in_progress() & ~dg.AutomationCondition.any_deps_in_progress()
+
+
+def ingest_condition(cron: str, config_path: str, backend: str | None) -> dg.AutomationCondition:
+    """prompts: on the cron, only where the source changed."""
+    return (dg.AutomationCondition.on_cron(cron) & SourceChanged(config_path, backend)).with_label(
+        "scheduled: source changed"
     )
 
 
+def top_up_condition(cron: str, config_path: str, backend: str | None) -> dg.AutomationCondition:
+    """responses: on the cron where there is work for generation, and whenever the prompts' content changed."""
+    tick = dg.AutomationCondition.cron_tick_passed(cron).since_last_handled()
+    scheduled = (tick & BudgetNotMet(config_path, backend) & _quiet()).with_label("scheduled top-up")
+    return (scheduled | follow_upstream()).with_label("scheduled top-up, or prompts changed")
+
+
 def follow_upstream() -> dg.AutomationCondition:
+    """Run when an input's data version changed (not merely re-materialised): a top-up that bought nothing leaves
+    the responses' version as it was, and nothing after it runs. Never past a failing blocking check."""
+    changed = dg.AutomationCondition.any_deps_match(dg.AutomationCondition.data_version_changed())
+    trigger = (dg.AutomationCondition.newly_missing() | changed).since_last_handled()
     return (
-        dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
-    ).with_label("follow upstream, blocking checks passed")
+        trigger
+        & ~dg.AutomationCondition.any_deps_missing()
+        & _quiet()
+        & dg.AutomationCondition.all_deps_blocking_checks_passed()
+    ).with_label("inputs changed, blocking checks passed")
 
 
 def automation_sensor(enabled: bool) -> dg.AutomationConditionSensorDefinition:

@@ -16,7 +16,7 @@ from .assets import (
     build_responses_asset,
     build_tokens_asset,
 )
-from .automation import automation_sensor, follow_upstream, top_up_condition
+from .automation import automation_sensor, follow_upstream, ingest_condition, top_up_condition
 from .checks import build_checks
 from .config import ProjectConfig, get_config
 from .partitions import dataset_partitions
@@ -82,11 +82,12 @@ def build_executor(cfg: ProjectConfig) -> dg.ExecutorDefinition:
 def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     partitions = dataset_partitions(cfg)
     follow = follow_upstream()
+    cron = cfg.automation.top_up_cron
     assets = [
-        build_prompts_asset(
-            partitions, top_up_condition(cfg.automation.top_up_cron, config_path, cfg.backend)
+        build_prompts_asset(partitions, ingest_condition(cron, config_path, cfg.backend)),
+        build_responses_asset(
+            partitions, top_up_condition(cron, config_path, cfg.backend), responses_step_tags(cfg)
         ),
-        build_responses_asset(partitions, follow, responses_step_tags(cfg)),
         build_tokens_asset(partitions, follow),
         build_report_asset(partitions, follow),
         build_hidden_states_asset(partitions, follow if cfg.automation.hidden_states else None),

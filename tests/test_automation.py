@@ -67,9 +67,10 @@ def test_top_up_requests_datasets_under_budget_and_downstream_follows(tmp_path, 
         r = dg.evaluate_automation_conditions(
             defs=defs, instance=instance, cursor=r.cursor, evaluation_time=T0 + dt.timedelta(minutes=5)
         )
-        assert requested(r, "prompts") == {"B1", "B4"}
-        # responses follows in the same backfill (prompts has no blocking check); B2 (all answered) and B3 (budget
-        # met) stay put. tokens waits for responses' blocking checks to pass, on a later tick.
+        # prompts: only B1 (never ingested); B4's source did not change, so it is not ingested again.
+        assert requested(r, "prompts") == {"B1"}
+        # responses: where generation has work (B1, and B4 half answered); B2 (all answered) and B3 (budget met)
+        # stay put. tokens waits for a changed responses version and its blocking checks, on a later tick.
         assert requested(r, "responses") == {"B1", "B4"}
         assert not requested(r, "tokens")
         assert not requested(
@@ -78,7 +79,40 @@ def test_top_up_requests_datasets_under_budget_and_downstream_follows(tmp_path, 
         r = dg.evaluate_automation_conditions(
             defs=defs, instance=instance, cursor=r.cursor, evaluation_time=T0 + dt.timedelta(minutes=6)
         )
-        assert not requested(r, "prompts")  # once per cron tick
+        assert not requested(r, "prompts") and not requested(r, "responses")  # once per cron tick
+
+
+def test_a_tick_with_nothing_to_do_runs_nothing_and_an_unchanged_stage_stops_the_flow(tmp_path, chat):
+    path = make_project(
+        tmp_path, {"B1": {"rows": user_rows(["alpha", "beta"])}}, automation={"top_up_cron": "*/5 * * * *"}
+    )
+    cfg = load_config(path)
+    layout = ingest(cfg, "B1")
+    answer_all(layout, chat, tmp_path)
+    defs = build_definitions(cfg, str(path))
+    job = defs.resolve_implicit_global_asset_job_def()
+    with dg.instance_for_test() as instance:
+        for asset in ("prompts", "responses", "tokens", "validation_report"):
+            assert job.execute_in_process(
+                partition_key="B1", instance=instance, asset_selection=[dg.AssetKey(asset)]
+            ).success
+        r = dg.evaluate_automation_conditions(defs=defs, instance=instance, evaluation_time=T0)
+        for minutes in (5, 10):  # two cron ticks: every prompt answered, the source unchanged
+            r = dg.evaluate_automation_conditions(
+                defs=defs,
+                instance=instance,
+                cursor=r.cursor,
+                evaluation_time=T0 + dt.timedelta(minutes=minutes),
+            )
+            assert r.total_requested == 0, [a for a in ("prompts", "responses", "tokens") if requested(r, a)]
+        # responses materialised again by hand but bought nothing: same data version, so tokens does not follow.
+        assert job.execute_in_process(
+            partition_key="B1", instance=instance, asset_selection=[dg.AssetKey("responses")]
+        ).success
+        r = dg.evaluate_automation_conditions(
+            defs=defs, instance=instance, cursor=r.cursor, evaluation_time=T0 + dt.timedelta(minutes=11)
+        )
+        assert not requested(r, "tokens") and not requested(r, "validation_report")
 
 
 @pytest.mark.parametrize("bad_ids", [True, False])

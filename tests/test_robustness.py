@@ -165,9 +165,8 @@ def test_a_dataset_stopped_by_its_budget_is_not_topped_up_again(tmp_path, chat):
         "\n".join(json.dumps({"id": i, "response": "x", "usage": {"completion_tokens": 30}}) for i in ids[:3])
     )
     import_responses(layout, src, chat)
-    source = tmp_path / "B1.jsonl"
-    assert not top_up_status(layout, source, 100, None, max_tokens=64).needed
-    assert top_up_status(layout, source, 100_000, None, max_tokens=64).needed
+    assert not top_up_status(layout, 100, None, max_tokens=64).needed
+    assert top_up_status(layout, 100_000, None, max_tokens=64).needed
 
 
 def test_importing_by_messages_matches_a_dataset_with_a_system_prompt(tmp_path, chat):

@@ -13,6 +13,7 @@ from resources import Project, Storage
 
 from ..config import ProjectConfig
 from ..core.extraction import ExtractionSettings, describe_layout, extract, finish, prepare
+from ..core.versions import rows_version
 from .common import GROUP
 
 # One GPU per shard step when the run uses k8s_job_executor (ignored by the other executors).
@@ -87,6 +88,7 @@ def index_hidden_states(
     forward_s = sum(r["forward_s"] for r in results)
     return dg.Output(
         None,
+        data_version=dg.DataVersion(rows_version(index.lazy(), ["id", "shard", "input_hash"])),
         metadata={
             "dagster/row_count": index.height,
             "samples": summary["samples"],

@@ -5,6 +5,7 @@ import dagster as dg
 from resources import Project, Storage
 
 from ..core.ingest import quarantine_reasons, write_prompts
+from ..core.versions import file_version
 from .common import GROUP, counts_table
 
 
@@ -17,6 +18,7 @@ def build_prompts_asset(
         automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
+        code_version="1",
         description="Source rows (ShareGPT, OpenAI messages or instruction format) as chat messages ending in a "
         "user turn, one row per prompt with a stable id; unusable rows go to quarantine.parquet with the reason.",
     )
@@ -38,6 +40,7 @@ def build_prompts_asset(
         )
         reasons = quarantine_reasons(result.quarantine)
         return dg.MaterializeResult(
+            data_version=dg.DataVersion(file_version(layout.prompts)),  # same source rows: same version
             metadata={
                 "dagster/row_count": result.prompts.height,
                 "source": dg.MetadataValue.path(str(source)),
@@ -49,7 +52,7 @@ def build_prompts_asset(
                 "quarantine_reasons": counts_table(reasons, "reason"),
                 "path": dg.MetadataValue.path(str(layout.prompts)),
                 "quarantine_path": dg.MetadataValue.path(str(layout.quarantine)),
-            }
+            },
         )
 
     return prompts

@@ -1,5 +1,8 @@
 """validation_report: per-dataset statistics in report.json / report.md and in the asset's metadata."""
 
+import hashlib
+import json
+
 import dagster as dg
 
 from resources import Project, Storage
@@ -18,6 +21,7 @@ def build_report_asset(
         automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "json"},
+        code_version="1",
         description="Counts, budget use, cost, finish reasons, degenerate answers, token-length distribution and "
         "reference-match rate of one dataset (report.json and a readable report.md).",
     )
@@ -32,7 +36,9 @@ def build_report_asset(
         layout = storage.layout(key)
         r = write_report(layout, ds.budget_tokens, ds.budget_usd)
         rate = r["reference_match_rate"]
+        content = json.dumps({k: v for k, v in r.items() if k != "generated_at"}, sort_keys=True, default=str)
         return dg.MaterializeResult(
+            data_version=dg.DataVersion(hashlib.blake2b(content.encode(), digest_size=8).hexdigest()),
             metadata={
                 "summary": dg.MetadataValue.md(render_markdown(r)),
                 "n_prompts": r["n_prompts"],
@@ -46,7 +52,7 @@ def build_report_asset(
                 "reference_match_rate": rate if rate is not None else dg.MetadataValue.null(),
                 "report_json": dg.MetadataValue.path(str(layout.report_json)),
                 "report_md": dg.MetadataValue.path(str(layout.report_md)),
-            }
+            },
         )
 
     return validation_report

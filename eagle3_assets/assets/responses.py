@@ -5,6 +5,8 @@ import dagster as dg
 from resources import Inference, Project, Storage, Target
 
 from ..core.generation import GenerationPlan, GenerationSummary, generate_responses
+from ..core.store import RESPONSE_SCHEMA, JournalTable
+from ..core.versions import rows_version
 from .common import GROUP, counts_table
 
 
@@ -88,6 +90,7 @@ def build_responses_asset(
         kinds={"python", "parquet"},
         pool="llm_api",
         op_tags=op_tags,
+        code_version="2",
         description="The target model's answer to every prompt (text, reasoning, finish reason, usage, cost and "
         "output token ids where the backend returns them). Resumable: an answered prompt is never sent again; "
         "stops at the dataset's token/dollar budget.",
@@ -121,9 +124,13 @@ def build_responses_asset(
             extra_preflight=target.problems(),
         )
         summary.extra["max_concurrency"] = settings.max_concurrency
+        stored = JournalTable(storage.layout(key).responses_dir, RESPONSE_SCHEMA).scan(["id"])
         return dg.MaterializeResult(
+            data_version=dg.DataVersion(
+                rows_version(stored, ["id"])
+            ),  # a run that bought nothing: same version
             metadata=summary_metadata(summary)
-            | {"path": dg.MetadataValue.path(str(storage.layout(key).responses_dir))}
+            | {"path": dg.MetadataValue.path(str(storage.layout(key).responses_dir))},
         )
 
     return responses

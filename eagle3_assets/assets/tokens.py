@@ -5,6 +5,7 @@ import dagster as dg
 from resources import Project, Storage, Target
 
 from ..core.tokens import build_tokens
+from ..core.versions import rows_version
 from .common import GROUP, counts_table
 
 
@@ -18,6 +19,7 @@ def build_tokens_asset(
         automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
+        code_version="2",
         description="Prompt + answer rendered with the target's chat template and tokenized: input_ids, loss_mask "
         "(1 on the generated tokens incl. end-of-turn), and reference_match against the ids the model produced.",
     )
@@ -40,21 +42,27 @@ def build_tokens_asset(
         )
         rate = s.match_rate
         context.log.info(
-            f"{key}: {s.n_rows} conversations, {s.n_tokens:,} tokens; reference match "
+            f"{key}: {s.n_rows} conversations ({s.n_tokenized:,} new or changed tokenized), {s.n_tokens:,} tokens; "
+            "reference match "
             + (f"{100 * rate:.2f}% of {s.n_reference}" if rate is not None else "n/a (no reference ids)")
         )
+        import polars as pl
+
         return dg.MaterializeResult(
+            data_version=dg.DataVersion(rows_version(pl.scan_parquet(layout.tokens), ["id", "row_key"])),
             metadata={
                 "dagster/row_count": s.n_rows,
                 "tokens": s.n_tokens,
                 "loss_tokens": s.n_loss_tokens,
                 "errors": s.n_errors,
+                "tokenized_this_run": s.n_tokenized,
+                "kept_unchanged": s.n_rows + s.n_errors - s.n_tokenized,
                 "reference_rows": s.n_reference,
                 "reference_match_rate": float(rate) if rate is not None else dg.MetadataValue.null(),
                 "mismatch_kinds": counts_table(dict(s.mismatch_kinds), "mismatch"),
                 "ids_source": counts_table(dict(s.ids_source), "source"),
                 "path": dg.MetadataValue.path(str(layout.tokens)),
-            }
+            },
         )
 
     return tokens

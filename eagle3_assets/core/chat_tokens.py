@@ -118,6 +118,23 @@ class ChatTokenizer:
             )
         self.eot_id = self.encoder.control_ids.get(self.eot_token)
 
+    def fingerprint(self) -> str:
+        """What decides the ids of a conversation besides its text: the template, its options, the vocabulary."""
+        import hashlib
+        import json
+
+        parts = [
+            self.tok.chat_template or "",
+            json.dumps(self.kwargs, sort_keys=True),
+            self.eot_token or "",
+            self.think_open,
+            self.think_close,
+            str(len(self.tok)),
+            str(getattr(self.tok, "name_or_path", "")),
+            json.dumps(sorted(self.encoder.control_ids.items())),
+        ]
+        return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).hexdigest()
+
     def count_tokens(self, text: str) -> int:
         """Tokens of plain text with the target tokenizer (for answers that came without usage)."""
         return len(self.encoder.encode_texts([text])[0])

@@ -51,6 +51,11 @@ def write_parquet(df: pl.DataFrame, path: Path) -> Path:
     return atomic_write(path, lambda tmp: df.write_parquet(tmp, compression="zstd", statistics=True))
 
 
+def sink_parquet(lf: pl.LazyFrame, path: Path) -> Path:
+    """Stream a lazy query into a Parquet file (memory bounded by polars' streaming engine), atomically."""
+    return atomic_write(path, lambda tmp: lf.sink_parquet(tmp, compression="zstd", statistics=True))
+
+
 def write_json(obj: Any, path: Path) -> Path:
     text = json.dumps(obj, indent=2, sort_keys=False, default=str, ensure_ascii=False)
     return atomic_write(path, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))

@@ -110,11 +110,25 @@ class ResponseJournal:
             costs=prior.costs,
         )
 
+    MAX_PARTS = 200  # beyond this many files, reads slow down: fold everything once (the occasional step)
+
     def finalize(self) -> tuple[int, int]:
-        """Compact both tables: one row per answered id; failures only for ids still without an answer."""
-        n_resp = self.responses.compact(keep="first")
+        """Make the tables what the contract says, at a cost proportional to what this run added: the run's own
+        parts fold into one file, failures (small) drop the ids that now have an answer, and the whole response
+        table is compacted only when duplicates exist (a crash during a fold) or it has grown too many files."""
+        self.responses.fold(self.responses.written)
+        self.responses.written.clear()
+        rows, keys = self.responses.row_count()
+        if rows != keys or len(self.responses.files()) > self.MAX_PARTS:
+            keys = self.responses.compact(keep="first")
         n_fail = self.failures.compact(keep="last", drop_keys=self.done_ids())
-        return n_resp, n_fail
+        return keys, n_fail
+
+    def compact(self) -> tuple[int, int]:
+        """The occasional full compaction (eagle3 compact): one file per table."""
+        return self.responses.compact(keep="first"), self.failures.compact(
+            keep="last", drop_keys=self.done_ids()
+        )
 
 
 def _int(v: Any) -> int | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import polars as pl
 
-from .files import remove_stale_temporaries, write_parquet
+from .files import remove_stale_temporaries, sink_parquet, write_parquet
 
 RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.String,
@@ -67,6 +67,7 @@ class JournalTable:
         self.schema = schema
         self.key = key
         self._seq = 0
+        self.written: list[str] = []  # part files this object appended (a run folds its own parts at the end)
 
     # -- reading --------------------------------------------------------------------------------------------
     def files(self) -> list[Path]:
@@ -105,10 +106,12 @@ class JournalTable:
             return None
         self._seq += 1
         name = f"part-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.parquet"
-        return write_parquet(df.select(list(self.schema)), self.folder / name)
+        path = write_parquet(df.select(list(self.schema)), self.folder / name)
+        self.written.append(name)
+        return path
 
     def compact(self, keep: str = "first", drop_keys: Iterable[str] | None = None) -> int:
-        """Fold all parts into one file with one row per key; returns the row count.
+        """Fold all parts into one file with one row per key; returns the row count. O(table): an occasional step.
 
         The new file is in place before the old parts go, so a crash in between duplicates rows, never loses them.
         """
@@ -116,17 +119,40 @@ class JournalTable:
         files = self.files()
         if not files:
             return 0
-        df = self.read(keep=keep)
+        lf = self.scan().unique(subset=[self.key], keep=keep, maintain_order=True)
         if drop_keys is not None:
             drop = pl.Series(self.key, list(drop_keys), dtype=pl.String)
-            df = df.filter(~pl.col(self.key).is_in(drop.implode()))
-        if len(files) == 1 and df.height == pl.scan_parquet(files[0]).select(pl.len()).collect().item():
-            return df.height
-        if df.height:
-            write_parquet(df, self.folder / f"data-{time.time_ns():020d}.parquet")
+            lf = lf.filter(~pl.col(self.key).is_in(drop.implode()))
+        rows = lf.select(pl.len()).collect().item()
+        if len(files) == 1 and rows == pl.scan_parquet(files[0]).select(pl.len()).collect().item():
+            return rows
+        if rows:
+            sink_parquet(lf, self.folder / f"data-{time.time_ns():020d}.parquet")
         for f in files:
             f.unlink(missing_ok=True)
-        return df.height
+        return rows
+
+    def fold(self, names: Iterable[str]) -> Path | None:
+        """Fold the named parts (one run's) into one file: O(what they hold), never the whole table. A crash in
+        between leaves both copies, which readers and a later compaction drop."""
+        paths = [self.folder / n for n in names if (self.folder / n).exists()]
+        if len(paths) < 2:
+            return None
+        frames = [self._conform(pl.scan_parquet(p)) for p in paths]
+        merged = sink_parquet(
+            pl.concat(frames, how="vertical_relaxed"), self.folder / f"run-{time.time_ns():020d}.parquet"
+        )
+        for p in paths:
+            p.unlink(missing_ok=True)
+        return merged
+
+    def row_count(self) -> tuple[int, int]:
+        """(rows, distinct keys) from the key column alone."""
+        counts = self.scan([self.key]).select(
+            pl.len().alias("rows"), pl.col(self.key).n_unique().alias("keys")
+        )
+        row = counts.collect().row(0)
+        return int(row[0]), int(row[1])
 
     @contextmanager
     def exclusive(self, what: str):

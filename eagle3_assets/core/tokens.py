@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,11 +23,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .chat_tokens import Answer, ChatTokenizer, TemplateError, TokenizedConversation
-from .files import atomic_write, write_parquet
+from .files import sink_parquet
 from .layout import DatasetLayout
 from .store import RESPONSE_SCHEMA, JournalTable
 
-TOKENS_ERRORS_SCHEMA = {"id": pl.String, "reason": pl.String}
+TOKENS_ERRORS_SCHEMA = {"id": pl.String, "reason": pl.String, "row_key": pl.UInt64}
 
 
 TAIL_TOKENS = 3  # a truncated answer's last pre-token may merge differently once the text is cut
@@ -97,6 +99,7 @@ class TokensSummary:
     n_loss_tokens: int = 0
     errors: Counter = field(default_factory=Counter)
     workers: int = 1
+    n_tokenized: int = 0  # rows tokenized in this run (new or changed); the others were kept
 
     @property
     def match_rate(self) -> float | None:
@@ -117,6 +120,21 @@ class TokensSummary:
             getattr(self, name).update(getattr(other, name))
 
 
+def row_keys(rows: pl.LazyFrame, fingerprint: str) -> pl.LazyFrame:
+    """A content key per row: the prompt, the answer, its reference ids, and the tokenizer and options that turn
+    them into ids. A row whose key is unchanged is never tokenized again. (polars' hash may change between polars
+    versions; the version is part of the fingerprint, so an upgrade re-tokenizes once rather than trusting it.)"""
+    parts = [
+        pl.col("messages").list.eval(pl.element().struct.json_encode()).list.join("\x1e"),
+        pl.col("content").fill_null(""),
+        pl.col("reasoning").fill_null("\x00"),
+        pl.col("finish_reason").fill_null(""),
+        pl.col("output_ids").cast(pl.List(pl.String)).list.join(",").fill_null("-"),
+        pl.lit(f"{fingerprint}|polars {pl.__version__}"),
+    ]
+    return rows.with_columns(pl.concat_str(parts, separator="\x1f").hash(seed=7).alias("row_key"))
+
+
 def build_tokens(
     layout: DatasetLayout,
     chat: ChatTokenizer,
@@ -126,38 +144,105 @@ def build_tokens(
     log: Callable[[str], None] = print,
     workers: int | None = None,
 ) -> TokensSummary:
-    """Tokenize every answered conversation in chunks and write tokens.parquet as the chunks come back in order.
+    """Tokenize the answered conversations that are new or changed since tokens.parquet was written, keep the rest
+    as they are, and write tokens.parquet and tokens_errors.parquet again, streaming: a top-up of 1,000 answers to a
+    partition of 200,000 tokenizes 1,000 and copies the others.
 
     Chunks run on a thread per core: the encoding is Rust and releases the GIL, so one chunk's Python work (the
     per-row template render, the splicing, the comparison) overlaps another chunk's encoding. Worker processes were
     measured slower here: each pays seconds to import transformers and load the tokenizer.
     """
-    prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
+    fingerprint = f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}"
     responses = (
         JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
-        .read()
-        .select("id", "content", "reasoning", "finish_reason", "output_ids")
+        .scan(["id", "content", "reasoning", "finish_reason", "output_ids"])
+        .unique(subset=["id"], keep="first", maintain_order=True)
     )
-    rows = prompts.join(responses, on="id", how="inner", maintain_order="left")
-    chunks = [rows.slice(start, batch_size) for start in range(0, rows.height, batch_size)]
-    n_workers = max(1, min(workers or os.cpu_count() or 1, len(chunks)))
-    summary = TokensSummary(workers=n_workers)
-    errors: list[dict] = []
+    rows = row_keys(
+        pl.scan_parquet(layout.prompts).select("id", "messages").join(responses, on="id", how="inner"),
+        fingerprint,
+    )
+    current = rows.select("id", "row_key")
+    old_tokens = _scan_with_keys(layout.tokens, TOKENS_SCHEMA)
+    old_errors = _scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
+    done = pl.concat([old_tokens.select("id", "row_key"), old_errors.select("id", "row_key")])
+    todo = rows.join(done, on=["id", "row_key"], how="anti")
+    scratch = layout.dir / f".tokens-{time.time_ns()}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        todo.sink_parquet(scratch / "todo.parquet", row_group_size=batch_size)
+        todo_file = pq.ParquetFile(scratch / "todo.parquet")
+        n_todo = todo_file.metadata.num_rows
+        errors: list[dict] = []
+        progress = {"done": 0}
 
-    def results() -> Iterator[pl.DataFrame]:
-        done = 0
-        for df, errs, part in _map_in_order(
-            lambda c: tokenize_chunk(c, chat, train_all, prefer_reference), chunks, n_workers
-        ):
-            summary.add(part)
-            errors.extend(errs)
-            done += df.height + len(errs)
-            log(f"tokens: {done:,}/{rows.height:,} conversations")
-            yield df
+        def chunks() -> Iterator[pl.DataFrame]:
+            for batch in todo_file.iter_batches(batch_size=batch_size):
+                yield pl.from_arrow(batch)
 
-    atomic_write(layout.tokens, lambda tmp: _write_chunks(tmp, results()))
-    write_parquet(pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA), layout.tokens_errors)
+        def results() -> Iterator[pl.DataFrame]:
+            for df, errs, _part in _map_in_order(
+                lambda c: tokenize_chunk(c, chat, train_all, prefer_reference),
+                chunks(),
+                workers or os.cpu_count() or 1,
+            ):
+                errors.extend(errs)
+                progress["done"] += df.height + len(errs)
+                log(f"tokens: {progress['done']:,}/{n_todo:,} new or changed conversations")
+                yield df
+
+        _write_chunks(scratch / "new.parquet", results())
+        new_rows = pl.scan_parquet(scratch / "new.parquet")
+        kept = old_tokens.join(current, on=["id", "row_key"], how="semi")
+        sink_parquet(pl.concat([kept, new_rows], how="vertical_relaxed"), layout.tokens)
+        kept_errors = old_errors.join(current, on=["id", "row_key"], how="semi")
+        new_errors = pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA).lazy()
+        sink_parquet(pl.concat([kept_errors, new_errors], how="vertical_relaxed"), layout.tokens_errors)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = summarize(layout)
+    summary.n_tokenized = n_todo
+    summary.workers = workers or os.cpu_count() or 1
     return summary
+
+
+def _scan_with_keys(path: Path, schema: dict[str, pl.DataType]) -> pl.LazyFrame:
+    """An earlier output with its row keys, or an empty frame (none yet, or written before row keys existed)."""
+    if path.exists() and "row_key" in pq.read_schema(path).names:
+        return pl.scan_parquet(path)
+    return pl.LazyFrame(schema=schema)
+
+
+def summarize(layout: DatasetLayout) -> TokensSummary:
+    """The partition's totals, from the written tables' small columns."""
+    t = pl.scan_parquet(layout.tokens)
+    agg = (
+        t.select(
+            pl.len().alias("rows"),
+            pl.col("n_tokens").sum().alias("tokens"),
+            pl.col("n_loss_tokens").sum().alias("loss"),
+            pl.col("reference_match").is_not_null().sum().alias("reference"),
+            pl.col("reference_match").sum().alias("match"),
+            pl.col("match_explained").sum().alias("explained"),
+        )
+        .collect()
+        .row(0, named=True)
+    )
+    kinds = t.select("mismatch").drop_nulls().collect()["mismatch"].value_counts().rows()
+    sources = t.select("ids_source").collect()["ids_source"].value_counts().rows()
+    errors = pl.read_parquet(layout.tokens_errors, columns=["reason"])["reason"].to_list()
+    return TokensSummary(
+        n_rows=agg["rows"],
+        n_errors=len(errors),
+        n_reference=int(agg["reference"] or 0),
+        n_match=int(agg["match"] or 0),
+        n_explained=int(agg["explained"] or 0),
+        mismatch_kinds=Counter(dict(kinds)),
+        ids_source=Counter(dict(sources)),
+        n_tokens=int(agg["tokens"] or 0),
+        n_loss_tokens=int(agg["loss"] or 0),
+        errors=Counter(r[:80] for r in errors),
+    )
 
 
 def _map_in_order(fn: Callable, items: list, n_workers: int) -> Iterator:
@@ -206,6 +291,7 @@ TOKENS_SCHEMA: dict[str, pl.DataType] = {
     "mismatch": pl.String,
     "first_diff": pl.Int32,
     "finish_reason": pl.String,
+    "row_key": pl.UInt64,  # content key of the prompt + answer (+ tokenizer): unchanged rows are not redone
 }
 
 
@@ -231,11 +317,12 @@ def tokenize_chunk(
         )
     ]
     results = chat.tokenize(convs, train_all=train_all)
-    for pid, res, ref, fin, fr in zip(
-        ids, results, chunk["output_ids"].to_list(), finished, reasons, strict=True
+    keys = chunk["row_key"].to_list() if "row_key" in chunk.columns else [None] * chunk.height
+    for pid, res, ref, fin, fr, key in zip(
+        ids, results, chunk["output_ids"].to_list(), finished, reasons, keys, strict=True
     ):
         if isinstance(res, TemplateError):
-            errors.append({"id": pid, "reason": str(res)})
+            errors.append({"id": pid, "reason": str(res), "row_key": key})
             summary.errors[str(res)[:80]] += 1
             continue
         input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
@@ -249,6 +336,7 @@ def tokenize_chunk(
         out["first_diff"].append(None if cmp is None else cmp.first_diff)
         out["answer_start"].append(res.answer_start)
         out["finish_reason"].append(fr)
+        out["row_key"].append(key)
         summary.ids_source[source] += 1
         if cmp is not None:
             summary.n_reference += 1

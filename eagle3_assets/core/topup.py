@@ -18,8 +18,9 @@ class TopUp:
 
 
 def top_up_status(
-    layout: DatasetLayout, source: Path, budget_tokens: int, budget_usd: float | None, max_tokens: int
+    layout: DatasetLayout, budget_tokens: int, budget_usd: float | None, max_tokens: int
 ) -> TopUp:
+    """Whether generation has work: prompts never ingested, or room in the budget and prompts still unanswered."""
     if not layout.prompts.exists():
         return TopUp(True, "prompts never ingested")
     journal = ResponseJournal(layout.dir)
@@ -27,10 +28,15 @@ def top_up_status(
     budget = journal.budget(max_tokens, budget_tokens, budget_usd)
     if not budget.can_dispatch():
         return TopUp(False, f"budget met ({budget.describe()})")
-    if source.exists() and source.stat().st_mtime > layout.prompts.stat().st_mtime:
-        return TopUp(True, "the source changed since prompts were ingested")
     ids = set(pl.read_parquet(layout.prompts, columns=["id"])["id"].to_list())
     left = ids - journal.done_ids() - journal.permanent_failure_ids()
     if left:
         return TopUp(True, f"{len(left):,} prompts unanswered, budget {budget.describe()}")
     return TopUp(False, "every prompt is answered")
+
+
+def source_changed(layout: DatasetLayout, source: Path) -> bool:
+    """The dataset's source file is newer than its ingested prompts (or they were never ingested)."""
+    if not layout.prompts.exists():
+        return True
+    return source.exists() and source.stat().st_mtime > layout.prompts.stat().st_mtime

@@ -1,0 +1,78 @@
+"""A top-up costs what it adds: only new or changed conversations are tokenized again; the journal folds a run's own
+parts, not the whole table."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+
+from eagle3_assets.core.importer import import_responses
+from eagle3_assets.core.ingest import write_prompts
+from eagle3_assets.core.journal import ResponseJournal
+from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.tokens import build_tokens
+
+from .conftest import user_rows, write_jsonl
+
+
+def partition(tmp_path, texts: list[str]) -> DatasetLayout:
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    write_prompts(
+        write_jsonl(tmp_path / "B1.jsonl", user_rows(texts)), layout.prompts, layout.quarantine, "messages"
+    )
+    return layout
+
+
+def answer(layout, tmp_path, chat, ids: list[str], name: str, text: str = "An answer.") -> None:
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("\n".join(json.dumps({"id": i, "response": f"{text} ({i})"}) for i in ids))
+    import_responses(layout, src, chat)
+
+
+def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
+    texts = [f"question number {i}" for i in range(30)]
+    layout = partition(tmp_path, texts)
+    ids = pl.read_parquet(layout.prompts)["id"].to_list()
+    answer(layout, tmp_path, chat, ids[:20], "first")
+    first = build_tokens(layout, chat, log=lambda m: None)
+    assert first.n_tokenized == 20 and first.n_rows == 20
+    before = pl.read_parquet(layout.tokens).sort("id")
+
+    # Nothing changed: nothing is tokenized, the table is the same.
+    again = build_tokens(layout, chat, log=lambda m: None)
+    assert again.n_tokenized == 0 and again.n_rows == 20
+    assert pl.read_parquet(layout.tokens).sort("id").equals(before)
+
+    # A top-up of 5 answers: 5 tokenized, 20 kept byte for byte.
+    answer(layout, tmp_path, chat, ids[20:25], "second")
+    topped = build_tokens(layout, chat, log=lambda m: None)
+    assert topped.n_tokenized == 5 and topped.n_rows == 25
+    after = pl.read_parquet(layout.tokens)
+    assert after.filter(pl.col("id").is_in(ids[:20])).sort("id").equals(before)
+
+    # A prompt whose text changed at the source (same id): that row alone is redone.
+    changed = [*texts[:-1]]
+    changed[3] = "question number 3, reworded"
+    write_prompts(
+        write_jsonl(tmp_path / "B1.jsonl", user_rows(changed)), layout.prompts, layout.quarantine, "messages"
+    )
+    redo = build_tokens(layout, chat, log=lambda m: None)
+    assert redo.n_tokenized == 1 and redo.n_rows == 25
+
+    # Another template option changes every conversation's ids: everything is redone.
+    assert build_tokens(layout, chat, train_all=True, log=lambda m: None).n_tokenized == 25
+
+
+def test_a_run_folds_its_own_parts_and_leaves_the_table_alone(tmp_path, chat):
+    layout = partition(tmp_path, [f"q {i}" for i in range(12)])
+    ids = pl.read_parquet(layout.prompts)["id"].to_list()
+    answer(layout, tmp_path, chat, ids[:6], "first")
+    journal = ResponseJournal(layout.dir)
+    files_before = {p.name for p in journal.responses.files()}
+    answer(layout, tmp_path, chat, ids[6:], "second")
+    files_after = {p.name for p in journal.responses.files()}
+    # The earlier file is untouched; the import added one file of its own.
+    assert files_before < files_after and len(files_after - files_before) == 1
+    rows, keys = journal.responses.row_count()
+    assert rows == keys == 12
