@@ -12,6 +12,7 @@ from pathlib import Path
 SUITES = {
     "engine": "bench.engine_throughput",
     "limits": "bench.limits",
+    "storage": "bench.storage",
     "tokens": "bench.tokens_throughput",
     "hidden": "bench.hidden_states_throughput",
 }

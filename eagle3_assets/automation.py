@@ -4,7 +4,6 @@ downstream stages follow when their inputs change, never past a failing blocking
 import dagster as dg
 
 from .config import load_config
-from .core.layout import DatasetLayout
 from .core.topup import source_changed, top_up_status
 
 
@@ -21,14 +20,17 @@ class _PerDataset(dg.AutomationCondition):
     def description(self) -> str:
         return self.label_text
 
-    def wanted(self, cfg, key: str) -> bool:
+    def wanted(self, cfg, storage, key: str) -> bool:
         raise NotImplementedError
 
     def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:
         if context.candidate_subset.is_empty:  # no cron tick: do not read every dataset's journal
             return dg.AutomationResult(context=context, true_subset=context.candidate_subset)
+        from resources import Storage
+
         cfg = load_config(self.config_path, self.backend)
-        keys = {key for key in cfg.datasets if self.wanted(cfg, key)}
+        storage = Storage(cfg)
+        keys = {key for key in cfg.datasets if self.wanted(cfg, storage, key)}
         return dg.AutomationResult(
             context=context,
             true_subset=context.candidate_subset.compute_intersection_with_partition_keys(keys),
@@ -44,9 +46,9 @@ class BudgetNotMet(_PerDataset):
     def name(self) -> str:
         return "budget_not_met"
 
-    def wanted(self, cfg, key: str) -> bool:
+    def wanted(self, cfg, storage, key: str) -> bool:
         ds = cfg.datasets[key]
-        layout = DatasetLayout(cfg.storage_root, key)
+        layout = storage.checkout(key, "responses")  # an object-store root: its journal, up to date
         return top_up_status(layout, ds.budget_tokens, ds.budget_usd, ds.max_tokens).needed
 
 
@@ -59,9 +61,9 @@ class SourceChanged(_PerDataset):
     def name(self) -> str:
         return "source_changed"
 
-    def wanted(self, cfg, key: str) -> bool:
+    def wanted(self, cfg, storage, key: str) -> bool:
         return source_changed(
-            DatasetLayout(cfg.storage_root, key), cfg.resolve_path(cfg.datasets[key].source)
+            storage.modified(key, "prompts.parquet"), cfg.resolve_path(cfg.datasets[key].source)
         )
 
 

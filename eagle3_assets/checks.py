@@ -26,7 +26,7 @@ def _result(v: validation.Verdict, warn: bool = False) -> dg.AssetCheckResult:
 
 
 def _tokens(storage: Storage, key: str, columns: list[str]) -> pl.DataFrame | None:
-    path = storage.layout(key).tokens
+    path = storage.checkout(key, "tokens").tokens
     return pl.read_parquet(path, columns=columns) if path.exists() else None
 
 
@@ -40,7 +40,9 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
     def responses_unique_ids(
         context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
     ) -> dg.AssetCheckResult:
-        table = JournalTable(storage.layout(context.partition_key).responses_dir, RESPONSE_SCHEMA)
+        table = JournalTable(
+            storage.checkout(context.partition_key, "responses").responses_dir, RESPONSE_SCHEMA
+        )
         return _result(validation.unique_ids(table.scan(["id"]).collect()["id"]))
 
     @dg.asset_check(
@@ -54,7 +56,7 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
-        layout = storage.layout(context.partition_key)
+        layout = storage.checkout(context.partition_key, "responses")
         n_prompts = (
             pl.scan_parquet(layout.prompts).select(pl.len()).collect().item()
             if layout.prompts.exists()
@@ -117,7 +119,7 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
-        layout = storage.layout(context.partition_key)
+        layout = storage.checkout(context.partition_key, "tokens")
         if not layout.tokens.exists():
             return MISSING
         responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).keys()
@@ -155,7 +157,7 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
-        path = storage.layout(context.partition_key).report_json
+        path = storage.checkout(context.partition_key, "validation_report").report_json
         if not path.exists():
             return MISSING
         checks = project.cfg.checks
@@ -180,7 +182,7 @@ def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.A
     """Blocking: a partition's hidden states flow on to training only when each of these holds."""
 
     def folder_and_tokens(storage: Storage, key: str, columns: list[str]):
-        layout = storage.layout(key)
+        layout = storage.checkout(key, "hidden_states")
         folder = layout.hidden_states_dir
         if not (folder / "index.parquet").exists() or not layout.tokens.exists():
             return layout, None, None

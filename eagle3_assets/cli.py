@@ -45,7 +45,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     cfg, res = _resources(args)
     ds = cfg.dataset(args.dataset)
-    layout = res["storage"].layout(args.dataset)
+    layout = res["storage"].checkout(args.dataset, "responses")
     if not layout.prompts.exists():
         print(
             f"materialise prompts for {args.dataset} first (dagster asset materialize -m eagle3_assets.definitions "
@@ -59,6 +59,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         model=args.model,
         system_prompt=ds.system_prompt,
     )
+    res["storage"].publish(args.dataset, "responses")
     print(
         f"{args.dataset}: imported {s.imported} of {s.rows} rows ({s.completion_tokens:,} completion tokens)"
     )
@@ -72,7 +73,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
-    folder = res["storage"].layout(args.dataset).hidden_states_dir
+    folder = res["storage"].checkout(args.dataset, "hidden_states").hidden_states_dir
     if not (folder / "index.parquet").exists():
         print(f"no hidden states for {args.dataset} yet: materialise hidden_states for it first")
         return 1
@@ -87,7 +88,10 @@ def cmd_hidden_states(args: argparse.Namespace) -> int:
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
-    _work, stats, index = extract_dataset(res["storage"].layout(args.dataset), extraction_settings(cfg))
+    _work, stats, index = extract_dataset(
+        res["storage"].checkout(args.dataset, "hidden_states"), extraction_settings(cfg)
+    )
+    res["storage"].publish(args.dataset, "hidden_states")
     rate = stats.tokens / stats.forward_s if stats.forward_s else 0.0
     print(
         f"{args.dataset}: {index.height} samples in the index; this run {stats.samples} samples, "

@@ -46,15 +46,22 @@ class Strict(BaseModel):
 
 
 class StorageConfig(Strict):
+    # A local folder (or a mounted shared volume), or an object store: s3://bucket/prefix (gs://, az:// too).
     root: str = "data"
+    # For object stores: endpoint, region, allow_http, ... (obstore's options); credentials come from the
+    # environment (AWS_ACCESS_KEY_ID, ...), never from this file.
+    options: dict[str, Any] = Field(default_factory=dict)
+    # Where each step keeps its working copy of a partition when the root is an object store.
+    cache_dir: str = "~/.cache/eagle3-assets/storage"
 
-    @field_validator("root")
+    @field_validator("options")
     @classmethod
-    def _local(cls, v: str) -> str:
-        if "://" in v:
+    def _no_secrets(cls, v: dict[str, Any]) -> dict[str, Any]:
+        secret = [k for k in v if any(w in k.lower() for w in ("secret", "password", "token", "access_key"))]
+        if secret:
             raise ValueError(
-                f"{v!r}: object-store URLs are not supported yet; use a local folder or a mounted shared volume "
-                "(every step must reach it, e.g. a ReadWriteMany volume under Kubernetes)"
+                f"storage.options {secret} look like credentials: set them in the environment (AWS_ACCESS_KEY_ID, "
+                f"AWS_SECRET_ACCESS_KEY, ...), never in this file ({README_CONFIG})"
             )
         return v
 
@@ -239,7 +246,18 @@ class ProjectConfig(Strict):
         return path if path.is_absolute() else Path(self.base_dir) / path
 
     @property
+    def storage_is_remote(self) -> bool:
+        return self.storage.root.startswith(("s3://", "gs://", "az://", "abfs://", "abfss://", "memory://"))
+
+    @property
     def storage_root(self) -> Path:
+        """The local folder of every partition: the root itself, or the working copies of an object-store root."""
+        if self.storage_is_remote:
+            from .core.remote import RemoteRoot
+
+            return RemoteRoot.cache_folder(
+                self.storage.root, Path(os.path.expanduser(self.storage.cache_dir))
+            )
         return self.resolve_path(self.storage.root)
 
     def dataset(self, key: str) -> DatasetConfig:

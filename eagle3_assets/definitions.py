@@ -33,12 +33,13 @@ OFFLINE_STAGES = ["prompts", "responses", "tokens", "validation_report"]
 def build_runtime(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
     """Resource key -> the adapter of one outside system, built from the one validated config (the CLI uses these
     objects directly)."""
+    storage = Storage(cfg)
     return {
         "project": Project(cfg, Path(config_path)),
-        "storage": Storage(cfg),
+        "storage": storage,
         "target": Target(cfg),
         "inference": Inference(cfg),
-        "hidden_states_io": StorageJsonIOManager(cfg.storage_root),
+        "hidden_states_io": StorageJsonIOManager(cfg.storage_root, storage.remote),
     }
 
 

@@ -1,8 +1,12 @@
-"""Where outputs land: one sub-folder per partition under `storage.root` (the README's Outputs section)."""
+"""Where outputs land: one sub-folder per partition under `storage.root`, a local folder or an object store (the
+README's Outputs section). Stages work in the partition's local folder; with an object-store root that folder is a
+working copy synchronised around each stage (`eagle3_assets.core.remote`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -10,6 +14,25 @@ import dagster as dg
 from eagle3_assets.config import ProjectConfig
 from eagle3_assets.core.files import write_json
 from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.remote import RemoteRoot
+from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
+
+_JOURNAL = ["responses/", "failures/", "journal/"]
+# What each stage reads and writes in its partition (paths relative to it; a trailing "/" is a folder).
+STAGE_PATHS: dict[str, tuple[list[str], list[str]]] = {
+    "prompts": ([], ["prompts.parquet", "quarantine.parquet"]),
+    "responses": (["prompts.parquet", *_JOURNAL], _JOURNAL),
+    "tokens": (
+        ["prompts.parquet", "responses/", "tokens.parquet", "tokens_errors.parquet"],
+        ["tokens.parquet", "tokens_errors.parquet"],
+    ),
+    "validation_report": (
+        ["prompts.parquet", "quarantine.parquet", *_JOURNAL, "tokens.parquet", "tokens_errors.parquet"],
+        ["report.json", "report.md"],
+    ),
+    "hidden_states": (["tokens.parquet", "hidden_states/"], ["hidden_states/"]),
+    "exports": (["hidden_states/"], ["exports/"]),
+}
 
 
 class Storage:
@@ -17,9 +40,47 @@ class Storage:
 
     def __init__(self, cfg: ProjectConfig):
         self.root = cfg.storage_root
+        self.remote = (
+            RemoteRoot(cfg.storage.root, cfg.storage.options, Path(cfg.storage.cache_dir).expanduser())
+            if cfg.storage_is_remote
+            else None
+        )
 
     def layout(self, key: str) -> DatasetLayout:
         return DatasetLayout(Path(self.root), key).ensure()
+
+    def checkout(self, key: str, stage: str) -> DatasetLayout:
+        """The partition's layout with what `stage` reads and writes up to date (a no-op for a local root)."""
+        if self.remote is not None:
+            reads, writes = STAGE_PATHS[stage]
+            # What it writes too: a file it replaces must be replaced at the version this copy saw (If-Match).
+            self.remote.pull(key, sorted(set(reads) | set(writes)))
+        return self.layout(key)
+
+    def publish(self, key: str, stage: str) -> None:
+        """Store what `stage` wrote (a no-op for a local root)."""
+        if self.remote is not None:
+            self.remote.push(key, STAGE_PATHS[stage][1])
+
+    def modified(self, key: str, rel: str) -> float | None:
+        """When the partition's file was last written (seconds since the epoch), None if it does not exist."""
+        if self.remote is not None:
+            return self.remote.modified(key, rel)
+        path = self.layout(key).dir / rel
+        return path.stat().st_mtime if path.exists() else None
+
+    def lock(self, key: str) -> Callable[[str], contextlib.AbstractContextManager]:
+        """One generating process per dataset: a lease object in the store, or a file lock in the folder."""
+        if self.remote is not None:
+            return lambda what: self.remote.lease(key, what)
+        return lambda what: JournalTable(self.layout(key).responses_dir, RESPONSE_SCHEMA).exclusive(what)
+
+    def flusher(self, key: str) -> Callable[[], None] | None:
+        """Called after every journal flush: with an object store, the new parts go up at once (a dead pod loses
+        what a local kill -9 loses, no more)."""
+        if self.remote is None:
+            return None
+        return lambda: self.remote.push(key, _JOURNAL)
 
 
 class StorageJsonIOManager(dg.IOManager):
@@ -29,17 +90,28 @@ class StorageJsonIOManager(dg.IOManager):
     between steps of one run live there too; no separate object store is needed.
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, remote: RemoteRoot | None = None):
         self.root = Path(root)
+        self.remote = remote
 
-    def _path(self, context: dg.OutputContext | dg.InputContext) -> Path:
+    def _rel(self, context: dg.OutputContext | dg.InputContext) -> str:
         parts = context.get_identifier()
-        return self.root / ".dagster_io" / Path(*[str(p) for p in parts]).with_suffix(".json")
+        return str(Path(".dagster_io", *[str(p) for p in parts]).with_suffix(".json"))
 
     def handle_output(self, context: dg.OutputContext, obj: object) -> None:
-        path = self._path(context)
+        if self.remote is not None:
+            import obstore as obs
+
+            obs.put(self.remote.store, self._rel(context), json.dumps(obj, default=str).encode())
+            return
+        path = self.root / self._rel(context)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(obj, path)
 
     def load_input(self, context: dg.InputContext) -> object:
-        return json.loads(self._path(context.upstream_output).read_text())
+        rel = self._rel(context.upstream_output)
+        if self.remote is not None:
+            import obstore as obs
+
+            return json.loads(bytes(obs.get(self.remote.store, rel).bytes()))
+        return json.loads((self.root / rel).read_text())

@@ -60,10 +60,13 @@ def test_missing_file_and_bad_partition_key(tmp_path):
         load_config(path)
 
 
-def test_object_store_urls_are_refused_with_the_alternative(tmp_path):
-    path = make_project(tmp_path, {"B1": {"rows": user_rows(["hi"])}}, storage={"root": "s3://bucket/eagle3"})
-    with pytest.raises(ConfigError, match=r"key 'storage\.root'.*mounted shared volume"):
-        load_config(path)
+def test_object_store_roots_are_accepted_and_credentials_kept_out_of_the_file(tmp_path):
+    storage = {"root": "s3://bucket/eagle3", "options": {"endpoint": "http://127.0.0.1:9000", "region": "x"}}
+    cfg = load_config(make_project(tmp_path, {"B1": {"rows": user_rows(["hi"])}}, storage=storage))
+    assert cfg.storage_is_remote and cfg.storage_root.name.startswith("s3-bucket")  # the local working copies
+    storage["options"]["aws_secret_access_key"] = "oops"
+    with pytest.raises(ConfigError, match="environment"):
+        load_config(make_project(tmp_path, {"B1": {"rows": user_rows(["hi"])}}, storage=storage))
 
 
 def test_errors_name_the_readme_section_not_a_document_users_lack(tmp_path):

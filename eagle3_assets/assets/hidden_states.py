@@ -47,7 +47,9 @@ def plan_hidden_state_shards(
     context: dg.OpExecutionContext, project: dg.ResourceParam[Project], storage: dg.ResourceParam[Storage]
 ):
     cfg = project.cfg
-    work = prepare(storage.layout(context.partition_key), extraction_settings(cfg), log=context.log.info)
+    key = context.partition_key
+    work = prepare(storage.checkout(key, "hidden_states"), extraction_settings(cfg), log=context.log.info)
+    storage.publish(key, "hidden_states")
     for plan in work.todo:
         yield dg.DynamicOutput(plan.name, mapping_key=_mapping_key(plan.name))
 
@@ -65,9 +67,11 @@ def extract_hidden_state_shard(
     storage: dg.ResourceParam[Storage],
 ) -> dict:
     cfg = project.cfg
+    key = context.partition_key
     stats = extract(
-        storage.layout(context.partition_key), extraction_settings(cfg), [shard], log=context.log.info
+        storage.checkout(key, "hidden_states"), extraction_settings(cfg), [shard], log=context.log.info
     )
+    storage.publish(key, "hidden_states")
     return {
         "samples": stats.samples,
         "tokens": stats.tokens,
@@ -81,8 +85,10 @@ def extract_hidden_state_shard(
 def index_hidden_states(
     context: dg.OpExecutionContext, results: list[dict], storage: dg.ResourceParam[Storage]
 ):
-    layout = storage.layout(context.partition_key)
+    key = context.partition_key
+    layout = storage.checkout(key, "hidden_states")
     index = finish(layout)
+    storage.publish(key, "hidden_states")
     summary = describe_layout(layout.hidden_states_dir)
     tokens = sum(r["tokens"] for r in results)
     forward_s = sum(r["forward_s"] for r in results)

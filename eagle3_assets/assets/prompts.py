@@ -30,7 +30,7 @@ def build_prompts_asset(
         cfg = project.cfg
         key = context.partition_key
         ds = cfg.dataset(key)
-        layout = storage.layout(key)
+        layout = storage.checkout(key, "prompts")
         source = cfg.resolve_path(ds.source)
         result = write_prompts(
             source, layout.prompts, layout.quarantine, ds.format, ds.fields.model_dump(), ds.system_prompt
@@ -38,6 +38,7 @@ def build_prompts_asset(
         context.log.info(
             f"{key}: {result.outcomes['ok']} prompts from {result.n_source_rows} rows of {source}"
         )
+        storage.publish(key, "prompts")
         reasons = quarantine_reasons(result.quarantine)
         return dg.MaterializeResult(
             data_version=dg.DataVersion(file_version(layout.prompts)),  # same source rows: same version

@@ -33,8 +33,9 @@ def build_report_asset(
         cfg = project.cfg
         key = context.partition_key
         ds = cfg.dataset(key)
-        layout = storage.layout(key)
+        layout = storage.checkout(key, "validation_report")
         r = write_report(layout, ds.budget_tokens, ds.budget_usd)
+        storage.publish(key, "validation_report")
         rate = r["reference_match_rate"]
         content = json.dumps({k: v for k, v in r.items() if k != "generated_at"}, sort_keys=True, default=str)
         return dg.MaterializeResult(

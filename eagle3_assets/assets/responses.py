@@ -114,23 +114,28 @@ def build_responses_asset(
         )
         chat = target.chat_tokenizer()
         settings = inference.engine_settings(config.max_concurrency)
-        summary = generate_responses(
-            storage.layout(key),
-            plan,
-            inference.create_backend(chat),
-            chat,
-            settings,
-            log=context.log.info,
-            extra_preflight=target.problems(),
-        )
+        layout = storage.checkout(key, "responses")
+        try:
+            summary = generate_responses(
+                layout,
+                plan,
+                inference.create_backend(chat),
+                chat,
+                settings,
+                log=context.log.info,
+                extra_preflight=target.problems(),
+                lock=storage.lock(key),
+                on_flush=storage.flusher(key),
+            )
+        finally:  # also after a failure: every answer that was paid for is stored
+            storage.publish(key, "responses")
         summary.extra["max_concurrency"] = settings.max_concurrency
-        stored = JournalTable(storage.layout(key).responses_dir, RESPONSE_SCHEMA).scan(["id"])
+        stored = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).scan(["id"])
         return dg.MaterializeResult(
             data_version=dg.DataVersion(
                 rows_version(stored, ["id"])
             ),  # a run that bought nothing: same version
-            metadata=summary_metadata(summary)
-            | {"path": dg.MetadataValue.path(str(storage.layout(key).responses_dir))},
+            metadata=summary_metadata(summary) | {"path": dg.MetadataValue.path(str(layout.responses_dir))},
         )
 
     return responses

@@ -31,7 +31,7 @@ def build_tokens_asset(
     ) -> dg.MaterializeResult:
         cfg = project.cfg
         key = context.partition_key
-        layout = storage.layout(key)
+        layout = storage.checkout(key, "tokens")
         s = build_tokens(
             layout,
             target.chat_tokenizer(),
@@ -40,6 +40,7 @@ def build_tokens_asset(
             cfg.tokens.batch_size,
             log=context.log.info,
         )
+        storage.publish(key, "tokens")
         rate = s.match_rate
         context.log.info(
             f"{key}: {s.n_rows} conversations ({s.n_tokenized:,} new or changed tokenized), {s.n_tokens:,} tokens; "

@@ -10,6 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,11 +100,16 @@ def generate_responses(
     settings: EngineSettings,
     log: Callable[[str], None] = print,
     extra_preflight: list[str] | None = None,
+    lock: Callable[[str], AbstractContextManager] | None = None,
+    on_flush: Callable[[], None] | None = None,
 ) -> GenerationSummary:
+    """`lock(what)`: one generating process per dataset (default: a file lock in its folder). `on_flush`: called
+    after every journal flush (an object-store root pushes the new parts at once)."""
     prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
     journal = ResponseJournal(layout.dir)
     run_id = uuid.uuid4().hex[:12]
-    with journal.responses.exclusive(f"generation for dataset {plan.key}"):
+    lock = lock or journal.responses.exclusive
+    with lock(f"generation for dataset {plan.key}"):
         journal.finalize()  # fold what a crashed run left behind
         prior = journal.prior_usage()
         budget = journal.budget(plan.max_tokens, plan.budget_tokens, plan.budget_usd)
@@ -147,7 +153,7 @@ def generate_responses(
                 f"{plan.key}: {todo.height:,} of {prompts.height:,} prompts to answer with {backend.name} "
                 f"({len(done):,} answered before; budget {budget.describe()})"
             )
-            writer = JournalWriter(journal, backend.name, run_id)
+            writer = JournalWriter(journal, backend.name, run_id, on_flush=on_flush)
             ledger = journal.ledger(run_id)
             try:
                 summary.report = asyncio.run(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,16 @@ def _str(v: Any) -> str | None:
 class JournalWriter:
     """Buffers rows in columns and flushes them as atomic part files, off the event loop."""
 
-    def __init__(self, journal: ResponseJournal, backend: str, run_id: str, source: str = "generated"):
+    def __init__(
+        self,
+        journal: ResponseJournal,
+        backend: str,
+        run_id: str,
+        source: str = "generated",
+        on_flush: Callable[[], None] | None = None,
+    ):
         self.journal = journal
+        self.on_flush = on_flush
         self.backend = backend
         self.run_id = run_id
         self.source = source
@@ -234,6 +243,8 @@ class JournalWriter:
             except BaseException:
                 self._restore(empty_columns(RESPONSE_SCHEMA), fail)
                 raise
+            if self.on_flush is not None:
+                await asyncio.to_thread(self.on_flush)
 
     def flush_sync(self) -> None:
         if not self.pending:

@@ -35,8 +35,8 @@ def top_up_status(
     return TopUp(False, "every prompt is answered")
 
 
-def source_changed(layout: DatasetLayout, source: Path) -> bool:
+def source_changed(ingested_at: float | None, source: Path) -> bool:
     """The dataset's source file is newer than its ingested prompts (or they were never ingested)."""
-    if not layout.prompts.exists():
+    if ingested_at is None:
         return True
-    return source.exists() and source.stat().st_mtime > layout.prompts.stat().st_mtime
+    return source.exists() and source.stat().st_mtime > ingested_at
