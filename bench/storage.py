@@ -24,7 +24,63 @@ import polars as pl
 
 REPO = Path(__file__).resolve().parent.parent
 TOP_UP = 1000
-WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "this", "are", "from", "at", "or", "an", "which", "but", "not", "have", "all", "can", "model", "token", "answer", "reason", "step", "first", "then", "because", "value", "function", "return", "list", "number", "string", "data", "train", "speculative", "decoding", "draft", "target", "layer", "hidden", "state", "attention", "cache", "budget", "provider", "request"]
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "with",
+    "was",
+    "on",
+    "be",
+    "by",
+    "this",
+    "are",
+    "from",
+    "at",
+    "or",
+    "an",
+    "which",
+    "but",
+    "not",
+    "have",
+    "all",
+    "can",
+    "model",
+    "token",
+    "answer",
+    "reason",
+    "step",
+    "first",
+    "then",
+    "because",
+    "value",
+    "function",
+    "return",
+    "list",
+    "number",
+    "string",
+    "data",
+    "train",
+    "speculative",
+    "decoding",
+    "draft",
+    "target",
+    "layer",
+    "hidden",
+    "state",
+    "attention",
+    "cache",
+    "budget",
+    "provider",
+    "request",
+]
 
 
 def _text(rng: np.random.Generator, n_bytes: int) -> str:
@@ -54,7 +110,9 @@ def make_project(folder: Path, n: int, root: str, options: dict | None = None) -
             **({"options": options, "cache_dir": str(folder / "cache")} if options else {}),
         },
         "backend": "openrouter",
-        "datasets": {"B1": {"source": str(src), "format": "messages", "max_tokens": 4096}},
+        "datasets": {
+            "B1": {"source": str(src), "format": "messages", "max_tokens": 4096, "budget_tokens": 10**12}
+        },
     }
     path = folder / "eagle3.yaml"
     path.write_text(json.dumps(cfg))

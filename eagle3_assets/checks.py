@@ -12,6 +12,7 @@ from resources import Project, Storage, Target
 
 from .assets.hidden_states import GPU_STEP_TAGS, extraction_settings
 from .core import hidden_checks, validation
+from .core.acceptance import gate_verdict, read_report
 from .core.extraction import expected_metadata, load_target_model, skipped_samples
 from .core.store import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 
@@ -272,7 +273,36 @@ def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.A
         model = load_target_model(settings)
         return _result(hidden_checks.spot_check(folder, model, ids))
 
+    @dg.asset_check(
+        asset="acceptance",
+        blocking=True,
+        partitions_def=partitions,
+        description="The draft trained on this partition fits its own training prompts (acceptance length ≥ "
+        "acceptance.min_train_share × (k + 1)) and beats an untrained draft on heldout prompts; every answer's "
+        "loss mask sits where the target's template puts it.",
+    )
+    def acceptance_gate(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        report = read_report(storage.checkout(context.partition_key, "acceptance"))
+        if report is None:
+            return MISSING
+        passed, reasons = gate_verdict(report, project.cfg.acceptance)
+        return dg.AssetCheckResult(
+            passed=passed,
+            metadata={
+                "reasons": dg.MetadataValue.json(reasons),
+                "train_acceptance_length": report["train"]["acceptance_length"],
+                "heldout_acceptance_length": report["heldout"]["acceptance_length"],
+                "untrained_acceptance_length": report["untrained"]["acceptance_length"],
+                "boundary_problems": report["boundaries"]["bad"],
+            },
+        )
+
     return [
+        acceptance_gate,
         hidden_states_coverage,
         hidden_states_ids_match,
         hidden_states_finite,

@@ -149,6 +149,9 @@ class InstructionFields(Strict):
     instruction: str = "instruction"
     input: str = "input"
     system: str | None = None
+    # The source's own answer (kept as prompts.source_answer for the acceptance gate's comparison); default:
+    # the first of `response` (Magicoder) or `output` (Alpaca) that the row has.
+    response: str | None = None
 
 
 class DatasetConfig(Strict):
@@ -168,7 +171,8 @@ class TokensConfig(Strict):
     train_all_assistant_turns: bool = False
     # Where the backend returned the ids it generated, store those (ground truth) rather than the reconstruction.
     prefer_reference_ids: bool = True
-    batch_size: int = Field(2048, ge=1)
+    # Conversations per chunk; 2 x cores chunks are in flight, so this bounds memory (512: < 1 GB at 10 KB answers).
+    batch_size: int = Field(512, ge=1)
 
 
 class ChecksConfig(Strict):
@@ -189,6 +193,25 @@ class HiddenStatesConfig(Strict):
     max_seq_len: int = Field(32768, ge=16)
     device: str = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+class AcceptanceConfig(Strict):
+    """The acceptance gate (asset `acceptance`): a small EAGLE-3 draft trained on the partition, measured against
+    the target with greedy speculative decoding."""
+
+    draft_tokens: int = Field(4, ge=1, le=16)  # k: draft tokens proposed per target forward
+    train_prompts: int = Field(24, ge=1)  # samples the draft trains on (a stable hash picks them)
+    heldout_prompts: int = Field(8, ge=1)  # kept out of training (at most a quarter of the partition)
+    train_steps: int = Field(150, ge=1)  # the fixed training budget, in optimizer steps
+    ttt_steps: int | None = Field(None, ge=1)  # training-time-test depth; default: draft_tokens
+    learning_rate: float = Field(3e-3, gt=0)
+    batch_tokens: int = Field(512, ge=16)  # tokens per optimizer step (packed samples)
+    draft_vocab_size: int = Field(4096, ge=16)
+    max_new_tokens: int = Field(64, ge=2)  # tokens generated per measured prompt
+    min_train_share: float = Field(0.8, gt=0, le=1)  # gate: train acceptance length >= share x (k + 1)
+    compare_source_answers: bool = True  # also train on the dataset's own answers, where the source has them
+    device: str = "auto"
+    seed: int = 0
 
 
 class AutomationConfig(Strict):
@@ -222,6 +245,7 @@ class ProjectConfig(Strict):
     tokens: TokensConfig = Field(default_factory=TokensConfig)
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
+    acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
     automation: AutomationConfig = Field(default_factory=AutomationConfig)
     pools: PoolsConfig = Field(default_factory=PoolsConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)

@@ -10,6 +10,7 @@ import dagster as dg
 from resources import Inference, Project, Storage, StorageJsonIOManager, Target, locked
 
 from .assets import (
+    build_acceptance_asset,
     build_hidden_states_asset,
     build_prompts_asset,
     build_report_asset,
@@ -27,6 +28,7 @@ warnings.filterwarnings("ignore", category=dg.BetaWarning)
 
 TRAINING_DATA_JOB = "training_data"
 HIDDEN_STATES_JOB = "hidden_states_job"
+ACCEPTANCE_JOB = "acceptance_job"
 OFFLINE_STAGES = ["prompts", "responses", "tokens", "validation_report"]
 
 
@@ -92,6 +94,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         build_tokens_asset(partitions, follow),
         build_report_asset(partitions, follow),
         build_hidden_states_asset(partitions, follow if cfg.automation.hidden_states else None),
+        build_acceptance_asset(partitions),
     ]
     training_data = dg.define_asset_job(
         TRAINING_DATA_JOB,
@@ -105,10 +108,17 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         partitions_def=partitions,
         description="hidden_states for one dataset (GPU; one step per shard).",
     )
+    acceptance_job = dg.define_asset_job(
+        ACCEPTANCE_JOB,
+        selection=dg.AssetSelection.assets("acceptance"),
+        partitions_def=partitions,
+        description="The acceptance gate for one dataset: a small EAGLE-3 draft trained on its hidden states, "
+        "measured against the target (GPU pool; CPU for the embedded target).",
+    )
     return dg.Definitions(
         assets=assets,
         asset_checks=build_checks(partitions),
-        jobs=[training_data, hidden_states_job],
+        jobs=[training_data, hidden_states_job, acceptance_job],
         sensors=[automation_sensor(cfg.automation.enabled)],
         resources=build_resources(cfg, config_path),
         executor=build_executor(cfg),

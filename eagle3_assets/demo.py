@@ -16,7 +16,7 @@ import dagster as dg
 from .config import config_path, get_config
 from .core.export import export
 from .core.layout import DatasetLayout
-from .definitions import HIDDEN_STATES_JOB, TRAINING_DATA_JOB, defs
+from .definitions import ACCEPTANCE_JOB, HIDDEN_STATES_JOB, TRAINING_DATA_JOB, defs
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
@@ -25,7 +25,15 @@ def _instance() -> dg.DagsterInstance:
     return dg.DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else dg.DagsterInstance.ephemeral()
 
 
-def _row(key: str, layout: DatasetLayout, ok: bool, seconds: float, checks: str, hidden: str = "-") -> dict:
+def _row(
+    key: str,
+    layout: DatasetLayout,
+    ok: bool,
+    seconds: float,
+    checks: str,
+    hidden: str = "-",
+    gate: str = "-",
+) -> dict:
     r = json.loads(layout.report_json.read_text()) if layout.report_json.exists() else {}
     rate = r.get("reference_match_rate")
     return {
@@ -39,6 +47,7 @@ def _row(key: str, layout: DatasetLayout, ok: bool, seconds: float, checks: str,
         "ref": r.get("n_reference", 0),
         "checks": checks,
         "hidden states": hidden,
+        "acceptance (k=4: train / heldout / untrained / source answers)": gate,
         "run": "ok" if ok else "FAILED",
         "secs": f"{seconds:.0f}",
     }
@@ -101,6 +110,27 @@ def _hidden_states(key: str, instance, root) -> tuple[bool, str, float]:
     return True, f"{n} samples, {passed}/{total} checks, exported", time.monotonic() - t0
 
 
+def _acceptance(key: str, instance, root) -> tuple[bool, str]:
+    """The acceptance gate: a draft trained on the partition's hidden states, measured against the target."""
+    result = defs.resolve_job_def(ACCEPTANCE_JOB).execute_in_process(
+        partition_key=key,
+        instance=instance,
+        raise_on_error=False,
+        run_config=QUIET_LOGS,
+        tags={"eagle3/source": "make demo"},
+    )
+    passed, total = _checks(result)
+    path = DatasetLayout(root, key).acceptance_dir / "report.json"
+    if not result.success or not path.exists():
+        return False, "FAILED"
+    r = json.loads(path.read_text())
+    src = r["source_answers"].get("heldout", {}).get("acceptance_length")
+    parts = [f"{r[p]['acceptance_length']:.2f}" for p in ("train", "heldout", "untrained")]
+    parts.append(f"{src:.2f}" if src is not None else "n/a")
+    verdict = "gate passed" if r["gate"]["passed"] and passed == total else "GATE FAILED"
+    return passed == total, f"{' / '.join(parts)}, {verdict}"
+
+
 def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) -> int:
     cfg = get_config()
     keys = keys or list(cfg.datasets)
@@ -123,9 +153,11 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
             tags={"eagle3/source": "make demo"},
         )
         passed, total = _checks(result)
-        ok, hidden = result.success, "-"
+        ok, hidden, gate = result.success, "-", "-"
         if ok and key in hidden_keys:
             ok, hidden, _ = _hidden_states(key, instance, cfg.storage_root)
+            if ok:
+                ok, gate = _acceptance(key, instance, cfg.storage_root)
         rows.append(
             _row(
                 key,
@@ -134,6 +166,7 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
                 time.monotonic() - t0,
                 f"{passed}/{total}",
                 hidden,
+                gate,
             )
         )
     total = time.monotonic() - started
@@ -145,7 +178,8 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
     for key in hidden_keys:
         print(
             f"hidden states: {cfg.storage_root}/{key}/hidden_states/ (shards + index.parquet); a speculators export in "
-            f"{cfg.storage_root}/{key}/exports/speculators/"
+            f"{cfg.storage_root}/{key}/exports/speculators/; the acceptance gate's report and draft in "
+            f"{cfg.storage_root}/{key}/acceptance/"
         )
     print("inspect runs, lineage and checks with `make dev`, then open http://127.0.0.1:3000")
     return 0 if all(r["run"] == "ok" for r in rows) else 1

@@ -32,6 +32,7 @@ STAGE_PATHS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "hidden_states": (["tokens.parquet", "hidden_states/"], ["hidden_states/"]),
     "exports": (["hidden_states/"], ["exports/"]),
+    "acceptance": (["prompts.parquet", "hidden_states/", "acceptance/"], ["acceptance/"]),
 }
 
 

@@ -128,3 +128,31 @@ def test_demo_sources_cover_all_formats_and_quarantine_their_bad_rows():
     assert b1.outcomes["quarantined"] == 2 and b1.prompts.height >= 20
     b4 = ingest(REPO / "prompts/B4.jsonl", "instruction")
     assert b4.outcomes["duplicate"] == 1 and b4.outcomes["quarantined"] == 1
+
+
+def test_the_sources_own_answer_is_kept_beside_the_prompt(tmp_path):
+    """The trailing assistant turn is not sent to the target, but kept as source_answer (the acceptance gate trains
+    on it to show what regenerating answers buys); rows without one have null."""
+    rows = {
+        "messages": [
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]},
+            {"messages": [{"role": "user", "content": "bye"}]},
+        ],
+        "sharegpt": [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}],
+        "instruction": [
+            {"instruction": "add", "input": "", "response": "def add(a, b): return a + b"},
+            {"instruction": "sub", "output": "a - b"},
+            {"instruction": "mul"},
+        ],
+    }
+    expected = {
+        "messages": ["hello!", None],
+        "sharegpt": ["a"],
+        "instruction": ["def add(a, b): return a + b", "a - b", None],
+    }
+    for fmt, src in rows.items():
+        result = ingest(write_jsonl(tmp_path / f"{fmt}.jsonl", src), fmt)
+        assert result.prompts["source_answer"].to_list() == expected[fmt], fmt
+        assert all(m[-1]["role"] == "user" for m in result.prompts["messages"].to_list())
+    named = ingest(tmp_path / "instruction.jsonl", "instruction", {"response": "output"})
+    assert named.prompts["source_answer"].to_list() == [None, "a - b", None]

@@ -109,6 +109,10 @@ def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):
             "mismatch": [None, "truncation_tail"],
             "ids_source": ["reference"] * 2,
             "finish_reason": ["stop", "length"],
+            # the text features the tokens stage records per answer
+            "answer_empty": [False, False],
+            "answer_degenerate": [False, True],
+            "answer_has_reasoning": [True, False],
         }
     ).write_parquet(layout.tokens)
     r = build_report(layout, budget_tokens=1000, budget_usd=None)

@@ -47,13 +47,24 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+# Row groups of a few thousand rows: a reader can stream any file a batch at a time (answers are ~10 KB each, so
+# one row group per file would make every reader hold the whole file).
+ROW_GROUP_ROWS = 4096
+
+
 def write_parquet(df: pl.DataFrame, path: Path) -> Path:
-    return atomic_write(path, lambda tmp: df.write_parquet(tmp, compression="zstd", statistics=True))
+    return atomic_write(
+        path,
+        lambda tmp: df.write_parquet(tmp, compression="zstd", statistics=True, row_group_size=ROW_GROUP_ROWS),
+    )
 
 
 def sink_parquet(lf: pl.LazyFrame, path: Path) -> Path:
     """Stream a lazy query into a Parquet file (memory bounded by polars' streaming engine), atomically."""
-    return atomic_write(path, lambda tmp: lf.sink_parquet(tmp, compression="zstd", statistics=True))
+    return atomic_write(
+        path,
+        lambda tmp: lf.sink_parquet(tmp, compression="zstd", statistics=True, row_group_size=ROW_GROUP_ROWS),
+    )
 
 
 def write_json(obj: Any, path: Path) -> Path:

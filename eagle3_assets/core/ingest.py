@@ -36,6 +36,9 @@ PROMPT_SCHEMA = {
     "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
     "source_row": pl.Int64,
     "n_turns": pl.Int32,
+    # The source's own answer to the last turn (its trailing assistant turn, or an instruction row's response
+    # field), null where it has none: the acceptance gate trains on it to show what regeneration buys.
+    "source_answer": pl.String,
 }
 QUARANTINE_SCHEMA = {"source_row": pl.Int64, "id": pl.String, "reason": pl.String, "raw": pl.String}
 
@@ -192,6 +195,26 @@ def normalise_row(
     return msgs
 
 
+def source_answer(row: Any, fmt: str, fields: dict[str, Any] | None = None) -> str | None:
+    """The answer the source itself gives to the conversation's last turn, if any (never an error: the prompt
+    stands without it)."""
+    fields = fields or {}
+    try:
+        if fmt == "instruction":
+            names = [fields["response"]] if fields.get("response") else ["response", "output"]
+            for name in names:
+                value = row.get(name)
+                if isinstance(value, str) and value.strip():
+                    return value
+            return None
+        msgs = _from_messages(row) if fmt == "messages" else _from_sharegpt(row)
+    except RowError:
+        return None
+    if msgs and msgs[-1]["role"] == "assistant" and msgs[-1]["content"].strip():
+        return msgs[-1]["content"]
+    return None
+
+
 def content_id(messages: list[dict]) -> str:
     """A stable id from the conversation's content (used when the source row has no id)."""
     canonical = json.dumps(
@@ -258,7 +281,15 @@ def ingest(
             continue
         seen_ids[pid] = digest
         seen_content[digest] = pid
-        prompts.append({"id": pid, "messages": msgs, "source_row": row_no, "n_turns": len(msgs)})
+        prompts.append(
+            {
+                "id": pid,
+                "messages": msgs,
+                "source_row": row_no,
+                "n_turns": len(msgs),
+                "source_answer": source_answer(row, fmt, fields),
+            }
+        )
         outcomes["ok"] += 1
     return IngestResult(
         prompts=pl.DataFrame(prompts, schema=PROMPT_SCHEMA),

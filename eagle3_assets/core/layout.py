@@ -53,6 +53,10 @@ class DatasetLayout:
     def hidden_states_dir(self) -> Path:
         return self.dir / "hidden_states"
 
+    @property
+    def acceptance_dir(self) -> Path:
+        return self.dir / "acceptance"
+
     def ensure(self) -> DatasetLayout:
         self.dir.mkdir(parents=True, exist_ok=True)
         return self

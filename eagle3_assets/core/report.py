@@ -15,12 +15,14 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 
 from .files import write_json, write_text
 from .layout import DatasetLayout
 from .store import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 
 HIST_BINS = 12
+ANSWER_FEATURE_NAMES = ["answer_empty", "answer_degenerate", "answer_has_reasoning"]
 BAR = "█"
 DEGENERATE_MIN_CHARS = 400
 DEGENERATE_MAX_RATIO = 0.12  # zlib-compressed / raw; natural text compresses to ~0.3-0.5
@@ -87,12 +89,21 @@ def share_chart(counts: dict[str, int], width: int = 30) -> str:
 
 
 def _read(path: Path, columns: list[str] | None = None) -> pl.DataFrame | None:
-    return pl.read_parquet(path, columns=columns) if path.exists() else None
+    """The columns of a stage's output; columns an older version did not write come back as nulls."""
+    if not path.exists():
+        return None
+    if columns is None:
+        return pl.read_parquet(path)
+    have = set(pq.read_schema(path).names)
+    df = pl.read_parquet(path, columns=[c for c in columns if c in have])
+    return df.with_columns(pl.lit(None).alias(c) for c in columns if c not in have)
 
 
 def build_report(layout: DatasetLayout, budget_tokens: int, budget_usd: float | None) -> dict[str, Any]:
     prompts = _read(layout.prompts, ["id"])
     quarantine = _read(layout.quarantine, ["reason"])
+    # Small columns only: the answers' text was read once, when each row was tokenized (its features are in the
+    # token rows and the error rows), so a top-up's report does not read every answer again.
     responses_all = (
         JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
         .scan(
@@ -101,13 +112,10 @@ def build_report(layout: DatasetLayout, budget_tokens: int, budget_usd: float | 
                 "backend",
                 "model",
                 "provider",
-                "content",
-                "reasoning",
                 "finish_reason",
                 "prompt_tokens",
                 "completion_tokens",
                 "cost_usd",
-                "output_ids",
                 "source",
             ]
         )
@@ -125,21 +133,29 @@ def build_report(layout: DatasetLayout, budget_tokens: int, budget_usd: float | 
             "mismatch",
             "ids_source",
             "finish_reason",
+            *ANSWER_FEATURE_NAMES,
         ],
     )
-    tokens_errors = _read(layout.tokens_errors, ["reason"])
+    tokens_errors = _read(layout.tokens_errors, ["reason", *ANSWER_FEATURE_NAMES])
 
     responses = responses_all.unique(subset=["id"], keep="first", maintain_order=True)
     n_prompts = prompts.height if prompts is not None else 0
-    content = responses["content"].to_list()
-    reasoning = responses["reasoning"].to_list()
     finish = Counter(responses["finish_reason"].fill_null("unknown").to_list())
     n_resp = responses.height
-    empty = sum(1 for c in content if not (c or "").strip())
-    degenerate = sum(
-        1 for c, r in zip(content, reasoning, strict=True) if is_degenerate((r or "") + (c or ""))
+    features = (
+        pl.concat(
+            [t.select(ANSWER_FEATURE_NAMES) for t in (tokens, tokens_errors) if t is not None and t.height],
+            how="vertical_relaxed",
+        )
+        if any(t is not None and t.height for t in (tokens, tokens_errors))
+        else None
     )
-    with_reasoning = sum(1 for r in reasoning if r and r.strip())
+    count = lambda name: int(features[name].fill_null(False).sum()) if features is not None else 0  # noqa: E731
+    empty, degenerate, with_reasoning = (
+        count("answer_empty"),
+        count("answer_degenerate"),
+        count("answer_has_reasoning"),
+    )
     completion_tokens = int(responses["completion_tokens"].fill_null(0).sum())
     costs = responses["cost_usd"].drop_nulls()
     cost = float(costs.sum()) if costs.len() else None
@@ -169,7 +185,9 @@ def build_report(layout: DatasetLayout, budget_tokens: int, budget_usd: float | 
         "degenerate_answers": degenerate,
         "degenerate_share": degenerate / n_resp if n_resp else 0.0,
         "reasoning_share": with_reasoning / n_resp if n_resp else 0.0,
-        "responses_with_output_ids": int(responses["output_ids"].is_not_null().sum()),
+        "responses_with_output_ids": int(tokens["reference_match"].is_not_null().sum())
+        if tokens is not None
+        else 0,
         "duplicate_ids": {
             "responses_files": responses_all.height - n_resp,
             "tokens": (tokens.height - tokens["id"].n_unique()) if tokens is not None else 0,

@@ -23,11 +23,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .chat_tokens import Answer, ChatTokenizer, TemplateError, TokenizedConversation
-from .files import sink_parquet
+from .files import atomic_write, write_parquet
 from .layout import DatasetLayout
+from .report import is_degenerate
 from .store import RESPONSE_SCHEMA, JournalTable
 
-TOKENS_ERRORS_SCHEMA = {"id": pl.String, "reason": pl.String, "row_key": pl.UInt64}
+# Per-answer text features the report counts, computed once when a row is tokenized (a top-up's report then reads
+# small columns, not every answer's text again).
+ANSWER_FEATURES = {
+    "answer_empty": pl.Boolean,
+    "answer_degenerate": pl.Boolean,
+    "answer_has_reasoning": pl.Boolean,
+}
+TOKENS_ERRORS_SCHEMA = {"id": pl.String, "reason": pl.String, "row_key": pl.UInt64, **ANSWER_FEATURES}
 
 
 TAIL_TOKENS = 3  # a truncated answer's last pre-token may merge differently once the text is cut
@@ -120,7 +128,7 @@ class TokensSummary:
             getattr(self, name).update(getattr(other, name))
 
 
-def row_keys(rows: pl.LazyFrame, fingerprint: str) -> pl.LazyFrame:
+def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
     """A content key per row: the prompt, the answer, its reference ids, and the tokenizer and options that turn
     them into ids. A row whose key is unchanged is never tokenized again. (polars' hash may change between polars
     versions; the version is part of the fingerprint, so an upgrade re-tokenizes once rather than trusting it.)"""
@@ -135,75 +143,115 @@ def row_keys(rows: pl.LazyFrame, fingerprint: str) -> pl.LazyFrame:
     return rows.with_columns(pl.concat_str(parts, separator="\x1f").hash(seed=7).alias("row_key"))
 
 
+RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids"]
+
+
+def response_batches(layout: DatasetLayout, batch_size: int) -> Iterator[pl.DataFrame]:
+    """The stored answers, one row per id (the first stored wins, as everywhere), a batch at a time: memory holds
+    one batch of text, never the partition."""
+    table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
+    seen: set[str] = set()
+    for path in table.files():
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+            df = pl.from_arrow(batch)
+            for name in RESPONSE_COLUMNS:  # parts from older versions may lack a column
+                if name not in df.columns:
+                    df = df.with_columns(pl.lit(None, dtype=RESPONSE_SCHEMA[name]).alias(name))
+            df = df.select(RESPONSE_COLUMNS).unique(subset=["id"], keep="first", maintain_order=True)
+            df = df.filter(~pl.col("id").is_in(pl.Series(list(seen), dtype=pl.String).implode()))
+            seen.update(df["id"].to_list())
+            if df.height:
+                yield df
+
+
 def build_tokens(
     layout: DatasetLayout,
     chat: ChatTokenizer,
     train_all: bool = False,
     prefer_reference: bool = True,
-    batch_size: int = 2048,
+    batch_size: int = 512,
     log: Callable[[str], None] = print,
     workers: int | None = None,
 ) -> TokensSummary:
     """Tokenize the answered conversations that are new or changed since tokens.parquet was written, keep the rest
     as they are, and write tokens.parquet and tokens_errors.parquet again, streaming: a top-up of 1,000 answers to a
-    partition of 200,000 tokenizes 1,000 and copies the others.
+    partition of 200,000 tokenizes 1,000 and copies the others, and memory holds a few batches, not the partition.
 
     Chunks run on a thread per core: the encoding is Rust and releases the GIL, so one chunk's Python work (the
     per-row template render, the splicing, the comparison) overlaps another chunk's encoding. Worker processes were
     measured slower here: each pays seconds to import transformers and load the tokenizer.
     """
     fingerprint = f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}"
-    responses = (
-        JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
-        .scan(["id", "content", "reasoning", "finish_reason", "output_ids"])
-        .unique(subset=["id"], keep="first", maintain_order=True)
-    )
-    rows = row_keys(
-        pl.scan_parquet(layout.prompts).select("id", "messages").join(responses, on="id", how="inner"),
-        fingerprint,
-    )
-    current = rows.select("id", "row_key")
+    prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
     old_tokens = _scan_with_keys(layout.tokens, TOKENS_SCHEMA)
     old_errors = _scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
-    done = pl.concat([old_tokens.select("id", "row_key"), old_errors.select("id", "row_key")])
-    todo = rows.join(done, on=["id", "row_key"], how="anti")
+    done = pl.concat([old_tokens.select("id", "row_key"), old_errors.select("id", "row_key")]).collect()
+    current: list[pl.DataFrame] = []  # (id, row_key) of every row now: small
+    counter = {"todo": 0, "done": 0}
+
+    def todo_chunks() -> Iterator[pl.DataFrame]:
+        for batch in response_batches(layout, batch_size):
+            rows = row_keys(prompts.join(batch, on="id", how="inner"), fingerprint)
+            current.append(rows.select("id", "row_key"))
+            todo = rows.join(done, on=["id", "row_key"], how="anti")
+            counter["todo"] += todo.height
+            if todo.height:
+                yield todo
+
     scratch = layout.dir / f".tokens-{time.time_ns()}"
     scratch.mkdir(parents=True, exist_ok=True)
+    errors: list[dict] = []
     try:
-        todo.sink_parquet(scratch / "todo.parquet", row_group_size=batch_size)
-        todo_file = pq.ParquetFile(scratch / "todo.parquet")
-        n_todo = todo_file.metadata.num_rows
-        errors: list[dict] = []
-        progress = {"done": 0}
-
-        def chunks() -> Iterator[pl.DataFrame]:
-            for batch in todo_file.iter_batches(batch_size=batch_size):
-                yield pl.from_arrow(batch)
 
         def results() -> Iterator[pl.DataFrame]:
+            n = workers or os.cpu_count() or 1
             for df, errs, _part in _map_in_order(
-                lambda c: tokenize_chunk(c, chat, train_all, prefer_reference),
-                chunks(),
-                workers or os.cpu_count() or 1,
+                lambda c: tokenize_chunk(c, chat, train_all, prefer_reference), todo_chunks(), n
             ):
                 errors.extend(errs)
-                progress["done"] += df.height + len(errs)
-                log(f"tokens: {progress['done']:,}/{n_todo:,} new or changed conversations")
+                counter["done"] += df.height + len(errs)
+                log(f"tokens: {counter['done']:,} new or changed conversations tokenized")
                 yield df
 
         _write_chunks(scratch / "new.parquet", results())
-        new_rows = pl.scan_parquet(scratch / "new.parquet")
-        kept = old_tokens.join(current, on=["id", "row_key"], how="semi")
-        sink_parquet(pl.concat([kept, new_rows], how="vertical_relaxed"), layout.tokens)
-        kept_errors = old_errors.join(current, on=["id", "row_key"], how="semi")
-        new_errors = pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA).lazy()
-        sink_parquet(pl.concat([kept_errors, new_errors], how="vertical_relaxed"), layout.tokens_errors)
+        keys = pl.concat(current) if current else pl.DataFrame(schema={"id": pl.String, "row_key": pl.UInt64})
+        atomic_write(
+            layout.tokens,
+            lambda tmp: _write_chunks(
+                tmp,
+                itertools.chain(
+                    _kept_batches(layout.tokens, keys, TOKENS_SCHEMA, batch_size),
+                    (
+                        pl.from_arrow(b)
+                        for b in pq.ParquetFile(scratch / "new.parquet").iter_batches(batch_size)
+                    ),
+                ),
+            ),
+        )
+        new_errors = pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA)
+        kept_errors = list(_kept_batches(layout.tokens_errors, keys, TOKENS_ERRORS_SCHEMA, batch_size))
+        write_parquet(pl.concat([*kept_errors, new_errors], how="vertical_relaxed"), layout.tokens_errors)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(layout)
-    summary.n_tokenized = n_todo
+    summary.n_tokenized = counter["todo"]
     summary.workers = workers or os.cpu_count() or 1
     return summary
+
+
+def _kept_batches(
+    path: Path, keys: pl.DataFrame, schema: dict[str, pl.DataType], batch_size: int
+) -> Iterator[pl.DataFrame]:
+    """The rows of an earlier output whose (id, row_key) is still current, a batch at a time (old token rows are
+    ~13 KB each: a whole-table join would hold them all)."""
+    if not path.exists() or "row_key" not in pq.read_schema(path).names:
+        return
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
+        df = pl.from_arrow(batch)
+        df = df.with_columns(pl.lit(None, dtype=t).alias(c) for c, t in schema.items() if c not in df.columns)
+        kept = df.select(list(schema)).join(keys, on=["id", "row_key"], how="semi")
+        if kept.height:
+            yield kept
 
 
 def _scan_with_keys(path: Path, schema: dict[str, pl.DataType]) -> pl.LazyFrame:
@@ -292,7 +340,16 @@ TOKENS_SCHEMA: dict[str, pl.DataType] = {
     "first_diff": pl.Int32,
     "finish_reason": pl.String,
     "row_key": pl.UInt64,  # content key of the prompt + answer (+ tokenizer): unchanged rows are not redone
+    **ANSWER_FEATURES,
 }
+
+
+def answer_features(content: str | None, reasoning: str | None) -> dict[str, bool]:
+    return {
+        "answer_empty": not (content or "").strip(),
+        "answer_degenerate": is_degenerate((reasoning or "") + (content or "")),
+        "answer_has_reasoning": bool(reasoning and reasoning.strip()),
+    }
 
 
 def tokenize_chunk(
@@ -318,11 +375,12 @@ def tokenize_chunk(
     ]
     results = chat.tokenize(convs, train_all=train_all)
     keys = chunk["row_key"].to_list() if "row_key" in chunk.columns else [None] * chunk.height
-    for pid, res, ref, fin, fr, key in zip(
-        ids, results, chunk["output_ids"].to_list(), finished, reasons, keys, strict=True
+    features = [answer_features(a.content, a.reasoning) for _, a in convs]
+    for pid, res, ref, fin, fr, key, feats in zip(
+        ids, results, chunk["output_ids"].to_list(), finished, reasons, keys, features, strict=True
     ):
         if isinstance(res, TemplateError):
-            errors.append({"id": pid, "reason": str(res), "row_key": key})
+            errors.append({"id": pid, "reason": str(res), "row_key": key, **feats})
             summary.errors[str(res)[:80]] += 1
             continue
         input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
@@ -337,6 +395,8 @@ def tokenize_chunk(
         out["answer_start"].append(res.answer_start)
         out["finish_reason"].append(fr)
         out["row_key"].append(key)
+        for name, value in feats.items():
+            out[name].append(value)
         summary.ids_source[source] += 1
         if cmp is not None:
             summary.n_reference += 1
