@@ -100,6 +100,25 @@ def cmd_hidden_states(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    """The occasional full compaction of a dataset's journal: one file per table (runs fold only their own
+    parts, so a partition topped up many times gathers one file per run until this is run)."""
+    from .core.journal import ResponseJournal
+
+    cfg, res = _resources(args)
+    cfg.dataset(args.dataset)
+    storage = res["storage"]
+    with storage.lock(args.dataset)("compaction"):
+        layout = storage.checkout(args.dataset, "responses")
+        before = len(ResponseJournal(layout.dir).responses.files())
+        answered, failed = ResponseJournal(layout.dir).compact()
+        storage.publish(args.dataset, "responses")
+    print(
+        f"{args.dataset}: {answered:,} responses and {failed:,} failures, in one file each ({before} response parts before)"
+    )
+    return 0
+
+
 ONE_RUN_PER_DATASET = {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}
 
 
@@ -166,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "hidden-states", help="extract hidden states for a dataset in this process (no Dagster)"
     )
     hs.add_argument("--dataset", required=True)
+    comp = sub.add_parser("compact", help="fold a dataset's journal into one file per table (occasional)")
+    comp.add_argument("--dataset", required=True)
     for name in ("instance", "pools"):
         sub.add_parser(
             name,
@@ -181,6 +202,7 @@ COMMANDS = {
     "import-responses": cmd_import,
     "export": cmd_export,
     "hidden-states": cmd_hidden_states,
+    "compact": cmd_compact,
     "instance": cmd_instance,
     "pools": cmd_instance,
     "demo": cmd_demo,

@@ -5,6 +5,7 @@ hidden states shifted by one position, aux states of other samples, a loss mask 
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -204,7 +205,7 @@ def _rewrite(folder, change) -> None:
 def _per_sample(tensors, key, fn) -> None:
     cu = tensors["cu_seqlens"].tolist()
     x = tensors[key].clone()
-    for a, b in zip(cu[:-1], cu[1:], strict=True):
+    for a, b in itertools.pairwise(cu):
         x[a:b] = fn(x[a:b])
     tensors[key] = x
 

@@ -76,3 +76,24 @@ def test_a_run_folds_its_own_parts_and_leaves_the_table_alone(tmp_path, chat):
     assert files_before < files_after and len(files_after - files_before) == 1
     rows, keys = journal.responses.row_count()
     assert rows == keys == 12
+
+
+def test_eagle3_compact_folds_the_journal_into_one_file(tmp_path, chat):
+    """Compaction is a separate, occasional step: `eagle3 compact` leaves one file per table, every answer kept."""
+    from eagle3_assets.cli import main
+
+    layout = partition(tmp_path, [f"q {i}" for i in range(9)])
+    ids = pl.read_parquet(layout.prompts)["id"].to_list()
+    for n, part in enumerate((ids[:3], ids[3:6], ids[6:])):
+        answer(layout, tmp_path, chat, part, f"run{n}")
+    journal = ResponseJournal(layout.dir)
+    assert len(journal.responses.files()) == 3
+    cfg = tmp_path / "eagle3.yaml"
+    cfg.write_text(
+        json.dumps(
+            {"storage": {"root": "data"}, "datasets": {"B1": {"source": "B1.jsonl", "format": "messages"}}}
+        )
+    )
+    assert main(["--config", str(cfg), "compact", "--dataset", "B1"]) == 0
+    assert len(journal.responses.files()) == 1
+    assert sorted(journal.responses.scan(["id"]).collect()["id"].to_list()) == sorted(ids)
