@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [engine|tokens|hidden] [--quick]`: run benchmarks and print ratio tables."""
+"""`make bench` / `python -m bench [engine|limits|storage|tokens|hidden|acceptance] [--quick]`: run benchmarks and print ratio tables."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ SUITES = {
     "storage": "bench.storage",
     "tokens": "bench.tokens_throughput",
     "hidden": "bench.hidden_states_throughput",
+    "acceptance": "bench.acceptance",
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 

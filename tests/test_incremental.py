@@ -60,6 +60,12 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     redo = build_tokens(layout, chat, log=lambda m: None)
     assert redo.n_tokenized == 1 and redo.n_rows == 25
 
+    # A compaction replaces the journal's files: every row is keyed again, none is redone.
+    redone = pl.read_parquet(layout.tokens).sort("id")
+    ResponseJournal(layout.dir).compact()
+    assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 0
+    assert pl.read_parquet(layout.tokens).sort("id").equals(redone)
+
     # Another template option changes every conversation's ids: everything is redone.
     assert build_tokens(layout, chat, train_all=True, log=lambda m: None).n_tokenized == 25
 

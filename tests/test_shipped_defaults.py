@@ -1,5 +1,6 @@
-"""The shipped eagle3.yaml, unchanged, materialises every asset of a partition (hidden_states included, on CPU for
-the embedded model) with every check green, and the result exports. A default that no test runs is broken."""
+"""The shipped eagle3.yaml, unchanged, materialises every asset of a partition (hidden_states and the acceptance
+gate included, on CPU for the embedded model) with every check green, and the result exports. A default that no
+test runs is broken."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_the_shipped_config_materialises_every_asset_and_exports(tmp_path):
         result = job.execute_in_process(
             partition_key="B3",
             instance=instance,
-            run_config={"ops": {"responses": {"config": {"limit": 3}}}},  # three answers keep this test short
+            # Six answers keep this test short (the acceptance gate trains on five, holds one out).
+            run_config={"ops": {"responses": {"config": {"limit": 6}}}},
             raise_on_error=False,
         )
     assert result.success, [e.message for e in result.all_events if e.is_failure]
@@ -52,6 +54,7 @@ def test_the_shipped_config_materialises_every_asset_and_exports(tmp_path):
         "hidden_states_finite",
         "hidden_states_consistent",
         "hidden_states_spot_check",
+        "acceptance_gate",
     }
     assert expected <= set(checks)
     assert all(checks[name].passed for name in expected), {
@@ -60,7 +63,7 @@ def test_the_shipped_config_materialises_every_asset_and_exports(tmp_path):
     folder = tmp_path / "data" / "B3" / "hidden_states"
     assert (folder / "index.parquet").exists()
     out = tmp_path / "export"
-    assert export(folder, out, "speculators", log=lambda m: None) == 3
+    assert export(folder, out, "speculators", log=lambda m: None) == 6
     assert json.loads((out / "eagle3_config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [
         2,
         15,

@@ -8,6 +8,7 @@ same ids. Text-only answers (OpenRouter) get the reconstruction, `reference_matc
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import time
@@ -27,6 +28,7 @@ from .files import atomic_write, write_parquet
 from .layout import DatasetLayout
 from .report import is_degenerate
 from .store import RESPONSE_SCHEMA, JournalTable
+from .versions import file_version
 
 # Per-answer text features the report counts, computed once when a row is tokenized (a top-up's report then reads
 # small columns, not every answer's text again).
@@ -146,12 +148,16 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
 RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids"]
 
 
-def response_batches(layout: DatasetLayout, batch_size: int) -> Iterator[pl.DataFrame]:
+def response_batches(
+    layout: DatasetLayout, batch_size: int, parts: list[str] | None = None, seen: set[str] | None = None
+) -> Iterator[pl.DataFrame]:
     """The stored answers, one row per id (the first stored wins, as everywhere), a batch at a time: memory holds
-    one batch of text, never the partition."""
+    one batch of text, never the partition. `parts`: only these journal files; `seen`: ids to skip."""
     table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
-    seen: set[str] = set()
+    seen = set() if seen is None else seen
     for path in table.files():
+        if parts is not None and path.name not in parts:
+            continue
         for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
             df = pl.from_arrow(batch)
             for name in RESPONSE_COLUMNS:  # parts from older versions may lack a column
@@ -188,8 +194,32 @@ def build_tokens(
     done = pl.concat([old_tokens.select("id", "row_key"), old_errors.select("id", "row_key")]).collect()
     current: list[pl.DataFrame] = []  # (id, row_key) of every row now: small
     counter = {"todo": 0, "done": 0}
+    # Journal parts are immutable: when the prompts and the tokenizer are as they were and every part the last
+    # build read is still there, only the parts added since can hold new rows (a top-up reads 1,000 answers, not
+    # the partition's); anything else (a compaction, new prompts, another template) re-keys every row.
+    state = {
+        "fingerprint": fingerprint,
+        "prompts": file_version(layout.prompts),
+        "parts": [p.name for p in JournalTable(layout.responses_dir, RESPONSE_SCHEMA).files()],
+    }
+    last = _recorded_state(layout.tokens)
+    appended = (
+        last is not None
+        and layout.tokens_errors.exists()
+        and last["fingerprint"] == fingerprint
+        and last["prompts"] == state["prompts"]
+        and set(last["parts"]) <= set(state["parts"])
+    )
 
     def todo_chunks() -> Iterator[pl.DataFrame]:
+        if appended:
+            new_parts = [p for p in state["parts"] if p not in set(last["parts"])]
+            for batch in response_batches(layout, batch_size, new_parts, set(done["id"].to_list())):
+                rows = row_keys(prompts.join(batch, on="id", how="inner"), fingerprint)
+                counter["todo"] += rows.height
+                if rows.height:
+                    yield rows
+            return
         for batch in response_batches(layout, batch_size):
             rows = row_keys(prompts.join(batch, on="id", how="inner"), fingerprint)
             current.append(rows.select("id", "row_key"))
@@ -214,8 +244,14 @@ def build_tokens(
                 yield df
 
         _write_chunks(scratch / "new.parquet", results())
-        keys = pl.concat(current) if current else pl.DataFrame(schema={"id": pl.String, "row_key": pl.UInt64})
-        if counter["todo"] == 0 and done.height == keys.height and layout.tokens.exists():
+        keys = (
+            None  # every earlier row stands
+            if appended
+            else pl.concat(current)
+            if current
+            else pl.DataFrame(schema={"id": pl.String, "row_key": pl.UInt64})
+        )
+        if counter["todo"] == 0 and (keys is None or done.height == keys.height) and layout.tokens.exists():
             # Every current row is already written and nothing written is stale: the outputs stand as they are.
             summary = summarize(layout)
             summary.workers = workers or os.cpu_count() or 1
@@ -224,7 +260,8 @@ def build_tokens(
             layout.tokens,
             lambda tmp: _write_chunks(
                 tmp,
-                itertools.chain(
+                metadata={STATE_KEY: json.dumps(state)},
+                frames=itertools.chain(
                     _kept_batches(layout.tokens, keys, TOKENS_SCHEMA, batch_size),
                     (
                         pl.from_arrow(b)
@@ -245,7 +282,7 @@ def build_tokens(
 
 
 def _kept_batches(
-    path: Path, keys: pl.DataFrame, schema: dict[str, pl.DataType], batch_size: int
+    path: Path, keys: pl.DataFrame | None, schema: dict[str, pl.DataType], batch_size: int
 ) -> Iterator[pl.DataFrame]:
     """The rows of an earlier output whose (id, row_key) is still current, a batch at a time (old token rows are
     ~13 KB each: a whole-table join would hold them all)."""
@@ -254,7 +291,9 @@ def _kept_batches(
     for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
         df = pl.from_arrow(batch)
         df = df.with_columns(pl.lit(None, dtype=t).alias(c) for c, t in schema.items() if c not in df.columns)
-        kept = df.select(list(schema)).join(keys, on=["id", "row_key"], how="semi")
+        kept = df.select(list(schema))
+        if keys is not None:  # None: all of them
+            kept = kept.join(keys, on=["id", "row_key"], how="semi")
         if kept.height:
             yield kept
 
@@ -316,11 +355,24 @@ def _map_in_order(fn: Callable, items: list, n_workers: int) -> Iterator:
             yield result
 
 
-def _write_chunks(path: Path, frames: Iterator[pl.DataFrame]) -> None:
+STATE_KEY = "eagle3.tokens_state"
+
+
+def _recorded_state(path: Path) -> dict | None:
+    """What the last build of tokens.parquet read (tokenizer fingerprint, prompts version, journal parts)."""
+    if not path.exists():
+        return None
+    raw = (pq.read_schema(path).metadata or {}).get(STATE_KEY.encode())
+    return json.loads(raw) if raw else None
+
+
+def _write_chunks(path: Path, frames: Iterator[pl.DataFrame], metadata: dict[str, str] | None = None) -> None:
     writer: pq.ParquetWriter | None = None
     try:
         for df in frames:
             table = df.to_arrow()
+            if metadata:
+                table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
             if writer is None:
                 # zstd level 1: a top-up rewrites the whole file, and level 1 writes it ~1.5x faster at the same size.
                 writer = pq.ParquetWriter(path, table.schema, compression="zstd", compression_level=1)

@@ -1,0 +1,122 @@
+"""The acceptance gate's cost on one demo partition (B3, code), on this machine, with the shipped defaults.
+
+Builds the partition the way `make demo` does (the embedded target answers B3's prompts; hidden states on this
+device), then times each phase of the gate. Baseline, measured in the same run: plain greedy decoding of the same
+measured prompts with the target (`generate`, the same number of new tokens), so the measurement phases read as a
+multiple of "just decoding them". Also printed: acceptance lengths (train, heldout, untrained floor, the source's own
+answers) and the speed-up they imply in target forwards.
+
+`python -m bench acceptance` (`--quick`: 12 prompts, 60 training steps, 32 new tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _partition(folder: Path, limit: int) -> tuple[object, Path]:
+    import dagster as dg
+
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import HIDDEN_STATES_JOB, TRAINING_DATA_JOB, build_definitions
+
+    shutil.copy(REPO / "eagle3.yaml", folder / "eagle3.yaml")
+    shutil.copytree(REPO / "prompts", folder / "prompts")
+    path = folder / "eagle3.yaml"
+    cfg = load_config(path)
+    defs = build_definitions(cfg, str(path))
+    with dg.instance_for_test() as instance:
+        for job, run_config in (
+            (TRAINING_DATA_JOB, {"ops": {"responses": {"config": {"limit": limit}}}}),
+            (HIDDEN_STATES_JOB, None),
+        ):
+            result = defs.resolve_job_def(job).execute_in_process(
+                partition_key="B3", instance=instance, run_config=run_config
+            )
+            assert result.success
+    return cfg, path
+
+
+def run(quick: bool = False) -> dict:
+    import torch
+
+    from eagle3_assets.assets.hidden_states import extraction_settings
+    from eagle3_assets.core.acceptance import load_samples, rendered_prompts, run_gate
+    from eagle3_assets.core.extraction import load_target_model
+    from eagle3_assets.core.layout import DatasetLayout
+    from eagle3_assets.core.target import pick_device
+    from resources import Target
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        t0 = time.perf_counter()
+        cfg, _ = _partition(folder, 12 if quick else 1000)
+        build_s = time.perf_counter() - t0
+        settings = cfg.acceptance
+        if quick:
+            settings = settings.model_copy(update={"train_steps": 60, "max_new_tokens": 32})
+        layout = DatasetLayout(cfg.storage_root, "B3")
+        model = load_target_model(extraction_settings(cfg))
+        chat = Target(cfg).chat_tokenizer()
+        device = pick_device(settings.device)
+        gate = run_gate(layout, settings, model, chat, device, log=lambda m: None)
+        r = gate.report
+
+        # Baseline: plain greedy decoding of the prompts the gate measured, as many new tokens.
+        heldout = load_samples(layout, r["heldout_ids"])
+        prompts = rendered_prompts(chat, heldout)
+        stop = sorted(i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for p in prompts:
+                model.generate(
+                    torch.tensor([p], device=device),
+                    max_new_tokens=settings.max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=stop,
+                )
+        greedy_s = time.perf_counter() - t0
+
+    secs = r["seconds"]
+    measured_parts = 3 + (1 if "heldout" in r["source_answers"] else 0)
+    result = {
+        "device": device,
+        "samples_trained": r["training"]["samples"],
+        "heldout_prompts": r["heldout"]["n_prompts"],
+        "seconds": secs,
+        "partition_build_s": round(build_s, 1),
+        "greedy_decode_heldout_s": round(greedy_s, 1),
+        "acceptance_length": {p: r[p]["acceptance_length"] for p in ("train", "heldout", "untrained")}
+        | {"source_answers_heldout": r["source_answers"].get("heldout", {}).get("acceptance_length")},
+        "gate_passed": r["gate"]["passed"],
+        "measured_parts": measured_parts,
+    }
+    print(
+        f"B3 on {device}: {result['samples_trained']} samples trained, {result['heldout_prompts']} heldout prompts, "
+        f"k = {r['draft_tokens']}, {settings.train_steps} training steps"
+    )
+    print(f"{'phase':34} {'seconds':>8}")
+    for name, value in secs.items():
+        print(f"{name:34} {value:>8.1f}")
+    print(
+        f"baseline: greedy decoding of the heldout prompts {greedy_s:.1f} s; measuring the untrained draft on them "
+        f"{secs['measure_untrained'] / greedy_s:.1f}x that (each of its rounds is a target forward that accepts "
+        "nothing), the whole gate "
+        f"{secs['total'] / greedy_s:.0f}x"
+    )
+    al = result["acceptance_length"]
+    src = al["source_answers_heldout"]
+    print(
+        f"acceptance length (tokens per target forward): train {al['train']:.2f}, heldout {al['heldout']:.2f}, "
+        f"untrained {al['untrained']:.2f}, trained on the source's own answers "
+        + (f"{src:.2f}" if src is not None else "n/a")
+        + f"; gate {'passed' if result['gate_passed'] else 'FAILED'}"
+    )
+    print(json.dumps({"partition_build_s": result["partition_build_s"]}))
+    return result
