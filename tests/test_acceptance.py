@@ -112,7 +112,7 @@ def test_the_targets_own_answers_pass_the_gate_and_the_draft_loads_back(gated):
     folder = layout.acceptance_dir / "draft"
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 13, 26]  # SmolLM2: [1, L//2-1, L-4]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]  # SmolLM2: [1, L//2-1, L-4]
     state = load_file(str(folder / "model.safetensors"))
     h, vd = cfg["hidden_size"], cfg["draft_vocab_size"]
     assert state["fc.weight"].shape == (h, 3 * h)
