@@ -40,7 +40,7 @@ SHOTS = {
     "failure": ARTIFACTS / "ui-failure.png",
 }
 FAILURE_TRACE = ARTIFACTS / "ui-failure-trace.zip"  # open with `playwright show-trace`
-ASSETS = ["prompts", "responses", "tokens", "validation_report", "hidden_states"]
+ASSETS = ["prompts", "responses", "tokens", "validation_report", "hidden_states", "acceptance"]
 PARTITION = "B1"
 # Queued -> dequeued by the daemon -> run process started -> done: seconds, but generous on 2 busy cores.
 RUN_TIMEOUT_MS = 240_000
@@ -159,7 +159,8 @@ def test_materialise_one_partition_from_the_ui(tmp_path):
     with DagsterDev(config, home) as dev, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
-            context = browser.new_context(viewport={"width": 1600, "height": 1000})
+            # Wide enough that the six-asset graph fits at a zoom where nodes show their partition status.
+            context = browser.new_context(viewport={"width": 2200, "height": 1000})
             # The UI greets a new browser with a "Join the Dagster community" modal over everything; this
             # localStorage key is what its "Skip" button sets. The handler is the fallback should it show anyway.
             context.add_init_script("window.localStorage.setItem('communityNux', '\"1\"')")
