@@ -161,6 +161,7 @@ class GenerationEngine:
         )
         self.report = EngineReport(total=0)
         self._stop = asyncio.Event()
+        self._closing = asyncio.Event()  # the flush loop ends after the flush it is in, never inside one
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._retries: list[tuple[float, int, _Pending]] = []  # heap by ready time
@@ -192,7 +193,10 @@ class GenerationEngine:
             if flusher.done() and self._journal_error is None:
                 self._journal_error = flusher.exception() or RuntimeError("the journal writer stopped")
         finally:
-            for t in (flusher, progress, *self._tasks):
+            # The flush loop is told to stop, not cancelled: a cancel inside a write would put rows that its
+            # thread still writes back in the buffer (written twice), or read as a journal failure.
+            self._closing.set()
+            for t in (progress, *self._tasks):
                 t.cancel()
             await asyncio.gather(flusher, progress, *self._tasks, return_exceptions=True)
             self._release_unsent()
@@ -460,8 +464,12 @@ class GenerationEngine:
 
     # -- background tasks -----------------------------------------------------------------------------------
     async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.flush_interval_s)
+        while not self._closing.is_set():
+            try:
+                await asyncio.wait_for(self._closing.wait(), self.settings.flush_interval_s)
+                return  # closing: the run's final flush follows
+            except TimeoutError:
+                pass
             try:
                 await self.writer.flush()
             except BaseException as e:
