@@ -91,16 +91,21 @@ def _checks(result) -> tuple[int, int]:
     return sum(1 for ev in evaluations if ev.passed), len(evaluations)
 
 
-def _hidden_states(key: str, instance, root) -> tuple[bool, str, float]:
-    """hidden_states (CPU for the embedded model) with its blocking checks, then a speculators export."""
-    t0 = time.monotonic()
-    result = defs.resolve_job_def(HIDDEN_STATES_JOB).execute_in_process(
+def _run(job, key: str, instance):
+    """One job for one partition, as the demo runs every job: quiet logs, failures reported, not raised."""
+    return job.execute_in_process(
         partition_key=key,
         instance=instance,
         raise_on_error=False,
         run_config=QUIET_LOGS,
         tags={"eagle3/source": "make demo"},
     )
+
+
+def _hidden_states(key: str, instance, root) -> tuple[bool, str, float]:
+    """hidden_states (CPU for the embedded model) with its blocking checks, then a speculators export."""
+    t0 = time.monotonic()
+    result = _run(defs.resolve_job_def(HIDDEN_STATES_JOB), key, instance)
     passed, total = _checks(result)
     layout = DatasetLayout(root, key)
     if not result.success or not (layout.hidden_states_dir / "index.parquet").exists():
@@ -112,13 +117,7 @@ def _hidden_states(key: str, instance, root) -> tuple[bool, str, float]:
 
 def _acceptance(key: str, instance, root) -> tuple[bool, str]:
     """The acceptance gate: a draft trained on the partition's hidden states, measured against the target."""
-    result = defs.resolve_job_def(ACCEPTANCE_JOB).execute_in_process(
-        partition_key=key,
-        instance=instance,
-        raise_on_error=False,
-        run_config=QUIET_LOGS,
-        tags={"eagle3/source": "make demo"},
-    )
+    result = _run(defs.resolve_job_def(ACCEPTANCE_JOB), key, instance)
     passed, total = _checks(result)
     path = DatasetLayout(root, key).acceptance_dir / "report.json"
     if not result.success or not path.exists():
@@ -145,13 +144,7 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
     rows, started = [], time.monotonic()
     for key in keys:
         t0 = time.monotonic()
-        result = job.execute_in_process(
-            partition_key=key,
-            instance=instance,
-            raise_on_error=False,
-            run_config=QUIET_LOGS,
-            tags={"eagle3/source": "make demo"},
-        )
+        result = _run(job, key, instance)
         passed, total = _checks(result)
         ok, hidden, gate = result.success, "-", "-"
         if ok and key in hidden_keys:

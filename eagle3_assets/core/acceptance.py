@@ -28,7 +28,6 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -277,14 +276,14 @@ def run_gate(
     folder = layout.hidden_states_dir
     feature_ids = layer_config(folder, "speculators")["eagle_aux_hidden_state_layer_ids"]
     layer_ids = layer_config(folder, "specforge")["eagle_aux_hidden_state_layer_ids"]
-    all_ids = HiddenStatesReader(folder).ids()
+    reader = HiddenStatesReader(folder)
+    all_ids = reader.ids()
     train_ids, heldout_ids = split_ids(all_ids, settings.train_prompts, settings.heldout_prompts)
     if not train_ids or not heldout_ids:
         raise ValueError(
             f"{layout.key}: {len(all_ids)} samples with hidden states; the gate needs at least 2 "
             "(some to train on, some held out)"
         )
-    reader = HiddenStatesReader(folder)
     train_samples = load_samples(layout, train_ids)
     heldout_samples = load_samples(layout, heldout_ids)
     stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
@@ -500,7 +499,3 @@ def source_samples(
 def read_report(layout: DatasetLayout) -> dict[str, Any] | None:
     path = layout.acceptance_dir / "report.json"
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def report_path(layout: DatasetLayout) -> Path:
-    return layout.acceptance_dir / "report.json"
