@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 
 import polars as pl
+import pyarrow.parquet as pq
 
 from eagle3_assets.core.importer import import_responses
 from eagle3_assets.core.ingest import write_prompts
 from eagle3_assets.core.journal import ResponseJournal
 from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.tokens import build_tokens
+from eagle3_assets.core.parquet_append import read_footer
+from eagle3_assets.core.tokens import STATE_KEY, build_tokens
 
 from .conftest import user_rows, write_jsonl
 
@@ -44,12 +46,15 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     assert again.n_tokenized == 0 and again.n_rows == 20
     assert pl.read_parquet(layout.tokens).sort("id").equals(before)
 
-    # A top-up of 5 answers: 5 tokenized, 20 kept byte for byte.
+    # A top-up of 5 answers: 5 tokenized, 20 kept byte for byte (their pages copied, not decoded and re-encoded).
+    _, old_end = read_footer(layout.tokens)
+    old_bytes = layout.tokens.read_bytes()[:old_end]
     answer(layout, tmp_path, chat, ids[20:25], "second")
     topped = build_tokens(layout, chat, log=lambda m: None)
     assert topped.n_tokenized == 5 and topped.n_rows == 25
     after = pl.read_parquet(layout.tokens)
     assert after.filter(pl.col("id").is_in(ids[:20])).sort("id").equals(before)
+    assert layout.tokens.read_bytes()[:old_end] == old_bytes
 
     # A prompt whose text changed at the source (same id): that row alone is redone.
     changed = [*texts[:-1]]
@@ -60,14 +65,19 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     redo = build_tokens(layout, chat, log=lambda m: None)
     assert redo.n_tokenized == 1 and redo.n_rows == 25
 
-    # A compaction replaces the journal's files: every row is keyed again, none is redone.
+    # A compaction replaces the journal's files: every row is keyed again, none is redone, and the file records
+    # the new parts (so the next top-up reads only what is added after the compaction).
     redone = pl.read_parquet(layout.tokens).sort("id")
     ResponseJournal(layout.dir).compact()
     assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 0
     assert pl.read_parquet(layout.tokens).sort("id").equals(redone)
+    parts = [p.name for p in ResponseJournal(layout.dir).responses.files()]
+    assert json.loads(pq.read_schema(layout.tokens).metadata[STATE_KEY.encode()])["parts"] == parts
+    answer(layout, tmp_path, chat, ids[25:27], "third")
+    assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 2
 
     # Another template option changes every conversation's ids: everything is redone.
-    assert build_tokens(layout, chat, train_all=True, log=lambda m: None).n_tokenized == 25
+    assert build_tokens(layout, chat, train_all=True, log=lambda m: None).n_tokenized == 27
 
 
 def test_a_run_folds_its_own_parts_and_leaves_the_table_alone(tmp_path, chat):

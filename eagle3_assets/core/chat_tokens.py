@@ -27,6 +27,14 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d+)([cr]){_CLOSE}")
 
 
+def _strip(text: str, left: bool, right: bool) -> str:
+    if right:
+        text = text.rstrip()
+    if left:
+        text = text.lstrip()
+    return text
+
+
 class TemplateError(ValueError):
     """The conversation cannot be rendered exactly (its reason goes to tokens_errors.parquet)."""
 
@@ -57,6 +65,15 @@ Item = tuple[int, None] | tuple[None, tuple[Fragment, ...]]
 @dataclass(frozen=True, slots=True)
 class _Plan:
     regions: tuple[tuple[tuple[Item, ...], bool], ...]  # (items, trained)
+    # The same, ready to fill: per region (pieces, trained), a piece being (CONTROL, id), (FIXED, ids) for a text
+    # run with no message text in it (encoded once, when the plan is made) or (FILL, k) for the k-th run to fill.
+    pieces: tuple[tuple[tuple[tuple[int, Any], ...], bool], ...] = ()
+    # Per run to fill: (format string with {} where message texts go, their indices into the flat
+    # [content0, reasoning0, content1, ...] list, strip the right end, strip the left end, opens the input).
+    fills: tuple[tuple[str, tuple[int, ...], bool, bool, bool], ...] = ()
+
+
+CONTROL, FIXED, FILL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -110,7 +127,7 @@ class ChatTokenizer:
         strings = sorted(self.encoder.control_ids, key=len, reverse=True)
         self._control_re = re.compile("|".join(re.escape(s) for s in strings)) if strings else None
         self._plans: dict[tuple, _Plan] = {}
-        self._sentinel_renders: dict[tuple, str] = {}
+        self._sentinel_renders: dict[tuple, tuple[str, tuple[int, ...]]] = {}
         self.eot_token = end_of_turn_token or self._detect_end_of_turn() or tokenizer.eos_token
         if not self.eot_token:
             raise TemplateError(
@@ -276,9 +293,44 @@ class ChatTokenizer:
             pos = end
         if pos < len(full_text) or not regions:
             regions.append((self._items(full_text[pos:]), False))
-        plan = _Plan(tuple(regions))
+        plan = self._compile(tuple(regions))
         self._plans[key] = plan
         return plan
+
+    def _compile(self, regions: tuple[tuple[tuple[Item, ...], bool], ...]) -> _Plan:
+        """Turn a plan's items into pieces: text runs without message text are encoded here, once per plan
+        (a third to a half of all runs: the newlines and role names between control tokens), the others become
+        format strings."""
+        flat = [item for items, _ in regions for item in items]
+        lstrip, rstrip = self.encoder.lstrip_ids, self.encoder.rstrip_ids
+        pieces: list[tuple[tuple[tuple[int, Any], ...], bool]] = []
+        fills: list[tuple[str, tuple[int, ...], bool, bool, bool]] = []
+        k = 0
+        for items, trained in regions:
+            out: list[tuple[int, Any]] = []
+            for cid, frags in items:
+                if cid is not None:
+                    out.append((CONTROL, cid))
+                    k += 1
+                    continue
+                # An added token with lstrip/rstrip absorbs the whitespace beside it when the whole text is
+                # encoded (Mistral's [/INST]); the run must give it up too.
+                strip_right = k + 1 < len(flat) and flat[k + 1][0] in lstrip
+                strip_left = k > 0 and flat[k - 1][0] in rstrip
+                at_start = k == 0
+                refs = tuple(2 * f[0] + (f[1] == "r") for f in frags if not isinstance(f, str))
+                if not refs:
+                    text = _strip("".join(frags), strip_left, strip_right)  # type: ignore[arg-type]
+                    out.append((FIXED, tuple(self.encoder.encode_texts([text], [at_start])[0])))
+                else:
+                    fmt = "".join(
+                        f.replace("{", "{{").replace("}", "}}") if isinstance(f, str) else "{}" for f in frags
+                    )
+                    out.append((FILL, len(fills)))
+                    fills.append((fmt, refs, strip_right, strip_left, at_start))
+                k += 1
+            pieces.append((tuple(out), trained))
+        return _Plan(regions, tuple(pieces), tuple(fills))
 
     # -- tokenizing -----------------------------------------------------------------------------------------
     @staticmethod
@@ -295,12 +347,16 @@ class ChatTokenizer:
             vals.append((answer.content or "", answer.reasoning or ""))
         return vals
 
-    def _sentinel(self, roles: tuple, reasoning: tuple, gen: bool) -> str:
+    def _sentinel(self, roles: tuple, reasoning: tuple, gen: bool) -> tuple[str, tuple[int, ...]]:
+        """A shape's sentinel render as a format string and the flat indices of the texts that fill it."""
         key = (roles, reasoning, gen)
-        text = self._sentinel_renders.get(key)
-        if text is None:
-            text = self._sentinel_renders[key] = self._render_shape(roles, reasoning, gen)
-        return text
+        found = self._sentinel_renders.get(key)
+        if found is None:
+            text = self._render_shape(roles, reasoning, gen)
+            refs = tuple(2 * int(m.group(1)) + (m.group(2) == "r") for m in _SENTINEL.finditer(text))
+            fmt = "{}".join(part.replace("{", "{{").replace("}", "}}") for part in _SENTINEL.split(text)[::3])
+            found = self._sentinel_renders[key] = (fmt, refs)
+        return found
 
     def _render_many(self, convs: list[list[dict[str, Any]]], gen: bool) -> list[str | Exception]:
         """The real conversations rendered in one call (40% cheaper per row); row by row if the template raises."""
@@ -331,7 +387,9 @@ class ChatTokenizer:
             group = [r for r in rows if r[4] is gen]
             reals = self._render_many(
                 [
-                    self._messages(roles, reasoning, lambda i, f, v=values: v[i][f == "r"])
+                    [{"role": r, "content": v[0]} for r, v in zip(roles, values, strict=True)]
+                    if not any(reasoning)  # the common case, without a call per text
+                    else self._messages(roles, reasoning, lambda i, f, v=values: v[i][f == "r"])
                     for _, roles, reasoning, values, _ in group
                 ],
                 gen,
@@ -340,8 +398,9 @@ class ChatTokenizer:
                 if isinstance(real, Exception):
                     bad[row] = TemplateError(f"chat template failed: {type(real).__name__}: {real}")
                     continue
-                sentinel = self._sentinel(roles, reasoning, gen)
-                filled = _SENTINEL.sub(lambda m, v=values: v[int(m.group(1))][m.group(2) == "r"], sentinel)
+                fmt, refs = self._sentinel(roles, reasoning, gen)
+                flat = [v for pair in values for v in pair]
+                filled = fmt.format(*[flat[i] for i in refs])
                 if real != filled:
                     at = next(
                         (i for i, (a, b) in enumerate(zip(real, filled, strict=False)) if a != b),
@@ -382,57 +441,45 @@ class ChatTokenizer:
             to_verify.append((row, roles, reasoning, values, answer is None))
         for row, err in self._verify(to_verify).items():
             planned[row] = err
-        plans: list[tuple[_Plan, list[tuple[str, str]]] | TemplateError] = planned
         texts: list[str] = []
         at_start: list[bool] = []
-        lstrip, rstrip = self.encoder.lstrip_ids, self.encoder.rstrip_ids
-        for entry in plans:
+        for entry in planned:
             if isinstance(entry, TemplateError):
                 continue
             plan, values = entry
-            flat = [item for items, _ in plan.regions for item in items]
-            for k, (cid, frags) in enumerate(flat):
-                if cid is not None:
-                    continue
-                text = "".join(
-                    f if isinstance(f, str) else values[f[0]][0 if f[1] == "c" else 1] for f in frags
-                )
-                # An added token with lstrip/rstrip absorbs the whitespace beside it when the whole text is
-                # encoded (Mistral's [/INST]); the run must give it up too.
-                if k + 1 < len(flat) and flat[k + 1][0] in lstrip:
-                    text = text.rstrip()
-                if k > 0 and flat[k - 1][0] in rstrip:
-                    text = text.lstrip()
-                texts.append(text)
-                at_start.append(k == 0)
+            flat = [v for pair in values for v in pair]  # content0, reasoning0, content1, ...
+            for fmt, refs, strip_right, strip_left, first in plan.fills:
+                texts.append(_strip(fmt.format(*[flat[i] for i in refs]), strip_left, strip_right))
+                at_start.append(first)
         encoded = self.encoder.encode_texts(texts, at_start)
         out: list[TokenizedConversation | TemplateError] = []
         t = 0
-        for entry in plans:
+        for entry in planned:
             if isinstance(entry, TemplateError):
                 out.append(entry)
                 continue
-            plan, _ = entry
+            plan = entry[0]
             ids: list[int] = []
-            mask_runs: list[tuple[int, bool]] = []
+            run_lengths: list[int] = []
+            run_trained: list[int] = []
             answer_start = 0
-            for items, trained in plan.regions:
+            for pieces, trained in plan.pieces:
                 start = len(ids)
-                for cid, _frags in items:
-                    if cid is None:
-                        ids.extend(encoded[t])
-                        t += 1
+                for kind, payload in pieces:
+                    if kind == CONTROL:
+                        ids.append(payload)
+                    elif kind == FIXED:
+                        ids.extend(payload)
                     else:
-                        ids.append(cid)
-                mask_runs.append((len(ids) - start, trained))
+                        ids.extend(encoded[t + payload])
+                run_lengths.append(len(ids) - start)
+                run_trained.append(1 if trained else 0)
                 if trained:
                     answer_start = start
+            t += len(plan.fills)
             arr = np.asarray(ids, dtype=np.int32)
-            mask = np.repeat(
-                np.array([1 if tr else 0 for _, tr in mask_runs], dtype=np.int8), [n for n, _ in mask_runs]
-            )
-            last_trained = plan.regions[-1][1]
-            start = answer_start if last_trained else len(ids)
+            mask = np.repeat(np.asarray(run_trained, dtype=np.int8), run_lengths)
+            start = answer_start if plan.regions[-1][1] else len(ids)
             out.append(TokenizedConversation(arr, mask, start))
         return out
 

@@ -34,6 +34,22 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def available_cores() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a container given 4 CPUs on
+    a 64-core node must start 4 workers, not 64)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)

@@ -7,6 +7,7 @@ same ids. Text-only answers (OpenRouter) get the reconstruction, `reference_matc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -14,7 +15,7 @@ import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .chat_tokens import Answer, ChatTokenizer, TemplateError, TokenizedConversation
-from .files import atomic_write, write_parquet
+from .files import atomic_write, available_cores, write_parquet
 from .layout import DatasetLayout
+from .parquet_append import append_file
 from .report import is_degenerate
 from .store import RESPONSE_SCHEMA, JournalTable
 from .versions import file_version
@@ -85,15 +87,13 @@ def compare(
     return Comparison(False, "bpe_split" if same_text else "text_differs", first)
 
 
-def _list_column(arrays: list[np.ndarray], dtype: pa.DataType) -> pl.Series:
-    """A list column from numpy arrays through one flat buffer (no Python list per token)."""
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int32 if lengths.sum() < 2**31 else np.int64)
+def _list_column(flat: np.ndarray, lengths: np.ndarray) -> pl.Series:
+    """A list column from one flat buffer and the row lengths (no Python list per token)."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate(arrays) if arrays else np.zeros(0)
-    values = pa.array(flat.astype(dtype.to_pandas_dtype(), copy=False), type=dtype)
-    cls = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-    return pl.from_arrow(cls.from_arrays(pa.array(offsets), values))
+    cls = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray
+    offsets = offsets.astype(np.int32) if cls is pa.ListArray else offsets
+    return pl.from_arrow(cls.from_arrays(pa.array(offsets), pa.array(flat)))
 
 
 @dataclass
@@ -145,6 +145,7 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
     return rows.with_columns(pl.concat_str(parts, separator="\x1f").hash(seed=7).alias("row_key"))
 
 
+PROGRESS_EVERY_S = 10.0
 RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids"]
 
 
@@ -164,8 +165,13 @@ def response_batches(
                 if name not in df.columns:
                     df = df.with_columns(pl.lit(None, dtype=RESPONSE_SCHEMA[name]).alias(name))
             df = df.select(RESPONSE_COLUMNS).unique(subset=["id"], keep="first", maintain_order=True)
-            df = df.filter(~pl.col("id").is_in(pl.Series(list(seen), dtype=pl.String).implode()))
-            seen.update(df["id"].to_list())
+            ids = df["id"].to_list()
+            fresh = [
+                i not in seen for i in ids
+            ]  # a set lookup per row: a Series of every id seen would be O(n^2)
+            if not all(fresh):
+                df = df.filter(pl.Series(fresh, dtype=pl.Boolean))
+            seen.update(ids)
             if df.height:
                 yield df
 
@@ -183,9 +189,7 @@ def build_tokens(
     as they are, and write tokens.parquet and tokens_errors.parquet again, streaming: a top-up of 1,000 answers to a
     partition of 200,000 tokenizes 1,000 and copies the others, and memory holds a few batches, not the partition.
 
-    Chunks run on a thread per core: the encoding is Rust and releases the GIL, so one chunk's Python work (the
-    per-row template render, the splicing, the comparison) overlaps another chunk's encoding. Worker processes were
-    measured slower here: each pays seconds to import transformers and load the tokenizer.
+    Chunks are tokenized on a thread per core (`tokenize_in_parallel`) while this thread reads, hashes and writes.
     """
     fingerprint = f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}"
     prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
@@ -193,7 +197,7 @@ def build_tokens(
     old_errors = _scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
     done = pl.concat([old_tokens.select("id", "row_key"), old_errors.select("id", "row_key")]).collect()
     current: list[pl.DataFrame] = []  # (id, row_key) of every row now: small
-    counter = {"todo": 0, "done": 0}
+    counter = {"todo": 0, "done": 0, "next_log": time.monotonic() + PROGRESS_EVERY_S}
     # Journal parts are immutable: when the prompts and the tokenizer are as they were and every part the last
     # build read is still there, only the parts added since can hold new rows (a top-up reads 1,000 answers, not
     # the partition's); anything else (a compaction, new prompts, another template) re-keys every row.
@@ -234,16 +238,19 @@ def build_tokens(
     try:
 
         def results() -> Iterator[pl.DataFrame]:
-            n = workers or os.cpu_count() or 1
-            for df, errs, _part in _map_in_order(
-                lambda c: tokenize_chunk(c, chat, train_all, prefer_reference), todo_chunks(), n
-            ):
+            n = workers or available_cores()
+            for df, errs, _part in tokenize_in_parallel(todo_chunks(), chat, train_all, prefer_reference, n):
                 errors.extend(errs)
                 counter["done"] += df.height + len(errs)
-                log(f"tokens: {counter['done']:,} new or changed conversations tokenized")
+                if time.monotonic() >= counter["next_log"]:
+                    # Every few seconds, not every chunk: in Dagster each line is an event written to the
+                    # instance's database (a line per 512 rows cost a 20M-token step ~10% of its time).
+                    counter["next_log"] = time.monotonic() + PROGRESS_EVERY_S
+                    log(f"tokens: {counter['done']:,} new or changed conversations tokenized")
                 yield df
 
-        _write_chunks(scratch / "new.parquet", results())
+        new = scratch / "new.parquet"
+        _write_chunks(new, results(), metadata={STATE_KEY: json.dumps(state)})
         keys = (
             None  # every earlier row stands
             if appended
@@ -251,25 +258,19 @@ def build_tokens(
             if current
             else pl.DataFrame(schema={"id": pl.String, "row_key": pl.UInt64})
         )
-        if counter["todo"] == 0 and (keys is None or done.height == keys.height) and layout.tokens.exists():
+        stale = keys is not None and (
+            old_tokens.select("id", "row_key").collect().join(keys, on=["id", "row_key"], how="anti").height
+            > 0
+        )
+        unchanged = counter["todo"] == 0 and (keys is None or done.height == keys.height)
+        if unchanged and layout.tokens.exists() and last == state:
             # Every current row is already written and nothing written is stale: the outputs stand as they are.
             summary = summarize(layout)
-            summary.workers = workers or os.cpu_count() or 1
+            summary.workers = workers or available_cores()
             return summary
-        atomic_write(
-            layout.tokens,
-            lambda tmp: _write_chunks(
-                tmp,
-                metadata={STATE_KEY: json.dumps(state)},
-                frames=itertools.chain(
-                    _kept_batches(layout.tokens, keys, TOKENS_SCHEMA, batch_size),
-                    (
-                        pl.from_arrow(b)
-                        for b in pq.ParquetFile(scratch / "new.parquet").iter_batches(batch_size)
-                    ),
-                ),
-            ),
-        )
+        # No earlier token row is stale (a top-up, or nothing new after a compaction): the new rows (maybe none;
+        # the file then gets the new state, so the next top-up reads only new parts again) are appended.
+        _place_tokens(layout.tokens, new, keys if stale else None, batch_size, {STATE_KEY: json.dumps(state)})
         new_errors = pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA)
         kept_errors = list(_kept_batches(layout.tokens_errors, keys, TOKENS_ERRORS_SCHEMA, batch_size))
         write_parquet(pl.concat([*kept_errors, new_errors], how="vertical_relaxed"), layout.tokens_errors)
@@ -277,8 +278,38 @@ def build_tokens(
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(layout)
     summary.n_tokenized = counter["todo"]
-    summary.workers = workers or os.cpu_count() or 1
+    summary.workers = workers or available_cores()
     return summary
+
+
+def _place_tokens(
+    path: Path, new: Path, keys: pl.DataFrame | None, batch_size: int, metadata: dict[str, str]
+) -> None:
+    """tokens.parquet = the earlier rows still current + the new rows (`new`, written with the final metadata).
+
+    Every earlier row stands (`keys` None, a top-up): the new row groups are appended to the file's bytes, nothing
+    old is decoded (a 1,000-row top-up of a 200k-row file costs a file copy, not a re-encode of gigabytes). No
+    earlier file: `new` is the file. Some earlier rows are stale (a re-key): the kept rows are re-written."""
+    if not path.exists() or "row_key" not in pq.read_schema(path).names:
+        atomic_write(path, lambda tmp: os.replace(new, tmp))
+        return
+    if keys is None:
+        try:
+            atomic_write(path, lambda tmp: append_file(path, new, tmp))
+            return
+        except ValueError:  # an earlier file of another schema (an older version of this stage): re-write it
+            pass
+    atomic_write(
+        path,
+        lambda tmp: _write_chunks(
+            tmp,
+            metadata=metadata,
+            frames=itertools.chain(
+                _kept_batches(path, keys, TOKENS_SCHEMA, batch_size),
+                (pl.from_arrow(b) for b in pq.ParquetFile(new).iter_batches(batch_size)),
+            ),
+        ),
+    )
 
 
 def _kept_batches(
@@ -337,22 +368,44 @@ def summarize(layout: DatasetLayout) -> TokensSummary:
     )
 
 
-def _map_in_order(fn: Callable, items: list, n_workers: int) -> Iterator:
-    """fn over items on n_workers threads, results in order, at most 2·n_workers in flight (bounded memory)."""
+def tokenize_in_parallel(
+    chunks: Iterator[pl.DataFrame],
+    chat: ChatTokenizer,
+    train_all: bool,
+    prefer_reference: bool,
+    n_workers: int,
+) -> Iterator[tuple[pl.DataFrame, list[dict], TokensSummary]]:
+    """Chunks tokenized on n_workers threads, results in order, a few chunks in flight (bounded memory).
+
+    Threads, not processes: the encoding is Rust and releases the GIL, so one chunk's Python work (template render,
+    splicing, comparison) overlaps another chunk's encoding. Forked worker processes (which inherit the loaded
+    tokenizer) were measured too: no faster on 2 cores, the pickling of chunks and results cost what the GIL did."""
     if n_workers <= 1:
-        yield from map(fn, items)
+        for chunk in chunks:
+            yield tokenize_chunk(chunk, chat, train_all, prefer_reference)
         return
     with ThreadPoolExecutor(n_workers) as pool:
-        pending: deque = deque()
-        it = iter(items)
-        for item in itertools.islice(it, 2 * n_workers):
-            pending.append(pool.submit(fn, item))
-        while pending:
-            result = pending.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(fn, nxt))
-            yield result
+        yield from _map_in_order(
+            pool,
+            functools.partial(
+                tokenize_chunk, chat=chat, train_all=train_all, prefer_reference=prefer_reference
+            ),
+            chunks,
+            n_workers,
+        )
+
+
+def _map_in_order(pool: Executor, fn: Callable, items: Iterator, n_workers: int) -> Iterator:
+    """fn over items on the pool, results in order, at most 2·n_workers in flight (bounded memory)."""
+    pending: deque = deque()
+    for item in itertools.islice(items, 2 * n_workers):
+        pending.append(pool.submit(fn, item))
+    while pending:
+        result = pending.popleft().result()
+        nxt = next(items, None)
+        if nxt is not None:
+            pending.append(pool.submit(fn, nxt))
+        yield result
 
 
 STATE_KEY = "eagle3.tokens_state"
@@ -367,22 +420,36 @@ def _recorded_state(path: Path) -> dict | None:
 
 
 def _write_chunks(path: Path, frames: Iterator[pl.DataFrame], metadata: dict[str, str] | None = None) -> None:
+    """Frames into one Parquet file, a row group each; no frames: an empty file with the full schema (and the
+    metadata), written the same way so that rows can later be appended to it."""
     writer: pq.ParquetWriter | None = None
+    empty = pl.DataFrame(schema=TOKENS_SCHEMA)
     try:
-        for df in frames:
+        for df in itertools.chain(frames, [empty]):
+            if writer is not None and df is empty:
+                break
             table = df.to_arrow()
             if metadata:
                 table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
             if writer is None:
-                # zstd level 1: a top-up rewrites the whole file, and level 1 writes it ~1.5x faster at the same size.
-                writer = pq.ParquetWriter(path, table.schema, compression="zstd", compression_level=1)
-            writer.write_table(table)
-        if writer is None:  # no rows: still a readable, empty file with the full schema
-            pl.DataFrame(schema=TOKENS_SCHEMA).write_parquet(path)
+                # zstd level 1 (~1.5x faster than the default level, same size). Dictionary encoding only for the
+                # few-valued string columns: tried on the token ids it costs 3.5x the write time (the writer
+                # builds a dictionary of the vocabulary per chunk) and the file came out no smaller after zstd.
+                writer = pq.ParquetWriter(
+                    path,
+                    table.schema,
+                    compression="zstd",
+                    compression_level=1,
+                    use_dictionary=[c for c in DICTIONARY_COLUMNS if c in table.column_names],
+                )
+            if df.height:
+                writer.write_table(table)
     finally:
         if writer is not None:
             writer.close()
 
+
+DICTIONARY_COLUMNS = ("ids_source", "mismatch", "finish_reason", "reason")
 
 TOKENS_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.String,
@@ -410,32 +477,47 @@ def answer_features(content: str | None, reasoning: str | None) -> dict[str, boo
     }
 
 
+CHUNK_COLUMNS = ("id", "messages", "content", "reasoning", "finish_reason", "output_ids", "row_key")
+
+
+def chunk_rows(chunk: pl.DataFrame) -> dict[str, list]:
+    """A chunk as plain Python lists."""
+    rows = {c: chunk[c].to_list() for c in CHUNK_COLUMNS if c in chunk.columns}
+    rows.setdefault("row_key", [None] * chunk.height)
+    return rows
+
+
 def tokenize_chunk(
     chunk: pl.DataFrame, chat: ChatTokenizer, train_all: bool, prefer_reference: bool
 ) -> tuple[pl.DataFrame, list[dict], TokensSummary]:
     """One chunk of joined prompt + response rows -> its tokens rows, its error rows and its counts."""
+    columns, errors, summary = tokenize_rows(chunk_rows(chunk), chat, train_all, prefer_reference)
+    return tokens_frame(columns), errors, summary
+
+
+def tokenize_rows(
+    rows: dict[str, list], chat: ChatTokenizer, train_all: bool, prefer_reference: bool
+) -> tuple[dict[str, object], list[dict], TokensSummary]:
+    """The token columns of the rows (`input_ids` / `loss_mask` as one flat array plus the row lengths), the error
+    rows, and the counts."""
     stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
     summary = TokensSummary()
-    out: dict[str, list] = {k: [] for k in TOKENS_SCHEMA if k not in ("n_tokens", "n_loss_tokens")}
+    out: dict[str, list] = {
+        k: [] for k in TOKENS_SCHEMA if k not in ("input_ids", "loss_mask", "n_tokens", "n_loss_tokens")
+    }
+    arrays: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
     errors: list[dict] = []
-    ids = chunk["id"].to_list()
-    reasons = chunk["finish_reason"].to_list()
+    reasons = rows["finish_reason"]
     finished = [f == "stop" for f in reasons]
     convs = [
         (m, Answer(c or "", r, fin))
-        for m, c, r, fin in zip(
-            chunk["messages"].to_list(),
-            chunk["content"].to_list(),
-            chunk["reasoning"].to_list(),
-            finished,
-            strict=True,
-        )
+        for m, c, r, fin in zip(rows["messages"], rows["content"], rows["reasoning"], finished, strict=True)
     ]
     results = chat.tokenize(convs, train_all=train_all)
-    keys = chunk["row_key"].to_list() if "row_key" in chunk.columns else [None] * chunk.height
     features = [answer_features(a.content, a.reasoning) for _, a in convs]
     for pid, res, ref, fin, fr, key, feats in zip(
-        ids, results, chunk["output_ids"].to_list(), finished, reasons, keys, features, strict=True
+        rows["id"], results, rows["output_ids"], finished, reasons, rows["row_key"], features, strict=True
     ):
         if isinstance(res, TemplateError):
             errors.append({"id": pid, "reason": str(res), "row_key": key, **feats})
@@ -443,8 +525,8 @@ def tokenize_chunk(
             continue
         input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
         out["id"].append(pid)
-        out["input_ids"].append(input_ids)
-        out["loss_mask"].append(mask)
+        arrays.append(input_ids)
+        masks.append(mask)
         out["reference_match"].append(None if cmp is None else cmp.match)
         out["match_explained"].append(None if cmp is None else cmp.explained)
         out["ids_source"].append(source)
@@ -463,27 +545,37 @@ def tokenize_chunk(
             if cmp.kind:
                 summary.mismatch_kinds[cmp.kind] += 1
     # Per-row counts once; the summary's totals are their sums.
-    n_tokens = np.fromiter((len(a) for a in out["input_ids"]), dtype=np.int32, count=len(out["input_ids"]))
-    n_loss = np.fromiter(
-        (int(m.sum()) for m in out["loss_mask"]), dtype=np.int32, count=len(out["loss_mask"])
-    )
+    n_tokens = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
+    n_loss = np.fromiter((int(m.sum()) for m in masks), dtype=np.int32, count=len(masks))
     summary.n_rows = len(out["id"])
     summary.n_tokens, summary.n_loss_tokens = int(n_tokens.sum()), int(n_loss.sum())
     summary.n_errors = len(errors)
-    columns = {
-        "id": pl.Series(out["id"], dtype=pl.String),
-        "input_ids": _list_column(out["input_ids"], pa.int32()),
-        "loss_mask": _list_column(out["loss_mask"], pa.int8()),
-        "n_tokens": pl.Series(n_tokens, dtype=pl.Int32),
-        "n_loss_tokens": pl.Series(n_loss, dtype=pl.Int32),
+    columns: dict[str, object] = dict(out)
+    columns["input_ids"] = (
+        np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, np.int32)
+    )
+    columns["loss_mask"] = (
+        np.concatenate(masks).astype(np.int8, copy=False) if masks else np.zeros(0, np.int8)
+    )
+    columns["n_tokens"], columns["n_loss_tokens"] = n_tokens, n_loss
+    return columns, errors, summary
+
+
+def tokens_frame(columns: dict[str, object]) -> pl.DataFrame:
+    """The tokens rows of `tokenize_rows`' columns (list columns built from the flat arrays, no list per row)."""
+    lengths = columns["n_tokens"]
+    series = {
+        "input_ids": _list_column(columns["input_ids"], lengths),  # type: ignore[arg-type]
+        "loss_mask": _list_column(columns["loss_mask"], lengths),  # type: ignore[arg-type]
+        "n_tokens": pl.Series(lengths, dtype=pl.Int32),
+        "n_loss_tokens": pl.Series(columns["n_loss_tokens"], dtype=pl.Int32),
     }
-    df = pl.DataFrame(
+    return pl.DataFrame(
         {
-            name: columns[name] if name in columns else pl.Series(out[name], dtype=dtype)
+            name: series[name] if name in series else pl.Series(columns[name], dtype=dtype)
             for name, dtype in TOKENS_SCHEMA.items()
         }
     )
-    return df, errors, summary
 
 
 def _resolve_row(
