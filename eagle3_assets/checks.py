@@ -26,9 +26,10 @@ def _result(v: validation.Verdict, warn: bool = False) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=v.passed, severity=severity, metadata=v.metadata)
 
 
-def _tokens(storage: Storage, key: str, columns: list[str]) -> pl.DataFrame | None:
+def _tokens(storage: Storage, key: str, columns: list[str]) -> pl.LazyFrame | None:
+    """The partition's token rows, lazily: each check reduces them to what it needs (streaming, bounded memory)."""
     path = storage.checkout(key, "tokens").tokens
-    return pl.read_parquet(path, columns=columns) if path.exists() else None
+    return pl.scan_parquet(path).select(columns) if path.exists() else None
 
 
 def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
@@ -91,11 +92,11 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
-        df = _tokens(storage, context.partition_key, ["reference_match", "match_explained", "mismatch"])
+        lf = _tokens(storage, context.partition_key, ["reference_match", "match_explained", "mismatch"])
         threshold = project.cfg.checks.min_reference_match_rate
-        if df is None:
+        if lf is None:
             return MISSING
-        v = validation.reference_match(df, threshold)
+        v = validation.reference_match(lf.collect(), threshold)
         if not v.metadata["verified"]:
             # Nothing to compare against. Not a bare pass: the result says UNVERIFIED in its description and
             # metadata. (A failed result, even at WARN severity, would hold every later stage of a text-only
@@ -187,7 +188,7 @@ def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.A
         folder = layout.hidden_states_dir
         if not (folder / "index.parquet").exists() or not layout.tokens.exists():
             return layout, None, None
-        return layout, folder, pl.read_parquet(layout.tokens, columns=columns)
+        return layout, folder, pl.scan_parquet(layout.tokens).select(columns)
 
     @dg.asset_check(
         asset="hidden_states",
@@ -202,7 +203,7 @@ def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.A
         if folder is None:
             return MISSING
         index = pl.read_parquet(folder / "index.parquet")
-        return _result(hidden_checks.coverage(tokens, index, skipped_samples(layout)))
+        return _result(hidden_checks.coverage(tokens.collect(), index, skipped_samples(layout)))
 
     @dg.asset_check(
         asset="hidden_states",

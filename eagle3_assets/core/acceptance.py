@@ -47,6 +47,7 @@ class GateSample:
     input_ids: np.ndarray
     loss_mask: np.ndarray
     source_answer: str | None = None
+    aux: Any = None  # the auxiliary hidden states (torch), kept for the samples the draft trains on
 
 
 @dataclass
@@ -232,11 +233,20 @@ class GateResult:
     reasons: list[str] = field(default_factory=list)
 
 
-def load_samples(layout: DatasetLayout, ids: Sequence[str]) -> list[GateSample]:
+def load_samples(
+    layout: DatasetLayout,
+    ids: Sequence[str],
+    reader: HiddenStatesReader | None = None,
+    aux_window: int | None = None,
+) -> list[GateSample]:
+    """The samples' ids and masks from the hidden-states shards and their messages from prompts.parquet. With
+    `aux_window`, each sample also keeps its auxiliary states up to that many tokens into its answer (what the
+    draft trains on, see crop_to_window), copied so that the rest of the sample's states is freed: each sample is
+    read once, and memory holds only the windows."""
     prompts = pl.read_parquet(layout.prompts)
     has_source = "source_answer" in prompts.columns
     by_id = {r["id"]: r for r in prompts.filter(pl.col("id").is_in(list(ids))).iter_rows(named=True)}
-    reader = HiddenStatesReader(layout.hidden_states_dir)
+    reader = reader or HiddenStatesReader(layout.hidden_states_dir)
     out = []
     for sid in ids:
         s = reader.sample(sid)
@@ -252,9 +262,16 @@ def load_samples(layout: DatasetLayout, ids: Sequence[str]) -> list[GateSample]:
                 s["input_ids"].numpy(),
                 s["loss_mask"].numpy(),
                 row.get("source_answer") if has_source else None,
+                None if aux_window is None else _aux_window(s, aux_window),
             )
         )
     return out
+
+
+def _aux_window(sample: dict[str, Any], window: int) -> Any:
+    span = answer_span(sample["loss_mask"].numpy())
+    end = len(sample["input_ids"]) if span is None else min(len(sample["input_ids"]), span[0] + window)
+    return sample["aux_hidden_states"][:end].clone()
 
 
 def run_gate(
@@ -284,8 +301,9 @@ def run_gate(
             f"{layout.key}: {len(all_ids)} samples with hidden states; the gate needs at least 2 "
             "(some to train on, some held out)"
         )
-    train_samples = load_samples(layout, train_ids)
-    heldout_samples = load_samples(layout, heldout_ids)
+    window = settings.max_new_tokens + (settings.ttt_steps or k) + 1
+    train_samples = load_samples(layout, train_ids, reader, aux_window=window)
+    heldout_samples = load_samples(layout, heldout_ids, reader)
     stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
 
     # Boundaries, against the template rendered afresh.
@@ -299,12 +317,10 @@ def run_gate(
     heldout_prompts = prompts[len(train_samples) :]
     train_prompts = prompts[: len(train_samples)]
 
-    window = settings.max_new_tokens + (settings.ttt_steps or k) + 1
-
     def as_train(samples: Sequence[GateSample]) -> list[Any]:
         out = []
         for s in samples:
-            aux = reader.sample(s.id)["aux_hidden_states"]
+            aux = s.aux if s.aux is not None else reader.sample(s.id)["aux_hidden_states"]
             out.append(
                 crop_to_window(
                     TrainSample(

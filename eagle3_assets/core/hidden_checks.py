@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from .hidden_states import finished_shards, input_hash
 from .validation import Verdict
@@ -43,31 +44,41 @@ def coverage(tokens: pl.DataFrame, index: pl.DataFrame, skipped: dict[str, str])
     )
 
 
-def ids_match(folder: Path, tokens: pl.DataFrame) -> Verdict:
-    """The input_ids and loss_mask stored in each shard are exactly tokens.parquet's rows for those ids."""
+def ids_match(folder: Path, tokens: pl.DataFrame | pl.LazyFrame) -> Verdict:
+    """The input_ids and loss_mask stored in each shard are exactly tokens.parquet's rows for those ids.
+
+    Compared through a 64-bit hash per row and column (polars' hash of the list, the same function on both sides):
+    tokens.parquet is reduced to its hashes by the streaming engine and each shard is hashed on its own, so memory
+    holds hashes, not the partition's ids (200,000 rows of 2,500 ids would not fit as Python lists)."""
     from safetensors import safe_open
 
-    by_id = {
-        sid: (np.asarray(a, dtype=np.int32), np.asarray(m, dtype=np.int8))
-        for sid, a, m in zip(
-            tokens["id"].to_list(), tokens["input_ids"].to_list(), tokens["loss_mask"].to_list(), strict=True
-        )
-    }
+    want = (
+        tokens.lazy()
+        .select("id", *_list_hashes(pl.col("input_ids"), pl.col("loss_mask")))
+        .collect(engine="streaming")
+    )
+    by_id = {sid: (a, m) for sid, a, m in want.iter_rows()}
     checked = bad = 0
     examples: list[str] = []
     for name, meta in finished_shards(folder).items():
         with safe_open(str(folder / name), framework="np") as f:
             ids, mask, cu = f.get_tensor("input_ids"), f.get_tensor("loss_mask"), f.get_tensor("cu_seqlens")
-        for pos, (sid, _n, h) in enumerate(meta["samples"]):
-            a, b = int(cu[pos]), int(cu[pos + 1])
-            want = by_id.get(sid)
+        samples = meta["samples"]
+        offsets = pa.array(np.asarray(cu[: len(samples) + 1], dtype=np.int64))
+        stored = pl.DataFrame(
+            {
+                "input_ids": pl.from_arrow(
+                    pa.LargeListArray.from_arrays(offsets, pa.array(ids.astype(np.int32)))
+                ),
+                "loss_mask": pl.from_arrow(
+                    pa.LargeListArray.from_arrays(offsets, pa.array(mask.astype(np.int8)))
+                ),
+            }
+        ).select(*_list_hashes(pl.col("input_ids"), pl.col("loss_mask")))
+        for pos, ((sid, _n, h), got) in enumerate(zip(samples, stored.iter_rows(), strict=True)):
             checked += 1
-            ok = (
-                want is not None
-                and np.array_equal(ids[a:b], want[0])
-                and np.array_equal(mask[a:b], want[1])
-                and h == input_hash(want[0])
-            )
+            a, b = int(cu[pos]), int(cu[pos + 1])
+            ok = by_id.get(sid) == got and h == input_hash(ids[a:b])
             if not ok:
                 bad += 1
                 if len(examples) < 5:
@@ -75,6 +86,13 @@ def ids_match(folder: Path, tokens: pl.DataFrame) -> Verdict:
     return Verdict(
         bad == 0, {"samples_checked": checked, "mismatched": bad, "examples": json.dumps(examples)}
     )
+
+
+def _list_hashes(ids: pl.Expr, mask: pl.Expr) -> list[pl.Expr]:
+    return [
+        ids.cast(pl.List(pl.Int32)).hash(seed=11).alias("ids_hash"),
+        mask.cast(pl.List(pl.Int8)).hash(seed=11).alias("mask_hash"),
+    ]
 
 
 def finite(folder: Path) -> Verdict:

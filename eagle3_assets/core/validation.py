@@ -51,27 +51,44 @@ def token_coverage(
     )
 
 
-def lengths_match(tokens: pl.DataFrame) -> Verdict:
-    """input_ids and loss_mask must align token for token."""
-    bad = tokens.filter(pl.col("input_ids").list.len() != pl.col("loss_mask").list.len())
-    no_loss = tokens.filter(pl.col("loss_mask").list.sum() == 0).height
+def lengths_match(tokens: pl.DataFrame | pl.LazyFrame) -> Verdict:
+    """input_ids and loss_mask must align token for token. (A LazyFrame is reduced to three small columns by
+    polars' streaming engine: the token lists of a large partition never sit in memory at once.)"""
+    rows = (
+        tokens.lazy()
+        .select(
+            "id",
+            (pl.col("input_ids").list.len() != pl.col("loss_mask").list.len()).alias("bad"),
+            (pl.col("loss_mask").list.sum() == 0).alias("no_loss"),
+        )
+        .collect(engine="streaming")
+    )
+    bad = rows.filter("bad")
     return Verdict(
         bad.height == 0,
         {
-            "rows": tokens.height,
+            "rows": rows.height,
             "length_mismatches": bad.height,
-            "rows_without_trained_tokens": no_loss,
+            "rows_without_trained_tokens": int(rows["no_loss"].sum()),
             "examples": json.dumps(bad["id"].head(5).to_list()),
         },
     )
 
 
-def end_of_turn_present(tokens: pl.DataFrame, eot_id: int | None) -> Verdict:
+def end_of_turn_present(tokens: pl.DataFrame | pl.LazyFrame, eot_id: int | None) -> Verdict:
     """A finished answer (finish_reason=stop) ends with the end-of-turn id, and that id is trained."""
-    finished = tokens.filter(pl.col("finish_reason") == "stop")
-    bad = finished.filter(
-        (pl.col("input_ids").list.last() != eot_id) | (pl.col("loss_mask").list.last() != 1)
+    finished = (
+        tokens.lazy()
+        .filter(pl.col("finish_reason") == "stop")
+        .select(
+            "id",
+            ((pl.col("input_ids").list.last() != eot_id) | (pl.col("loss_mask").list.last() != 1)).alias(
+                "bad"
+            ),
+        )
+        .collect(engine="streaming")
     )
+    bad = finished.filter("bad")
     return Verdict(
         eot_id is not None and bad.height == 0,
         {
