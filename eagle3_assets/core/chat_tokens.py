@@ -27,6 +27,11 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d+)([cr]){_CLOSE}")
 
 
+def _format_string(parts: Sequence[str | None]) -> str:
+    """Literal text (braces escaped) with `{}` where a message text goes (None)."""
+    return "".join("{}" if p is None else p.replace("{", "{{").replace("}", "}}") for p in parts)
+
+
 def _strip(text: str, left: bool, right: bool) -> str:
     if right:
         text = text.rstrip()
@@ -64,13 +69,12 @@ Item = tuple[int, None] | tuple[None, tuple[Fragment, ...]]
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    regions: tuple[tuple[tuple[Item, ...], bool], ...]  # (items, trained)
-    # The same, ready to fill: per region (pieces, trained), a piece being (CONTROL, id), (FIXED, ids) for a text
-    # run with no message text in it (encoded once, when the plan is made) or (FILL, k) for the k-th run to fill.
-    pieces: tuple[tuple[tuple[tuple[int, Any], ...], bool], ...] = ()
+    # Per region of the conversation (pieces, trained), a piece being (CONTROL, id), (FIXED, ids) for a text run
+    # with no message text in it (encoded once, when the plan is made) or (FILL, k) for the k-th run to fill.
+    pieces: tuple[tuple[tuple[tuple[int, Any], ...], bool], ...]
     # Per run to fill: (format string with {} where message texts go, their indices into the flat
     # [content0, reasoning0, content1, ...] list, strip the right end, strip the left end, opens the input).
-    fills: tuple[tuple[str, tuple[int, ...], bool, bool, bool], ...] = ()
+    fills: tuple[tuple[str, tuple[int, ...], bool, bool, bool], ...]
 
 
 CONTROL, FIXED, FILL = 0, 1, 2
@@ -323,14 +327,12 @@ class ChatTokenizer:
                     text = _strip("".join(frags), strip_left, strip_right)  # type: ignore[arg-type]
                     out.append((FIXED, tuple(self.encoder.encode_texts([text], [at_start])[0])))
                 else:
-                    fmt = "".join(
-                        f.replace("{", "{{").replace("}", "}}") if isinstance(f, str) else "{}" for f in frags
-                    )
+                    fmt = _format_string([f if isinstance(f, str) else None for f in frags])
                     out.append((FILL, len(fills)))
                     fills.append((fmt, refs, strip_right, strip_left, at_start))
                 k += 1
             pieces.append((tuple(out), trained))
-        return _Plan(regions, tuple(pieces), tuple(fills))
+        return _Plan(tuple(pieces), tuple(fills))
 
     # -- tokenizing -----------------------------------------------------------------------------------------
     @staticmethod
@@ -341,10 +343,11 @@ class ChatTokenizer:
             reasoning += (bool(answer.reasoning),)
         return roles, reasoning
 
-    def _values(self, messages: Sequence[dict[str, Any]], answer: Answer | None) -> list[tuple[str, str]]:
-        vals = [(m["content"], m.get("reasoning") or "") for m in messages]
+    def _values(self, messages: Sequence[dict[str, Any]], answer: Answer | None) -> list[str]:
+        """The texts, flat: content0, reasoning0, content1, reasoning1, ... (reasoning "" where there is none)."""
+        vals = [t for m in messages for t in (m["content"], m.get("reasoning") or "")]
         if answer is not None:
-            vals.append((answer.content or "", answer.reasoning or ""))
+            vals += [answer.content or "", answer.reasoning or ""]
         return vals
 
     def _sentinel(self, roles: tuple, reasoning: tuple, gen: bool) -> tuple[str, tuple[int, ...]]:
@@ -354,7 +357,8 @@ class ChatTokenizer:
         if found is None:
             text = self._render_shape(roles, reasoning, gen)
             refs = tuple(2 * int(m.group(1)) + (m.group(2) == "r") for m in _SENTINEL.finditer(text))
-            fmt = "{}".join(part.replace("{", "{{").replace("}", "}}") for part in _SENTINEL.split(text)[::3])
+            literal = _SENTINEL.split(text)[::3]  # the split keeps the two groups: every third part is text
+            fmt = _format_string([x for part in literal for x in (None, part)][1:])
             found = self._sentinel_renders[key] = (fmt, refs)
         return found
 
@@ -375,9 +379,7 @@ class ChatTokenizer:
                     out.append(e)
             return out
 
-    def _verify(
-        self, rows: list[tuple[int, tuple, tuple, list[tuple[str, str]], bool]]
-    ) -> dict[int, TemplateError]:
+    def _verify(self, rows: list[tuple[int, tuple, tuple, list[str], bool]]) -> dict[int, TemplateError]:
         """Every row: the template must place this row's text verbatim. Templates that trim (Llama-3's `| trim`),
         strip newlines around reasoning (Qwen3) or rewrite content would otherwise get ids the template never
         produces; checked per row, since whether text is rewritten depends on the text, not on the shape, and the
@@ -387,9 +389,9 @@ class ChatTokenizer:
             group = [r for r in rows if r[4] is gen]
             reals = self._render_many(
                 [
-                    [{"role": r, "content": v[0]} for r, v in zip(roles, values, strict=True)]
+                    [{"role": r, "content": values[2 * i]} for i, r in enumerate(roles)]
                     if not any(reasoning)  # the common case, without a call per text
-                    else self._messages(roles, reasoning, lambda i, f, v=values: v[i][f == "r"])
+                    else self._messages(roles, reasoning, lambda i, f, v=values: v[2 * i + (f == "r")])
                     for _, roles, reasoning, values, _ in group
                 ],
                 gen,
@@ -399,8 +401,7 @@ class ChatTokenizer:
                     bad[row] = TemplateError(f"chat template failed: {type(real).__name__}: {real}")
                     continue
                 fmt, refs = self._sentinel(roles, reasoning, gen)
-                flat = [v for pair in values for v in pair]
-                filled = fmt.format(*[flat[i] for i in refs])
+                filled = fmt.format(*[values[i] for i in refs])
                 if real != filled:
                     at = next(
                         (i for i, (a, b) in enumerate(zip(real, filled, strict=False)) if a != b),
@@ -417,8 +418,8 @@ class ChatTokenizer:
         self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool = False
     ) -> list[TokenizedConversation | TemplateError]:
         """Tokenize many conversations in one batch; a conversation that cannot be rendered yields its error."""
-        planned: list[tuple[_Plan, list[tuple[str, str]]] | TemplateError] = []
-        to_verify: list[tuple[int, tuple, tuple, list[tuple[str, str]], bool]] = []
+        planned: list[tuple[_Plan, list[str]] | TemplateError] = []
+        to_verify: list[tuple[int, tuple, tuple, list[str], bool]] = []
         for row, (messages, answer) in enumerate(conversations):
             try:
                 roles, reasoning = self._shape(messages, answer)
@@ -447,9 +448,8 @@ class ChatTokenizer:
             if isinstance(entry, TemplateError):
                 continue
             plan, values = entry
-            flat = [v for pair in values for v in pair]  # content0, reasoning0, content1, ...
             for fmt, refs, strip_right, strip_left, first in plan.fills:
-                texts.append(_strip(fmt.format(*[flat[i] for i in refs]), strip_left, strip_right))
+                texts.append(_strip(fmt.format(*[values[i] for i in refs]), strip_left, strip_right))
                 at_start.append(first)
         encoded = self.encoder.encode_texts(texts, at_start)
         out: list[TokenizedConversation | TemplateError] = []
@@ -479,7 +479,7 @@ class ChatTokenizer:
             t += len(plan.fills)
             arr = np.asarray(ids, dtype=np.int32)
             mask = np.repeat(np.asarray(run_trained, dtype=np.int8), run_lengths)
-            start = answer_start if plan.regions[-1][1] else len(ids)
+            start = answer_start if plan.pieces[-1][1] else len(ids)
             out.append(TokenizedConversation(arr, mask, start))
         return out
 
