@@ -166,9 +166,8 @@ def response_batches(
                     df = df.with_columns(pl.lit(None, dtype=RESPONSE_SCHEMA[name]).alias(name))
             df = df.select(RESPONSE_COLUMNS).unique(subset=["id"], keep="first", maintain_order=True)
             ids = df["id"].to_list()
-            fresh = [
-                i not in seen for i in ids
-            ]  # a set lookup per row: a Series of every id seen would be O(n^2)
+            # A set lookup per row: filtering by a Series of every id seen so far would be O(n^2).
+            fresh = [i not in seen for i in ids]
             if not all(fresh):
                 df = df.filter(pl.Series(fresh, dtype=pl.Boolean))
             seen.update(ids)
@@ -195,7 +194,8 @@ def build_tokens(
     prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
     old_tokens = _scan_with_keys(layout.tokens, TOKENS_SCHEMA)
     old_errors = _scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
-    done = pl.concat([old_tokens.select("id", "row_key"), old_errors.select("id", "row_key")]).collect()
+    old_keys = old_tokens.select("id", "row_key").collect()
+    done = pl.concat([old_keys, old_errors.select("id", "row_key").collect()])
     current: list[pl.DataFrame] = []  # (id, row_key) of every row now: small
     counter = {"todo": 0, "done": 0, "next_log": time.monotonic() + PROGRESS_EVERY_S}
     # Journal parts are immutable: when the prompts and the tokenizer are as they were and every part the last
@@ -258,10 +258,7 @@ def build_tokens(
             if current
             else pl.DataFrame(schema={"id": pl.String, "row_key": pl.UInt64})
         )
-        stale = keys is not None and (
-            old_tokens.select("id", "row_key").collect().join(keys, on=["id", "row_key"], how="anti").height
-            > 0
-        )
+        stale = keys is not None and old_keys.join(keys, on=["id", "row_key"], how="anti").height > 0
         unchanged = counter["todo"] == 0 and (keys is None or done.height == keys.height)
         if unchanged and layout.tokens.exists() and last == state:
             # Every current row is already written and nothing written is stale: the outputs stand as they are.
@@ -422,31 +419,41 @@ def _recorded_state(path: Path) -> dict | None:
 def _write_chunks(path: Path, frames: Iterator[pl.DataFrame], metadata: dict[str, str] | None = None) -> None:
     """Frames into one Parquet file, a row group each; no frames: an empty file with the full schema (and the
     metadata), written the same way so that rows can later be appended to it."""
+
+    def arrow(df: pl.DataFrame) -> pa.Table:
+        table = df.to_arrow()
+        return (
+            table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+            if metadata
+            else table
+        )
+
     writer: pq.ParquetWriter | None = None
-    empty = pl.DataFrame(schema=TOKENS_SCHEMA)
     try:
-        for df in itertools.chain(frames, [empty]):
-            if writer is not None and df is empty:
-                break
-            table = df.to_arrow()
-            if metadata:
-                table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+        for df in frames:
+            table = arrow(df)
             if writer is None:
-                # zstd level 1 (~1.5x faster than the default level, same size). Dictionary encoding only for the
-                # few-valued string columns: tried on the token ids it costs 3.5x the write time (the writer
-                # builds a dictionary of the vocabulary per chunk) and the file came out no smaller after zstd.
-                writer = pq.ParquetWriter(
-                    path,
-                    table.schema,
-                    compression="zstd",
-                    compression_level=1,
-                    use_dictionary=[c for c in DICTIONARY_COLUMNS if c in table.column_names],
-                )
+                writer = _parquet_writer(path, table.schema)
             if df.height:
                 writer.write_table(table)
+        if writer is None:
+            writer = _parquet_writer(path, arrow(pl.DataFrame(schema=TOKENS_SCHEMA)).schema)
     finally:
         if writer is not None:
             writer.close()
+
+
+def _parquet_writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
+    # zstd level 1 (~1.5x faster than the default level, same size). Dictionary encoding only for the few-valued
+    # string columns: tried on the token ids it costs 3.5x the write time (the writer builds a dictionary of the
+    # vocabulary per chunk) and the file came out no smaller after zstd.
+    return pq.ParquetWriter(
+        path,
+        schema,
+        compression="zstd",
+        compression_level=1,
+        use_dictionary=[c for c in DICTIONARY_COLUMNS if c in schema.names],
+    )
 
 
 DICTIONARY_COLUMNS = ("ids_source", "mismatch", "finish_reason", "reason")
@@ -477,29 +484,15 @@ def answer_features(content: str | None, reasoning: str | None) -> dict[str, boo
     }
 
 
-CHUNK_COLUMNS = ("id", "messages", "content", "reasoning", "finish_reason", "output_ids", "row_key")
-
-
-def chunk_rows(chunk: pl.DataFrame) -> dict[str, list]:
-    """A chunk as plain Python lists."""
-    rows = {c: chunk[c].to_list() for c in CHUNK_COLUMNS if c in chunk.columns}
-    rows.setdefault("row_key", [None] * chunk.height)
-    return rows
-
-
 def tokenize_chunk(
     chunk: pl.DataFrame, chat: ChatTokenizer, train_all: bool, prefer_reference: bool
 ) -> tuple[pl.DataFrame, list[dict], TokensSummary]:
     """One chunk of joined prompt + response rows -> its tokens rows, its error rows and its counts."""
-    columns, errors, summary = tokenize_rows(chunk_rows(chunk), chat, train_all, prefer_reference)
-    return tokens_frame(columns), errors, summary
-
-
-def tokenize_rows(
-    rows: dict[str, list], chat: ChatTokenizer, train_all: bool, prefer_reference: bool
-) -> tuple[dict[str, object], list[dict], TokensSummary]:
-    """The token columns of the rows (`input_ids` / `loss_mask` as one flat array plus the row lengths), the error
-    rows, and the counts."""
+    rows = {
+        c: chunk[c].to_list()
+        for c in ("id", "messages", "content", "reasoning", "finish_reason", "output_ids")
+    }
+    rows["row_key"] = chunk["row_key"].to_list() if "row_key" in chunk.columns else [None] * chunk.height
     stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
     summary = TokensSummary()
     out: dict[str, list] = {
@@ -550,32 +543,21 @@ def tokenize_rows(
     summary.n_rows = len(out["id"])
     summary.n_tokens, summary.n_loss_tokens = int(n_tokens.sum()), int(n_loss.sum())
     summary.n_errors = len(errors)
-    columns: dict[str, object] = dict(out)
-    columns["input_ids"] = (
-        np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, np.int32)
-    )
-    columns["loss_mask"] = (
-        np.concatenate(masks).astype(np.int8, copy=False) if masks else np.zeros(0, np.int8)
-    )
-    columns["n_tokens"], columns["n_loss_tokens"] = n_tokens, n_loss
-    return columns, errors, summary
-
-
-def tokens_frame(columns: dict[str, object]) -> pl.DataFrame:
-    """The tokens rows of `tokenize_rows`' columns (list columns built from the flat arrays, no list per row)."""
-    lengths = columns["n_tokens"]
-    series = {
-        "input_ids": _list_column(columns["input_ids"], lengths),  # type: ignore[arg-type]
-        "loss_mask": _list_column(columns["loss_mask"], lengths),  # type: ignore[arg-type]
-        "n_tokens": pl.Series(lengths, dtype=pl.Int32),
-        "n_loss_tokens": pl.Series(columns["n_loss_tokens"], dtype=pl.Int32),
+    flat_ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+    flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.int8)
+    columns = {
+        "input_ids": _list_column(flat_ids.astype(np.int32, copy=False), n_tokens),
+        "loss_mask": _list_column(flat_mask.astype(np.int8, copy=False), n_tokens),
+        "n_tokens": pl.Series(n_tokens, dtype=pl.Int32),
+        "n_loss_tokens": pl.Series(n_loss, dtype=pl.Int32),
     }
-    return pl.DataFrame(
+    df = pl.DataFrame(
         {
-            name: series[name] if name in series else pl.Series(columns[name], dtype=dtype)
+            name: columns[name] if name in columns else pl.Series(out[name], dtype=dtype)
             for name, dtype in TOKENS_SCHEMA.items()
         }
     )
+    return df, errors, summary
 
 
 def _resolve_row(
