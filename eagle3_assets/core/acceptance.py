@@ -320,7 +320,7 @@ def run_gate(
     def as_train(samples: Sequence[GateSample]) -> list[Any]:
         out = []
         for s in samples:
-            aux = s.aux if s.aux is not None else reader.sample(s.id)["aux_hidden_states"]
+            aux = s.aux  # loaded with its window by load_samples
             out.append(
                 crop_to_window(
                     TrainSample(
