@@ -150,3 +150,24 @@ def test_a_template_that_rewrites_all_text_is_refused_before_any_request():
     tok.chat_template = tok.chat_template.replace("m['content']", "m['content'] | upper")
     problems, _ = ChatTokenizer(tok).exactness()
     assert problems and "cannot render a plain conversation exactly" in problems[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_verification_renders_what_apply_chat_template_renders(family):
+    """The per-row verification renders plain conversations through transformers' second step directly; it must
+    give apply_chat_template's text for every family (reasoning fields and template options included)."""
+    chat = chat_for(family)
+    with_reasoning = [
+        {"role": "user", "content": "Why?"},
+        {"role": "assistant", "content": "Because.", "reasoning_content": "\nThink it over.\n"},
+    ]
+    convs = [[*m, {"role": "assistant", "content": a.content}] for m, a in CONVERSATIONS] + [with_reasoning]
+    for gen in (False, True):
+        batch = [c[:-1] for c in convs] if gen else convs
+        expected = chat.tok.apply_chat_template(batch, tokenize=False, add_generation_prompt=gen)
+        assert chat._render_plain(batch, gen) == expected, family
+    options = ChatTokenizer(chat.tok, {"enable_thinking": False})
+    expected = chat.tok.apply_chat_template(
+        [convs[0][:-1]], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert options._render_plain([convs[0][:-1]], True) == expected

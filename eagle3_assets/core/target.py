@@ -135,13 +135,90 @@ def pin_problems(target: Any, base_dir: str | Path | None = None) -> list[str]:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(ref: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
-    from transformers import AutoTokenizer
+    """The tokenizer AutoTokenizer builds for `ref`.
 
+    AutoTokenizer picks the tokenizer class from the model's config, and reading a config imports torch: 3-4 s of
+    a fresh process, most of the fixed cost of a tokens step run alone. For a local folder without remote code the
+    class it picked is remembered (keyed by the folder's non-weight files and the transformers version) and later
+    processes load that class directly: the same class from the same files, without torch."""
+    key = _class_record_key(ref, trust_remote_code, revision)
+    cls = _recorded_class(key) if key else None
     try:
-        return AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code, revision=revision)
+        if cls is not None:
+            return cls.from_pretrained(ref, revision=revision, _from_auto=True)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(ref, trust_remote_code=trust_remote_code, revision=revision)
     except Exception as e:
         hint = " (it needs target.trust_remote_code: true)" if "trust_remote_code" in str(e) else ""
         raise TargetError(f"cannot load the tokenizer {ref!r}: {type(e).__name__}: {e}{hint}") from e
+    if key and type(tok).__module__.startswith("transformers."):  # never a remote-code class
+        _record_class(key, ref, type(tok))
+    return tok
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".onnx")
+
+
+def _class_record_key(ref: str, trust_remote_code: bool, revision: str | None) -> str | None:
+    """What AutoTokenizer's choice of class depends on, for a local folder whose tokenizer has no remote code:
+    the transformers version and every non-weight file of the folder (name, size, modification time). None where
+    the choice cannot be remembered safely (a hub id, remote code, an unreadable folder)."""
+    import hashlib
+    import json
+    from importlib.metadata import version
+
+    folder = Path(ref)
+    try:
+        if not folder.is_dir():
+            return None
+        for name in ("tokenizer_config.json", "config.json"):
+            f = folder / name
+            if f.exists() and "auto_map" in json.loads(f.read_text(encoding="utf-8")):
+                return None
+        files = sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in folder.iterdir()
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES)
+        )
+        parts = [
+            str(folder.resolve()),
+            version("transformers"),
+            str(trust_remote_code),
+            str(revision),
+            repr(files),
+        ]
+    except (OSError, ValueError):
+        return None
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def _class_record_path(key: str) -> Path:
+    return cache_root() / "tokenizer-classes" / f"{key}.json"
+
+
+def _recorded_class(key: str) -> Any:
+    """The class remembered under `key`, or None (no record, an unreadable one, a class that no longer exists)."""
+    import importlib
+    import json
+
+    try:
+        record = json.loads(_class_record_path(key).read_text(encoding="utf-8"))
+        module, name = record["class"].split(":")
+        if not module.startswith("transformers."):
+            return None
+        return getattr(importlib.import_module(module), name)
+    except (OSError, ValueError, KeyError, ImportError, AttributeError):
+        return None
+
+
+def _record_class(key: str, ref: str, cls: type) -> None:
+    from contextlib import suppress
+
+    from .files import write_json
+
+    with suppress(OSError):  # a read-only cache: every process asks AutoTokenizer, as before
+        write_json({"class": f"{cls.__module__}:{cls.__qualname__}", "ref": ref}, _class_record_path(key))
 
 
 def pick_device(requested: str = "auto") -> str:

@@ -164,7 +164,10 @@ def response_batches(
             for name in RESPONSE_COLUMNS:  # parts from older versions may lack a column
                 if name not in df.columns:
                     df = df.with_columns(pl.lit(None, dtype=RESPONSE_SCHEMA[name]).alias(name))
-            df = df.select(RESPONSE_COLUMNS).unique(subset=["id"], keep="first", maintain_order=True)
+            df = df.select(RESPONSE_COLUMNS)
+            # Repeated ids are rare: checking costs a hash of the ids, de-duplicating a copy of the batch.
+            if df["id"].is_duplicated().any():
+                df = df.unique(subset=["id"], keep="first", maintain_order=True)
             ids = df["id"].to_list()
             # A set lookup per row: filtering by a Series of every id seen so far would be O(n^2).
             fresh = [i not in seen for i in ids]
