@@ -11,7 +11,7 @@ from eagle3_assets.core import validation
 from eagle3_assets.core.report import build_report, is_degenerate, render_markdown, wilson_interval
 from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
 
-from .conftest import make_project, user_rows
+from .conftest import REPO, make_project, user_rows
 from .test_pipeline import run_job
 
 
@@ -77,6 +77,15 @@ def test_degenerate_answers_are_detected():
         "migrate upstream, birds nest in reeds and people fish, swim and trade along the banks."
     )
     assert not is_degenerate(natural)
+    paragraphs = (REPO / "README.md").read_text().split("\n\n")
+    long_prose = "\n\n".join(p for p in paragraphs if len(p) > 200)[:12000]
+    code = (REPO / "eagle3_assets" / "core" / "chat_tokens.py").read_text()[:12000]
+    assert len(long_prose) > 5000 and not is_degenerate(long_prose) and not is_degenerate(code)
+    loop = "I will check the answer again. "
+    for share, expected in ((0.5, False), (0.7, False), (0.9, True), (0.97, True)):
+        n = int(len(long_prose) * share)
+        text = long_prose[: len(long_prose) - n] + (loop * (n // len(loop) + 1))[:n]
+        assert is_degenerate(text) is expected, share
 
 
 def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):

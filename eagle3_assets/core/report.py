@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .files import write_json, write_text
@@ -25,7 +25,11 @@ HIST_BINS = 12
 ANSWER_FEATURE_NAMES = ["answer_empty", "answer_degenerate", "answer_has_reasoning"]
 BAR = "█"
 DEGENERATE_MIN_CHARS = 400
-DEGENERATE_MAX_RATIO = 0.12  # zlib-compressed / raw; natural text compresses to ~0.3-0.5
+# LZ4-compressed / raw. Measured: natural prose and code >= 0.37 (short answers ~0.9); an answer that is 80% one
+# repeated phrase 0.15-0.18, 90% 0.08-0.11; loops of any period <= 0.07. LZ4 instead of zlib: 10x faster (zlib cost
+# the tokens stage ~8% of its time) and the same verdicts (zlib-6 below 0.12 flags the same 80% mark).
+DEGENERATE_MAX_RATIO = 0.17
+_LZ4 = pa.Codec("lz4_raw")
 
 
 def is_degenerate(text: str | None) -> bool:
@@ -33,7 +37,7 @@ def is_degenerate(text: str | None) -> bool:
     if not text or len(text) < DEGENERATE_MIN_CHARS:
         return False
     raw = text.encode("utf-8")
-    return len(zlib.compress(raw, 6)) / len(raw) < DEGENERATE_MAX_RATIO
+    return len(_LZ4.compress(raw, asbytes=True)) / len(raw) < DEGENERATE_MAX_RATIO
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
