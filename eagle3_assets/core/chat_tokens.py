@@ -479,17 +479,20 @@ class ChatTokenizer:
                 texts.append(_strip(fmt.format(*[values[i] for i in refs]), strip_left, strip_right))
                 at_start.append(first)
         encoded = self.encoder.encode_texts(texts, at_start)
-        out: list[TokenizedConversation | TemplateError] = []
+        # The ids of the whole batch are spliced into one list and converted to arrays once, not twice per
+        # conversation; each conversation's arrays are views of them.
+        ids: list[int] = []
+        run_lengths: list[int] = []
+        run_trained: list[int] = []
+        # Per conversation: (begin, end, answer start) in the batch's ids, or its error.
+        spans: list[tuple[int, int, int] | TemplateError] = []
         t = 0
         for entry in planned:
             if isinstance(entry, TemplateError):
-                out.append(entry)
+                spans.append(entry)
                 continue
             plan = entry[0]
-            ids: list[int] = []
-            run_lengths: list[int] = []
-            run_trained: list[int] = []
-            answer_start = 0
+            begin = answer_start = len(ids)
             for pieces, trained in plan.pieces:
                 start = len(ids)
                 for kind, payload in pieces:
@@ -500,15 +503,19 @@ class ChatTokenizer:
                     else:
                         ids.extend(encoded[t + payload])
                 run_lengths.append(len(ids) - start)
-                run_trained.append(1 if trained else 0)
+                run_trained.append(trained)
                 if trained:
                     answer_start = start
             t += len(plan.fills)
-            arr = np.asarray(ids, dtype=np.int32)
-            mask = np.repeat(np.asarray(run_trained, dtype=np.int8), run_lengths)
-            start = answer_start if plan.pieces[-1][1] else len(ids)
-            out.append(TokenizedConversation(arr, mask, start))
-        return out
+            spans.append((begin, len(ids), answer_start if plan.pieces[-1][1] else len(ids)))
+        all_ids = np.array(ids, dtype=np.int32)
+        all_mask = np.repeat(np.array(run_trained, dtype=np.int8), run_lengths)
+        return [
+            s
+            if isinstance(s, TemplateError)
+            else TokenizedConversation(all_ids[s[0] : s[1]], all_mask[s[0] : s[1]], s[2] - s[0])
+            for s in spans
+        ]
 
     def prompt_ids(self, prompts: Sequence[Sequence[dict[str, Any]]]) -> list[list[int] | TemplateError]:
         """The generation prompt of each conversation, as the model must see it."""
