@@ -270,6 +270,10 @@ async def _start_site(state: _State):
 
 
 def _process_main(spec: ProviderSpec, conn) -> None:
+    import signal
+
+    # A parent that ignores SIGTERM passes that on through exec: stop() must still end this process.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         import uvloop
 
@@ -320,6 +324,9 @@ class LimitedProvider:
         if self._proc is not None:
             self._proc.terminate()
             self._proc.join(5)
+            if self._proc.is_alive():  # never leave a server behind: interpreter exit would wait for it
+                self._proc.kill()
+                self._proc.join(5)
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)

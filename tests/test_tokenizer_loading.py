@@ -95,6 +95,7 @@ def test_changed_files_or_remote_code_are_not_remembered(tokenizer_folder):
         '{"class": "transformers.no_such_module:Nope"}',
         '{"class": "os:system"}',  # only transformers' own classes are ever loaded from a record
         '{"other": 1}',
+        "[1]",
     ],
 )
 def test_a_bad_record_falls_back_to_autotokenizer_and_is_rewritten(tokenizer_folder, record):

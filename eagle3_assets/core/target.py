@@ -188,7 +188,7 @@ def _class_record_key(ref: str, trust_remote_code: bool, revision: str | None) -
             str(revision),
             repr(files),
         ]
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return None
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=12).hexdigest()
 
@@ -208,7 +208,7 @@ def _recorded_class(key: str) -> Any:
         if not module.startswith("transformers."):
             return None
         return getattr(importlib.import_module(module), name)
-    except (OSError, ValueError, KeyError, ImportError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError):
         return None
 
 
