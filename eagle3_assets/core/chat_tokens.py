@@ -483,7 +483,7 @@ class ChatTokenizer:
         # conversation; each conversation's arrays are views of them.
         ids: list[int] = []
         run_lengths: list[int] = []
-        run_trained: list[int] = []
+        run_trained: list[bool] = []
         # Per conversation: (begin, end, answer start) in the batch's ids, or its error.
         spans: list[tuple[int, int, int] | TemplateError] = []
         t = 0

@@ -176,11 +176,10 @@ def _class_record_key(ref: str, trust_remote_code: bool, revision: str | None) -
             f = folder / name
             if f.exists() and "auto_map" in json.loads(f.read_text(encoding="utf-8")):
                 return None
-        files = sorted(
-            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
-            for f in folder.iterdir()
-            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES)
-        )
+        stats = [
+            (f.name, f.stat()) for f in folder.iterdir() if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES)
+        ]
+        files = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats)
         parts = [
             str(folder.resolve()),
             version("transformers"),
