@@ -177,7 +177,9 @@ def _class_record_key(ref: str, trust_remote_code: bool, revision: str | None) -
             if f.exists() and "auto_map" in json.loads(f.read_text(encoding="utf-8")):
                 return None
         stats = [
-            (f.name, f.stat()) for f in folder.iterdir() if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES)
+            (f.name, f.stat())
+            for f in folder.iterdir()
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES)
         ]
         files = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats)
         parts = [
