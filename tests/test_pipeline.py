@@ -94,6 +94,8 @@ def test_partition_materialises_end_to_end_and_resumes_without_repeating_work(pr
         assert report["completion_tokens"] == int(responses["completion_tokens"].sum())
         checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
         assert len(checks) >= 5
+        # SmolLM2's ChatML template is proven to write texts verbatim: no row was rendered a second time.
+        assert materialization_metadata(result, "tokens")["template_check"].value == "proven verbatim once"
 
         files_before = sorted(p.name for p in (root / "responses").glob("*.parquet"))
         again = run_job(project, "B3", instance)

@@ -32,9 +32,15 @@ def build_tokens_asset(
         cfg = project.cfg
         key = context.partition_key
         layout = storage.checkout(key, "tokens")
+        chat = target.chat_tokenizer()
+        # Proven once for the template, or the reason every row's render is compared with its plan.
+        template_check = (
+            "proven verbatim once" if chat.verbatim_problem is None else f"every row: {chat.verbatim_problem}"
+        )
+        context.log.info(f"{key}: template text check: {template_check}")
         s = build_tokens(
             layout,
-            target.chat_tokenizer(),
+            chat,
             cfg.tokens.train_all_assistant_turns,
             cfg.tokens.prefer_reference_ids,
             cfg.tokens.batch_size,
@@ -62,6 +68,7 @@ def build_tokens_asset(
                 "reference_match_rate": float(rate) if rate is not None else dg.MetadataValue.null(),
                 "mismatch_kinds": counts_table(dict(s.mismatch_kinds), "mismatch"),
                 "ids_source": counts_table(dict(s.ids_source), "source"),
+                "template_check": template_check,
                 "path": dg.MetadataValue.path(str(layout.tokens)),
             },
         )

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .text_encoder import TextEncoder, make_text_encoder
+from .verbatim_templates import verbatim_problem
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d+)([cr]){_CLOSE}")
@@ -110,6 +111,8 @@ def chat_tokenizer(recipe: ChatRecipe) -> ChatTokenizer:
 
 class ChatTokenizer:
     recipe: ChatRecipe | None = None  # set when built from a recipe: worker processes can then rebuild it
+    # None: the template is proven to write every text verbatim (no row is rendered again); else why not.
+    verbatim_problem: str | None = "not analysed"
 
     def __init__(
         self,
@@ -381,10 +384,12 @@ class ChatTokenizer:
             getattr(cls, "apply_chat_template", None) is PreTrainedTokenizerBase.apply_chat_template
             and getattr(cls, "get_chat_template", None) is PreTrainedTokenizerBase.get_chat_template
         ):
+            self.verbatim_problem = "the tokenizer class renders with its own apply_chat_template"
             return lambda convs, gen: self.tok.apply_chat_template(
                 convs, tokenize=False, add_generation_prompt=gen, **self.kwargs
             )
         template = self.tok.get_chat_template()
+        self.verbatim_problem = verbatim_problem(template)
         template_kwargs = {**self.tok.special_tokens_map, **self.kwargs}
         return lambda convs, gen: render_jinja_template(
             conversations=convs, chat_template=template, add_generation_prompt=gen, **template_kwargs
@@ -410,8 +415,13 @@ class ChatTokenizer:
         """Every row: the template must place this row's text verbatim. Templates that trim (Llama-3's `| trim`),
         strip newlines around reasoning (Qwen3) or rewrite content would otherwise get ids the template never
         produces; checked per row, since whether text is rewritten depends on the text, not on the shape, and the
-        verdict must not depend on which rows came first."""
+        verdict must not depend on which rows came first.
+
+        A template proven to write texts verbatim under shape-only control flow (`verbatim_templates`) renders
+        every row of a shape as its plan: rows whose texts are all strings skip the render."""
         bad: dict[int, TemplateError] = {}
+        if self.verbatim_problem is None:
+            rows = [r for r in rows if not all(type(v) is str for v in r[3])]
         for gen in (False, True):
             group = [r for r in rows if r[4] is gen]
             reals = self._render_many(

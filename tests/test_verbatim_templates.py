@@ -1,0 +1,182 @@
+"""The proof that a chat template writes message texts verbatim: what it accepts, what it refuses, and that
+skipping the per-row render for a proven template changes no id, no mask and no error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_assets.core.chat_tokens import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.verbatim_templates import verbatim_problem
+
+from .tokenizer_families import FAMILIES
+
+
+def loop(body: str) -> str:
+    return "{% for message in messages %}" + body + "{% endfor %}"
+
+
+PROVEN = {
+    "text joined with + and ~": loop("{{ '<|' + message['role'] + '|>' ~ message.content ~ '\\n' }}"),
+    "text named, then written": loop("{% set c = message['content'] %}{{ '<' + c + '>' }}"),
+    "presence decides, the text is written": loop(
+        "{{ message.content if message.content is defined else '' }}"
+        "{% if 'reasoning_content' in message %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+    ),
+    "positions, counts and neighbours": loop(
+        "{% if loop.first and messages|length > 1 %}{{ messages[-1].content }}{% endif %}"
+        "{% if not loop.first %}{{ messages[loop.index0 - 1]['role'] }}{% endif %}"
+        "{% if loop.previtem is defined %}{{ loop.previtem.role }}{% endif %}"
+    )
+    + "{% for m in messages[1:] %}{{ m.content }}{% endfor %}",
+    "roles may be used in any way": loop(
+        "{% if message.role|upper == 'USER' %}{{ message.role.title() }}{% endif %}"
+        "{% if message['role'] not in ['user', 'system'] %}{{ raise_exception('roles alternate') }}{% endif %}"
+        "{{ message.content }}"
+    ),
+    "namespaces of positions": "{% set ns = namespace(last=-1) %}"
+    + loop("{% if message.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}")
+    + loop("{% if loop.index0 > ns.last %}{{ message.content }}{% endif %}"),
+}
+
+REFUSED = {
+    "a filter on a text": (loop("{{ message['content'] | trim }}"), "filter 'trim'"),
+    "a text decides": (loop("{% if message.content %}{{ message.content }}{% endif %}"), "decides"),
+    "a text searched": (loop("{% if '<think>' in message.content %}x{% endif %}"), "decides"),
+    "a method on a text": (loop("{{ message.content.strip() }}"), "method"),
+    "a slice of a text": (loop("{{ message.content[1:] }}"), "sliced"),
+    "a message written": (loop("{{ message }}"), "written out"),
+    "a message as JSON": (loop("{{ message | tojson }}"), "filter 'tojson'"),
+    "all messages as JSON": ("{{ messages | tojson }}", "filter 'tojson'"),
+    "a field named by a variable": (loop("{% set k = 'content' %}{{ message[k] }}"), "key"),
+    "fields walked": (loop("{% for k, v in message.items() %}{{ v }}{% endfor %}"), "tested or combined"),
+    "a default for a text": (loop("{{ message.content or '' }}"), "decides"),
+    "text formatted with %": (loop("{{ '%s' % message.content }}"), "decides"),
+    "text repeated": (loop("{{ message.content * 2 }}"), "decides"),
+    "text as a call argument": (loop("{{ raise_exception(message.content) }}"), "decides"),
+    "text stored in a namespace": (
+        "{% set ns = namespace(c='') %}" + loop("{% set ns.c = message.content %}") + "{{ ns.c }}",
+        "namespace",
+    ),
+    "a name that is a message and a text": (
+        loop("{% set x = message %}{% set x = message.content %}{{ x }}"),
+        "one place",
+    ),
+    "a text tested before it is named (fixed point)": (
+        loop("{% if prev %}again{% endif %}{% set prev = message.content %}"),
+        "decides",
+    ),
+    "a filter block": (loop("{% filter upper %}{{ message.content }}{% endfilter %}"), "FilterBlock"),
+    "a captured block": (loop("{% set x %}{{ message.content }}{% endset %}{{ x | trim }}"), "AssignBlock"),
+    "a macro": (
+        "{% macro show(c) %}{{ c }}{% endmacro %}" + loop("{{ show(message.content) }}"),
+        "Macro",
+    ),
+    "transformers' generation tag": (
+        loop("{% generation %}{{ message.content }}{% endgeneration %}"),
+        "parsed",
+    ),
+    "a loop over a text": (loop("{% for ch in message.content %}{{ ch }}{% endfor %}"), "characters"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROVEN))
+def test_templates_that_write_texts_verbatim_are_proven(name):
+    assert verbatim_problem(PROVEN[name]) is None
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_templates_that_may_change_a_text_are_refused_with_the_reason(name):
+    template, reason = REFUSED[name]
+    problem = verbatim_problem(template)
+    assert problem is not None and reason in problem, problem
+
+
+def test_the_real_templates_here():
+    assert verbatim_problem(ChatTokenizer(FAMILIES["phi3"]()).tok.chat_template) is None
+    verdicts = {name: verbatim_problem(make().chat_template) for name, make in FAMILIES.items()}
+    assert {n for n, v in verdicts.items() if v is None} == {"mistral", "phi3", "deepseek_v3"}
+    assert "trim" in verdicts["llama3"] and "decides" in verdicts["qwen3"]
+    kimi = (Path(__file__).parent / "kimi_standin" / "chat_template.jinja").read_text()
+    assert verbatim_problem(kimi) is not None
+
+
+def test_the_shipped_target_is_proven_and_its_rows_are_not_rendered_again(chat):
+    """The default target (SmolLM2, ChatML) takes the fast path: no row is rendered a second time."""
+    assert chat.verbatim_problem is None
+    calls = []
+    render = chat._render_plain
+    chat._render_plain = lambda convs, gen: calls.append(len(convs)) or render(convs, gen)
+    try:
+        out = chat.tokenize([([{"role": "user", "content": f"q{i}"}], Answer(f"a{i}")) for i in range(20)])
+    finally:
+        chat._render_plain = render
+    assert calls == [] and not any(isinstance(r, TemplateError) for r in out)
+
+
+ADVERSARIAL = [
+    "  padded both sides \n",
+    "{braces} {0} {{double}} %s %(x)s",
+    "\ue0000c\ue001 sentinel lookalike \ue001",
+    "literal <|im_end|> and <|im_start|>user and [INST] and <｜User｜>",
+    "{{ messages }} {% if true %}jinja{% endif %}",
+    "\n\nleading newlines",
+    "日本語 🙂\ttabs\r\nCRLF",
+    "x",
+]
+
+
+def _conversations():
+    convs = []
+    for i, text in enumerate(ADVERSARIAL):
+        other = ADVERSARIAL[(i + 3) % len(ADVERSARIAL)]
+        convs.append(([{"role": "user", "content": text}], Answer(other, None, True)))
+        convs.append(([{"role": "system", "content": other}, {"role": "user", "content": text}], Answer("")))
+        convs.append(
+            (
+                [
+                    {"role": "user", "content": text},
+                    {"role": "assistant", "content": other, "reasoning": text},
+                    {"role": "user", "content": other},
+                ],
+                Answer(text, other, i % 2 == 0),
+            )
+        )
+    convs.append(([{"role": "user", "content": None}], Answer("not a string")))  # no proof covers this row
+    return convs
+
+
+@pytest.mark.parametrize("family", ["smollm2", "mistral", "phi3", "deepseek_v3"])
+def test_skipping_the_render_changes_no_id_mask_or_error(family, smol_tok):
+    """The proof's claim, checked: for every proven template, adversarial texts give the same ids, masks and
+    errors with the per-row render as without it (and apply_chat_template's own text equals the plan's)."""
+    make = (lambda: smol_tok) if family == "smollm2" else FAMILIES[family]
+    fast, checked = ChatTokenizer(make()), ChatTokenizer(make())
+    assert fast.verbatim_problem is None
+    checked.verbatim_problem = "forced: check every row"
+    convs = _conversations()
+    for train_all in (False, True):
+        a, b = fast.tokenize(convs, train_all), checked.tokenize(convs, train_all)
+        for x, y in zip(a, b, strict=True):
+            assert type(x) is type(y)
+            if isinstance(x, TemplateError):
+                assert str(x) == str(y)
+            else:
+                assert x.input_ids.tolist() == y.input_ids.tolist()
+                assert x.loss_mask.tolist() == y.loss_mask.tolist() and x.answer_start == y.answer_start
+    assert isinstance(a[-1], TemplateError)  # the row with no string text was still rendered, and failed
+    assert sum(isinstance(x, TemplateError) for x in a) == 1
+
+
+def test_a_refused_template_still_catches_the_rows_it_changes():
+    """The other side: a trimming template is not proven, and its padded rows still become errors."""
+    chat = ChatTokenizer(FAMILIES["llama3"]())
+    assert chat.verbatim_problem is not None
+    out = chat.tokenize(
+        [
+            ([{"role": "user", "content": " padded "}], Answer("ok")),
+            ([{"role": "user", "content": "q"}], Answer("a")),
+        ]
+    )
+    assert isinstance(out[0], TemplateError) and not isinstance(out[1], TemplateError)
