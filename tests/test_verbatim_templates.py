@@ -78,6 +78,13 @@ REFUSED = {
         "parsed",
     ),
     "a loop over a text": (loop("{% for ch in message.content %}{{ ch }}{% endfor %}"), "characters"),
+    # Markup escapes a plain string added to it: `text + Markup` writes "&lt;" for "<".
+    "text added to Markup": (loop("{{ message.content + ('' | safe) }}"), "Markup"),
+    "an escaped role joined with text": (loop("{{ (message.role | e) + message.content }}"), "Markup"),
+    "random text": ("{{ lipsum(1, false, 3, 5) }}" + loop("{{ message.content }}"), "lipsum"),
+    "the clock": ("{{ strftime_now('%f') }}" + loop("{{ message.content }}"), "strftime_now"),
+    "deep nesting": ("{% if true %}" * 400 + "x" + "{% endif %}" * 400, "not parsed"),
+    "a huge number": ("{{ " + "9" * 5000 + " }}", "not parsed"),
 }
 
 
@@ -91,6 +98,19 @@ def test_templates_that_may_change_a_text_are_refused_with_the_reason(name):
     template, reason = REFUSED[name]
     problem = verbatim_problem(template)
     assert problem is not None and reason in problem, problem
+
+
+def test_a_template_that_writes_a_sentinel_character_is_not_proven():
+    template = loop("[{{ '\ue0000c\ue001' }}]{{ message.content }}")
+    assert verbatim_problem(template) is None  # nothing reserved
+    assert "reserved" in verbatim_problem(template, reserved="\ue000\ue001")
+
+
+def test_nested_membership_tests_are_analysed_in_linear_time():
+    deep = "x"
+    for _ in range(60):  # each level evaluated twice would be 2^60 steps
+        deep = f"('a' in {deep})"
+    assert verbatim_problem("{% if " + deep + " %}y{% endif %}" + loop("{{ message.content }}")) is None
 
 
 def test_the_real_templates_here():
@@ -144,6 +164,8 @@ def _conversations():
             )
         )
     convs.append(([{"role": "user", "content": None}], Answer("not a string")))  # no proof covers this row
+    # A role that looks like a sentinel: its row is still rendered (and the plan's text differs from the render).
+    convs.append(([{"role": "\ue0000c\ue001", "content": "hi"}], Answer("there")))
     return convs
 
 
@@ -165,8 +187,11 @@ def test_skipping_the_render_changes_no_id_mask_or_error(family, smol_tok):
             else:
                 assert x.input_ids.tolist() == y.input_ids.tolist()
                 assert x.loss_mask.tolist() == y.loss_mask.tolist() and x.answer_start == y.answer_start
-    assert isinstance(a[-1], TemplateError)  # the row with no string text was still rendered, and failed
-    assert sum(isinstance(x, TemplateError) for x in a) == 1
+    # The row with no string text was still rendered, and failed; so did the row with a sentinel role where the
+    # template writes roles (its plan misreads the role as a text).
+    assert isinstance(a[-1], TemplateError)
+    assert isinstance(a[-2], TemplateError) is (family in ("smollm2", "phi3"))
+    assert sum(isinstance(x, TemplateError) for x in a[:-2]) == 0
 
 
 def test_a_refused_template_still_catches_the_rows_it_changes():

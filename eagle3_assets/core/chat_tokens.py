@@ -389,8 +389,12 @@ class ChatTokenizer:
                 convs, tokenize=False, add_generation_prompt=gen, **self.kwargs
             )
         template = self.tok.get_chat_template()
-        self.verbatim_problem = verbatim_problem(template)
         template_kwargs = {**self.tok.special_tokens_map, **self.kwargs}
+        self.verbatim_problem = (
+            "a template option or special token holds a sentinel character"
+            if any(c in repr(template_kwargs) for c in _OPEN + _CLOSE)
+            else verbatim_problem(template, reserved=_OPEN + _CLOSE)
+        )
         return lambda convs, gen: render_jinja_template(
             conversations=convs, chat_template=template, add_generation_prompt=gen, **template_kwargs
         )[0]
@@ -420,8 +424,14 @@ class ChatTokenizer:
         A template proven to write texts verbatim under shape-only control flow (`verbatim_templates`) renders
         every row of a shape as its plan: rows whose texts are all strings skip the render."""
         bad: dict[int, TemplateError] = {}
-        if self.verbatim_problem is None:
-            rows = [r for r in rows if not all(type(v) is str for v in r[3])]
+        if (
+            self.verbatim_problem is None
+        ):  # rows with a non-string text or a sentinel in a role are still checked
+            rows = [
+                r
+                for r in rows
+                if not all(type(v) is str for v in r[3]) or any(_OPEN in x or _CLOSE in x for x in r[1])
+            ]
         for gen in (False, True):
             group = [r for r in rows if r[4] is gen]
             reals = self._render_many(

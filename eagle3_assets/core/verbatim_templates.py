@@ -39,20 +39,30 @@ PRESENCE_TESTS = frozenset({"defined", "undefined", "none", "string", "mapping",
 COUNT_FILTERS = frozenset({"length", "count"})
 ELEMENT_FILTERS = frozenset({"first", "last", "list", "reverse"})
 ARITHMETIC = (nodes.Add, nodes.Sub, nodes.Mul, nodes.FloorDiv, nodes.Mod)
+# Markup (jinja's safe string) escapes a plain string added to it (`text + ('' | safe)`): never made here.
+MARKUP_FILTERS = frozenset({"safe", "e", "escape", "forceescape"})
+NONDETERMINISTIC = frozenset({"lipsum", "strftime_now"})  # random text (and Markup); the clock
 
 
 class NotVerbatim(Exception):
     """The template does something with message data that the proof does not cover."""
 
 
-def verbatim_problem(template: str) -> str | None:
+def verbatim_problem(template: str, reserved: str = "") -> str | None:
     """None when the template provably writes every message text verbatim under shape-only control flow;
-    otherwise the first construct that stops the proof (the stage then checks each row)."""
+    otherwise the first construct that stops the proof (the stage then checks each row). `reserved`: characters
+    the template itself must not write (the sentinels that stand for texts in a plan)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     try:
         tree = env.parse(template)
     except TemplateSyntaxError as e:  # e.g. transformers' {% generation %} tag, unknown here
         return f"not parsed for the proof: {e.message}"
+    except Exception as e:  # deep nesting (RecursionError), a huge number literal (ValueError), ...
+        return f"not parsed for the proof: {type(e).__name__}"
+    for node in tree.find_all((nodes.Const, nodes.TemplateData)):
+        value = node.data if isinstance(node, nodes.TemplateData) else node.value
+        if isinstance(value, str) and any(c in value for c in reserved):
+            return f"line {node.lineno}: the template writes a character reserved for sentinels"
     try:
         _Flow().prove(tree)
     except NotVerbatim as e:
@@ -148,7 +158,9 @@ class _Flow:
     # -- expressions ------------------------------------------------------------------------------------------
     def _condition(self, node: nodes.Node) -> int:
         """A value that decides control flow (or is combined arithmetically): shape only."""
-        kind = self._expr(node)
+        return self._condition_kind(self._expr(node), node)
+
+    def _condition_kind(self, kind: int, node: nodes.Node) -> int:
         if kind == TEXT:
             raise NotVerbatim(f"line {node.lineno}: a message text decides what the template writes")
         if kind == MESSAGES:
@@ -161,6 +173,8 @@ class _Flow:
         if isinstance(node, nodes.Name):
             if node.name == "loop":
                 raise NotVerbatim(f"line {node.lineno}: 'loop' used other than for its position")
+            if node.name in NONDETERMINISTIC:
+                raise NotVerbatim(f"line {node.lineno}: {node.name} makes one render differ from the next")
             return self.names.get(node.name, CLEAN)
         if isinstance(node, nodes.Getattr):
             return self._look_into(node.node, node.attr, node)
@@ -244,17 +258,16 @@ class _Flow:
         return isinstance(node, nodes.Filter) and node.name in COUNT_FILTERS and not node.args
 
     def _compare(self, node: nodes.Compare) -> int:
-        kinds = [node.expr] + [op.expr for op in node.ops]
         # `'field' in message` asks which fields a message has: part of its shape.
         if (
             len(node.ops) == 1
             and node.ops[0].op in ("in", "notin")
             and isinstance(node.expr, nodes.Const)
             and isinstance(node.expr.value, str)
-            and self._expr(node.ops[0].expr) == MESSAGES
         ):
-            return SHAPE
-        return max(self._condition(k) for k in kinds)
+            right = self._expr(node.ops[0].expr)  # once: evaluating it twice is exponential in the nesting
+            return SHAPE if right == MESSAGES else self._condition_kind(right, node.ops[0].expr)
+        return max(self._condition(k) for k in [node.expr] + [op.expr for op in node.ops])
 
     def _arguments(self, node: nodes.Filter | nodes.Test | nodes.Call) -> int:
         values = [*node.args, *(k.value for k in node.kwargs)]
@@ -264,6 +277,10 @@ class _Flow:
     def _filter(self, node: nodes.Filter) -> int:
         if node.node is None:
             raise NotVerbatim(f"line {node.lineno}: a filter block")
+        if node.name in MARKUP_FILTERS:
+            raise NotVerbatim(
+                f"line {node.lineno}: the filter '{node.name}' makes Markup, which escapes text"
+            )
         kind = self._expr(node.node)
         args = self._arguments(node)
         if kind == TEXT:
