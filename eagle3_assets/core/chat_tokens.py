@@ -111,8 +111,6 @@ def chat_tokenizer(recipe: ChatRecipe) -> ChatTokenizer:
 
 class ChatTokenizer:
     recipe: ChatRecipe | None = None  # set when built from a recipe: worker processes can then rebuild it
-    # None: the template is proven to write every text verbatim (no row is rendered again); else why not.
-    verbatim_problem: str | None = "not analysed"
 
     def __init__(
         self,
@@ -134,7 +132,9 @@ class ChatTokenizer:
         strings = sorted(self.encoder.control_ids, key=len, reverse=True)
         self._control_re = re.compile("|".join(re.escape(s) for s in strings)) if strings else None
         self._plans: dict[tuple, _Plan] = {}
-        self._render_plain = self._plain_renderer()
+        # verbatim_problem None: the template is proven to write every text verbatim (no row is rendered again);
+        # else why not.
+        self._render_plain, self.verbatim_problem = self._plain_renderer()
         self._sentinel_renders: dict[tuple, tuple[str, tuple[int, ...]]] = {}
         self.eot_token = end_of_turn_token or self._detect_end_of_turn() or tokenizer.eos_token
         if not self.eot_token:
@@ -366,14 +366,17 @@ class ChatTokenizer:
             found = self._sentinel_renders[key] = (fmt, refs)
         return found
 
-    def _plain_renderer(self) -> Callable[[list[list[dict[str, str]]], bool], list[str]]:
+    def _plain_renderer(self) -> tuple[Callable[[list[list[dict[str, str]]], bool], list[str]], str | None]:
         """Renders conversations of plain dicts of strings in one call, as apply_chat_template does.
 
         apply_chat_template first normalises its input (message objects to dicts, None values dropped: a deep
         copy of every conversation) and then calls transformers' `render_jinja_template` with the tokenizer's
         template and special tokens. Conversations built here are already plain, so the renderer calls that second
         step itself (a third cheaper per row, measured): same function, same arguments, same text. A tokenizer
-        class with its own apply_chat_template (remote code may bring one) keeps the public call."""
+        class with its own apply_chat_template (remote code may bring one) keeps the public call.
+
+        Also returns why the template is not proven to write texts verbatim (None when it is): the proof reads the
+        very template this renderer renders."""
         try:
             from transformers import PreTrainedTokenizerBase
             from transformers.utils.chat_template_utils import render_jinja_template
@@ -384,20 +387,24 @@ class ChatTokenizer:
             getattr(cls, "apply_chat_template", None) is PreTrainedTokenizerBase.apply_chat_template
             and getattr(cls, "get_chat_template", None) is PreTrainedTokenizerBase.get_chat_template
         ):
-            self.verbatim_problem = "the tokenizer class renders with its own apply_chat_template"
-            return lambda convs, gen: self.tok.apply_chat_template(
-                convs, tokenize=False, add_generation_prompt=gen, **self.kwargs
+            return (
+                lambda convs, gen: self.tok.apply_chat_template(
+                    convs, tokenize=False, add_generation_prompt=gen, **self.kwargs
+                ),
+                "the tokenizer class renders with its own apply_chat_template",
             )
         template = self.tok.get_chat_template()
         template_kwargs = {**self.tok.special_tokens_map, **self.kwargs}
-        self.verbatim_problem = (
+        problem = (
             "a template option or special token holds a sentinel character"
             if any(c in repr(template_kwargs) for c in _OPEN + _CLOSE)
             else verbatim_problem(template, reserved=_OPEN + _CLOSE)
         )
-        return lambda convs, gen: render_jinja_template(
-            conversations=convs, chat_template=template, add_generation_prompt=gen, **template_kwargs
-        )[0]
+        return (
+            lambda convs, gen: render_jinja_template(
+                conversations=convs, chat_template=template, add_generation_prompt=gen, **template_kwargs
+            )[0]
+        ), problem
 
     def _render_many(self, convs: list[list[dict[str, str]]], gen: bool) -> list[str | Exception]:
         """The real conversations (plain dicts of strings) rendered in one call (40% cheaper per row than one call
@@ -424,9 +431,8 @@ class ChatTokenizer:
         A template proven to write texts verbatim under shape-only control flow (`verbatim_templates`) renders
         every row of a shape as its plan: rows whose texts are all strings skip the render."""
         bad: dict[int, TemplateError] = {}
-        if (
-            self.verbatim_problem is None
-        ):  # rows with a non-string text or a sentinel in a role are still checked
+        if self.verbatim_problem is None:
+            # Rows with a non-string text or a sentinel in a role are still checked.
             rows = [
                 r
                 for r in rows

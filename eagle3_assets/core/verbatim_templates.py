@@ -27,9 +27,8 @@ SHAPE = 1  # decided by the conversation's shape only: roles, field presence, me
 TEXT = 2  # a message text, or text joined with it: may only be written out (or named, then written out)
 MESSAGES = 3  # the messages, one of them, or something unknown reached from them: may only be looked into
 
-TEXT_FIELDS = frozenset(
-    {"content", "reasoning_content", "thinking", "reasoning"}
-)  # transformers aliases reasoning
+# transformers passes a message's reasoning under several names.
+TEXT_FIELDS = frozenset({"content", "reasoning_content", "thinking", "reasoning"})
 SHAPE_FIELDS = frozenset({"role"})
 LOOP_SHAPE_ATTRS = frozenset(
     {"index", "index0", "revindex", "revindex0", "first", "last", "length", "depth", "depth0"}
@@ -127,12 +126,10 @@ class _Flow:
             self._body(node.else_)
         elif isinstance(node, nodes.Assign):
             kind = self._expr(node.node)
-            if isinstance(node.target, nodes.Name):
-                self._bind(node.target, kind)
-            elif kind > SHAPE:  # a namespace attribute or an unpacking: followed no further
+            if not isinstance(node.target, nodes.Name) and kind > SHAPE:
+                # a namespace attribute or an unpacking: followed no further
                 raise NotVerbatim(f"line {node.lineno}: message data stored in a namespace or unpacked")
-            else:
-                self._bind(node.target, kind)
+            self._bind(node.target, kind)
         elif isinstance(node, nodes.Break | nodes.Continue):
             pass
         else:  # macros, call/filter/captured blocks, includes, imports, with, blocks, do
