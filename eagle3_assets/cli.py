@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .core.export import export
+    from .assets.hidden_states import extraction_settings
+    from .core.export import ExportError, export, read_target
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
@@ -77,7 +79,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not (folder / "index.parquet").exists():
         print(f"no hidden states for {args.dataset} yet: materialise hidden_states for it first")
         return 1
-    export(folder, Path(args.out), args.format)
+    settings = extraction_settings(cfg)
+    target = read_target(settings.model_ref, cfg.target.revision, cfg.target.trust_remote_code)
+    try:
+        export(
+            folder,
+            Path(args.out),
+            args.format,
+            target=target,
+            max_len=args.max_len,
+            draft_vocab_size=args.draft_vocab_size,
+        )
+    except ExportError as exc:
+        print(f"export refused: {exc}")
+        return 1
+    print(f"to train: {json.loads((Path(args.out) / 'manifest.json').read_text())['train_command']}")
     return 0
 
 
@@ -181,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dataset", required=True)
     exp.add_argument("--format", required=True, choices=["speculators", "specforge", "modelopt"])
     exp.add_argument("--out", required=True)
+    exp.add_argument(
+        "--max-len", type=int, default=None, help="cut longer samples to this many tokens (ids, mask, states)"
+    )
+    exp.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=32000,
+        help="draft vocabulary of the side files (SpecForge's maps, the speculators command); capped at the target's",
+    )
     hs = sub.add_parser(
         "hidden-states", help="extract hidden states for a dataset in this process (no Dagster)"
     )

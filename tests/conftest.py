@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,69 @@ def user_rows(texts: list[str], with_ids: bool = True) -> list[dict]:
             row["id"] = f"p{i:03d}"
         rows.append(row)
     return rows
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Start building the training frameworks' environments in the background as soon as a collected test needs
+    them (`@pytest.mark.consumers(...)`): a cold build takes minutes, the rest of the suite runs meanwhile."""
+    names = {n for item in items if (m := item.get_closest_marker("consumers")) for n in m.args}
+    if names:
+        from .consumers import environments
+
+        environments.prefetch(sorted(names))
+
+
+@dataclass
+class ShippedRun:
+    """B3 materialised through every asset with the shipped eagle3.yaml, unchanged."""
+
+    root: Path
+    success: bool
+    failures: list[str]
+    materialized: set[str]
+    checks: dict  # check name -> AssetCheckEvaluation
+
+    @property
+    def layout(self):
+        from eagle3_assets.core.layout import DatasetLayout
+
+        return DatasetLayout(self.root / "data", "B3")
+
+
+@pytest.fixture(scope="session")
+def shipped_b3(tmp_path_factory) -> ShippedRun:
+    """One run of the shipped defaults for the whole session (the acceptance gate trains a draft: minutes), read by
+    the shipped-defaults test and by the training frameworks' tests. Six answers keep it short (the gate trains on
+    five, holds one out)."""
+    import dagster as dg
+
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import build_definitions
+
+    root = tmp_path_factory.mktemp("shipped")
+    shutil.copy(REPO / "eagle3.yaml", root / "eagle3.yaml")
+    shutil.copytree(REPO / "prompts", root / "prompts")
+    path = root / "eagle3.yaml"
+    assert path.read_text() == (REPO / "eagle3.yaml").read_text()
+    defs = build_definitions(load_config(path), str(path))
+    job = defs.resolve_implicit_global_asset_job_def()
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(
+            partition_key="B3",
+            instance=instance,
+            run_config={"ops": {"responses": {"config": {"limit": 6}}}},
+            raise_on_error=False,
+        )
+    return ShippedRun(
+        root=root,
+        success=result.success,
+        failures=[e.message for e in result.all_events if e.is_failure],
+        materialized={
+            m.asset_key.to_user_string() for m in result.asset_materializations_for_node("responses")
+        },
+        checks={
+            e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
+            for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        },
+    )

@@ -242,7 +242,9 @@ def test_graph_asset_fans_out_one_step_per_shard(chat, tmp_path):
         assert not [s for s in steps if "extract_hidden_state_shard[" in s]  # nothing left to do
 
 
-def test_exports_load_the_way_each_framework_loads_them(chat, tmp_path, reference_model):
+def test_exports_hold_the_stored_states_of_every_sample(chat, tmp_path, reference_model):
+    """The values in each layout are the shards' (and the post-norm states are the target's). Whether each framework
+    reads, checks and trains on them is for its own code, in its own environment: test_trainers_read_exports."""
     import datasets
     from safetensors.torch import load_file
 
@@ -250,10 +252,11 @@ def test_exports_load_the_way_each_framework_loads_them(chat, tmp_path, referenc
     extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 150), log=lambda m: None)
     reader = HiddenStatesReader(layout.hidden_states_dir)
 
-    # speculators: ArrowDataset = load_from_disk + hidden_states/hs_{i}.safetensors, token ids checked against it.
+    # speculators: load_from_disk (saved in torch format, as its loader needs) + hidden_states/hs_{i}.safetensors.
     out = tmp_path / "speculators"
     assert export(layout.hidden_states_dir, out, "speculators", log=lambda m: None) == 8
-    ds = datasets.load_from_disk(str(out)).with_format("torch")
+    ds = datasets.load_from_disk(str(out))
+    assert ds.format["type"] == "torch"
     for i in range(len(ds)):
         hs = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
         assert torch.equal(hs["token_ids"], ds[i]["input_ids"])

@@ -285,7 +285,15 @@ def run_gate(
     """Train, measure, write <B>/acceptance/report.json and the draft checkpoint; the gate's verdict."""
     import torch
 
-    from .drafter import DraftShape, Eagle3Draft, TrainSample, build_draft_vocab, save_checkpoint, train
+    from .drafter import (
+        DraftShape,
+        Eagle3Draft,
+        TrainSample,
+        build_draft_vocab,
+        count_tokens,
+        save_checkpoint,
+        train,
+    )
     from .export import layer_config
 
     t_start = time.perf_counter()
@@ -335,7 +343,9 @@ def run_gate(
 
     regenerated = as_train(train_samples)
     labels = [s.input_ids[s.loss_mask > 0] for s in train_samples]
-    vocab = build_draft_vocab(labels, model.config.get_text_config().vocab_size, settings.draft_vocab_size)
+    vocab = build_draft_vocab(
+        count_tokens(labels), model.config.get_text_config().vocab_size, settings.draft_vocab_size
+    )
     shape = DraftShape.from_target(model.config, len(vocab))
     embedding = model.get_input_embeddings().weight.detach().float().cpu()
     decoder = SpeculativeDecoder(model, feature_ids, stop_ids, device)

@@ -1,11 +1,12 @@
 """A small EAGLE-3 draft head, its training-time test and its checkpoint, written here for the acceptance gate.
 
-Why not speculators' own model and trainer: speculators 0.9.0 pins transformers <= 5.19 while this platform runs
-5.24 (it needs `transformers serve` and the GGUF loader of that line), so installing it would downgrade the library
-every other stage uses; and its trainer is built around GPUs and distributed launch. The head is small (one
+Why not speculators' own model: speculators 0.9.0 pins transformers <= 5.19 while this platform runs 5.24 (it needs
+`transformers serve` and the GGUF loader of that line), so it cannot share the process that holds the target; and its
+`Trainer` moves the model to an accelerator, so the gate would need one. (Its Eagle3 model itself trains on CPU with
+`--loss-implementation eager` in its own environment: tests/test_trainers_read_exports.py.) The head is small (one
 decoder layer), so it is written here in plain torch, in the layout SGLang and SpecForge load
 (`LlamaForCausalLMEagle3`: `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), so a drafter that passes the gate
-can be served as is.
+can be served as is; SpecForge's `AutoDraftModel.from_pretrained` loads it with every stored tensor used (same test).
 
 The architecture, as EAGLE-3 defines it:
 - the target's three aux states at a position t are fused, fc: 3H -> H;
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+VOCAB_MAPPING_FILE = "vocab_mapping.pt"  # SpecForge's name: {"d2t": int64 [draft vocab], "t2d": bool [vocab]}
 
 
 @dataclass(frozen=True)
@@ -181,10 +184,9 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
         ids = draft_ids.to(torch.long)
+        d2t, t2d = vocab_mapping(ids, s.vocab_size)
         self.register_buffer("draft_to_target", ids, persistent=False)
-        self.register_buffer("d2t", ids - torch.arange(len(ids)), persistent=True)
-        t2d = torch.zeros(s.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
+        self.register_buffer("d2t", d2t, persistent=True)
         self.register_buffer("t2d", t2d, persistent=True)
         target_to_draft = torch.full((s.vocab_size,), -1, dtype=torch.long)
         target_to_draft[ids] = torch.arange(len(ids))
@@ -223,17 +225,37 @@ class Eagle3Draft(nn.Module):
         return self.draft_to_target[draft_token]
 
 
-def build_draft_vocab(label_ids: Sequence[np.ndarray], vocab_size: int, size: int) -> torch.Tensor:
-    """The draft vocabulary: the `size` most frequent trained labels (fewer if fewer occur: a token never seen as
-    a label is never drafted anyway), sorted ascending so that d2t offsets are non-negative, as in SpecForge."""
+def count_tokens(arrays: Iterable[np.ndarray | torch.Tensor]) -> Counter[int]:
+    """How often each token id occurs over the arrays (the trained labels of a partition)."""
     counts: Counter[int] = Counter()
-    for ids in label_ids:
-        counts.update(int(i) for i in ids)
+    for ids in arrays:
+        values, n = np.unique(np.asarray(ids, dtype=np.int64), return_counts=True)
+        counts.update(dict(zip(values.tolist(), n.tolist(), strict=True)))
+    return counts
+
+
+def build_draft_vocab(counts: Counter[int], vocab_size: int, size: int, fill: bool = False) -> torch.Tensor:
+    """The draft vocabulary: the `size` most frequent tokens (ties to the lower id), sorted ascending so that d2t
+    offsets are non-negative, as in SpecForge. Fewer if fewer occur (a token never seen as a label is never
+    drafted anyway), unless `fill`: then the lowest unseen ids complete it, as SpecForge's own mapping does for a
+    draft config whose `draft_vocab_size` is fixed."""
     size = min(size, vocab_size)
-    chosen = [i for i, _ in counts.most_common(size)]
+    chosen = [i for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
+    if fill and len(chosen) < size:
+        taken = set(chosen)
+        chosen += [i for i in range(size + len(taken)) if i not in taken][: size - len(chosen)]
     if not chosen:
         chosen = [0]
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def vocab_mapping(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SpecForge's maps of a draft vocabulary (sorted target ids): `d2t[i]` is the offset from draft id i to its
+    target id, `t2d` marks the target ids the draft vocabulary holds."""
+    ids = draft_ids.to(torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(len(ids)), t2d
 
 
 @dataclass
@@ -418,16 +440,10 @@ def train(
     return TrainStats(optimizer_steps, seen, first, final, accs, time.perf_counter() - t0)
 
 
-def save_checkpoint(model: Eagle3Draft, folder: Path, aux_layer_ids: list[int], target: str) -> None:
-    """config.json + model.safetensors in the layout SGLang serves EAGLE-3 drafts from (SpecForge's output):
-    `LlamaForCausalLMEagle3` with `draft_vocab_size` and the aux layer ids in `eagle_config`."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    s = model.s
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = {
+def draft_config(s: DraftShape, aux_layer_ids: list[int], dtype: str) -> dict[str, Any]:
+    """The `config.json` of an EAGLE-3 draft of shape `s`, as SGLang serves and SpecForge trains it
+    (`LlamaForCausalLMEagle3`, one decoder layer, aux layer ids in SGLang's convention: decoder-layer outputs)."""
+    return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": s.hidden_size,
@@ -443,10 +459,28 @@ def save_checkpoint(model: Eagle3Draft, folder: Path, aux_layer_ids: list[int], 
         "max_position_embeddings": s.max_position_embeddings,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True},
-        "eagle3_assets": {"target": target, "shape": asdict(s)},
+        "torch_dtype": dtype,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
     }
+
+
+def save_checkpoint(model: Eagle3Draft, folder: Path, aux_layer_ids: list[int], target: str) -> None:
+    """config.json + model.safetensors in the layout SGLang serves EAGLE-3 drafts from (SpecForge's output):
+    `LlamaForCausalLMEagle3` with `draft_vocab_size` and the aux layer ids in `eagle_config`; and its vocabulary
+    maps as SpecForge's `vocab_mapping.pt`, so that SpecForge can warm-start from it without deriving other maps
+    (which would leave the trained `lm_head` rows pointing at other tokens)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    s = model.s
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    torch.save({"d2t": state["d2t"], "t2d": state["t2d"]}, folder / VOCAB_MAPPING_FILE)
+    config = draft_config(s, aux_layer_ids, "float32")
+    config["eagle3_assets"] = {"target": target, "shape": asdict(s)}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

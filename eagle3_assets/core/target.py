@@ -76,6 +76,26 @@ def _convert_smollm2(dest: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
+    write_weight_index(dest)
+
+
+def write_weight_index(folder: Path) -> None:
+    """`model.safetensors.index.json` beside a single-file checkpoint, as sharded checkpoints carry: tools that
+    read only some tensors (SpecForge's target head) find them through it. transformers still loads the file."""
+    from safetensors import safe_open
+
+    from .files import write_json
+
+    weights = folder / "model.safetensors"
+    if not weights.exists() or any(folder.glob("*.safetensors.index.json")):
+        return
+    with safe_open(str(weights), framework="np") as f:
+        names = sorted(f.keys())
+    index = {
+        "metadata": {"total_size": weights.stat().st_size},
+        "weight_map": dict.fromkeys(names, weights.name),
+    }
+    write_json(index, folder / "model.safetensors.index.json")
 
 
 def builtin_dir(name: str) -> Path:
@@ -86,6 +106,8 @@ def builtin_dir(name: str) -> Path:
         )
     dest = cache_root() / "models" / SMOLLM2_CACHE_NAME
     if (dest / "model.safetensors").exists() and (dest / "tokenizer.json").exists():
+        if not (dest / "model.safetensors.index.json").exists():  # caches made before the index was written
+            write_weight_index(dest)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest.parent / ".smollm2.lock", "w") as lock:
