@@ -47,10 +47,10 @@ def run(quick: bool = False) -> dict:
     import torch
 
     from eagle3_assets.assets.hidden_states import extraction_settings
-    from eagle3_assets.core.acceptance import load_samples, rendered_prompts, run_gate
-    from eagle3_assets.core.extraction import load_target_model
-    from eagle3_assets.core.layout import DatasetLayout
-    from eagle3_assets.core.target import pick_device
+    from eagle3_assets.core.acceptance.gate import load_samples, rendered_prompts, run_gate
+    from eagle3_assets.core.hidden_states.extraction import load_target_model
+    from eagle3_assets.core.storage.layout import DatasetLayout
+    from eagle3_assets.core.target.loading import pick_device
     from resources import Target
 
     with tempfile.TemporaryDirectory() as tmp:

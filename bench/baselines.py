@@ -13,7 +13,12 @@ import random
 import time
 from collections.abc import Iterable
 
-from eagle3_assets.core.protocol import CompletionRequest, ErrorKind, InferenceBackend, InferenceError
+from eagle3_assets.core.generation.protocol import (
+    CompletionRequest,
+    ErrorKind,
+    InferenceBackend,
+    InferenceError,
+)
 
 
 class BaselineReport:

@@ -18,10 +18,11 @@ from pathlib import Path
 import openai
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.budget import Budget
-from eagle3_assets.core.engine import EngineSettings, GenerationEngine
-from eagle3_assets.core.journal import JournalWriter, ResponseJournal
-from eagle3_assets.core.protocol import CompletionRequest
+from eagle3_assets.core.generation.budget import Budget
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
+from eagle3_assets.core.generation.protocol import CompletionRequest
+from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
 
 from .loopback import LoopbackServer
@@ -55,7 +56,7 @@ async def _engine_client(base_url: str, n: int, concurrency: int, done_at: list[
 
     backend.complete = timed
     with tempfile.TemporaryDirectory() as tmp:
-        writer = JournalWriter(ResponseJournal(Path(tmp)), "openrouter", "bench")
+        writer = JournalWriter(ResponseJournal(DatasetLayout(Path(tmp), "bench")), "openrouter", "bench")
         engine = GenerationEngine(
             backend,
             writer,
@@ -135,7 +136,7 @@ def _measure(client: Callable[..., Awaitable[int]], server: LoopbackServer, conc
 
 def resume_check_seconds(n: int = 100_000) -> float:
     """Seconds to re-materialise a finished n-prompt partition (reads what is done, sends nothing)."""
-    from eagle3_assets.core.generation import generate_responses
+    from eagle3_assets.core.generation.run import generate_responses
     from tests.conftest import make_plan
     from tests.test_engine import _MustNotBeCalled, write_finished_partition
 

@@ -71,7 +71,7 @@ def build_model(shape: dict, device: str):
 
 
 def samples(n_tokens: int, vocab: int, lo: int, hi: int, seed: int = 0):
-    from eagle3_assets.core.hidden_states import Sample
+    from eagle3_assets.core.hidden_states.shards import Sample
 
     rng = random.Random(seed)
     out, total = {}, 0
@@ -88,7 +88,7 @@ def check_packing(model, device: str) -> float:
     """Max relative error between packed-row and per-sample hidden states of the last layer."""
     import torch
 
-    from eagle3_assets.core.hidden_states import HiddenStateCapture
+    from eagle3_assets.core.hidden_states.shards import HiddenStateCapture
 
     cap = HiddenStateCapture(model, [1, 2, 3])
     rng = np.random.default_rng(1)
@@ -109,7 +109,7 @@ def check_packing(model, device: str) -> float:
 def measure(name: str, shape: dict, device: str, n_tokens: int, budget: int) -> dict:
     import torch
 
-    from eagle3_assets.core.hidden_states import (
+    from eagle3_assets.core.hidden_states.shards import (
         HiddenStateCapture,
         ShardPlan,
         ShardWriter,

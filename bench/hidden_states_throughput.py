@@ -18,10 +18,10 @@ import numpy as np
 import polars as pl
 
 from eagle3_assets.config import HiddenStatesConfig
-from eagle3_assets.core.extraction import ExtractionSettings, _model, extract_dataset
-from eagle3_assets.core.hidden_states import pack_rows, row_budget
-from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.target import pick_device
+from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
+from eagle3_assets.core.hidden_states.shards import pack_rows, row_budget
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.target.loading import pick_device, shared_model
 
 
 def synthetic_tokens(layout: DatasetLayout, n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> None:
@@ -46,7 +46,7 @@ def bare_forward_seconds(settings: ExtractionSettings, tokens_path: Path) -> tup
     import torch
 
     device = pick_device(settings.hidden.device)
-    model = _model(settings.model_ref, device, False)
+    model = shared_model(settings.model_ref, device, False)
     df = pl.read_parquet(tokens_path)
     seqs = sorted((np.asarray(x, dtype=np.int64) for x in df["input_ids"].to_list()), key=len)
     rows = pack_rows(

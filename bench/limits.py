@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.budget import Budget
-from eagle3_assets.core.engine import EngineSettings, GenerationEngine
-from eagle3_assets.core.journal import JournalWriter, ResponseJournal
-from eagle3_assets.core.protocol import CompletionRequest
+from eagle3_assets.core.generation.budget import Budget
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
+from eagle3_assets.core.generation.protocol import CompletionRequest
+from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
 from tests.limited_provider import LimitedProvider, ProviderSpec, goodput
 
@@ -60,7 +61,7 @@ async def _engine(
 ):
     backend = _backend(url, stream)
     with tempfile.TemporaryDirectory() as tmp:
-        writer = JournalWriter(ResponseJournal(Path(tmp)), "openrouter", "bench")
+        writer = JournalWriter(ResponseJournal(DatasetLayout(Path(tmp), "bench")), "openrouter", "bench")
         engine = GenerationEngine(
             backend,
             writer,

@@ -123,34 +123,37 @@ def seed_answers(path: Path, n: int) -> None:
     """n answers written straight into the journal (as a long generation run leaves them)."""
     sys.path.insert(0, str(REPO))
     from eagle3_assets.config import load_config
-    from eagle3_assets.core.ingest import write_prompts
-    from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
+    from eagle3_assets.core.prompts.ingest import write_prompts
+    from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
     from resources import Storage
 
     cfg = load_config(path)
     storage = Storage(cfg)
-    layout = storage.checkout("B1", "prompts")
-    write_prompts(cfg.resolve_path(cfg.datasets["B1"].source), layout.prompts, layout.quarantine, "messages")
-    storage.publish("B1", "prompts")
-    rng = np.random.default_rng(1)
-    ids = pl.read_parquet(layout.prompts, columns=["id"])["id"].to_list()[:n]
-    for start in range(0, n, 20_000):
-        part = ids[start : start + 20_000]
-        cols = {k: [None] * len(part) for k in RESPONSE_SCHEMA}
-        cols.update(
-            id=part,
-            backend=["openrouter"] * len(part),
-            model=["m"] * len(part),
-            content=[_text(rng, 7000) for _ in part],
-            reasoning=[_text(rng, 3000) for _ in part],
-            finish_reason=["stop"] * len(part),
-            completion_tokens=[2500] * len(part),
-            prompt_tokens=[60] * len(part),
-            latency_s=[30.0] * len(part),
-            run_id=["seed"] * len(part),
+    with storage.stage("B1", "prompts") as layout:
+        write_prompts(
+            cfg.resolve_path(cfg.datasets["B1"].source), layout.prompts, layout.quarantine, "messages"
         )
-        JournalTable(layout.responses_dir, RESPONSE_SCHEMA).append(pl.DataFrame(cols, schema=RESPONSE_SCHEMA))
-    storage.publish("B1", "responses")
+    with storage.stage("B1", "responses", append_only=True) as layout:
+        rng = np.random.default_rng(1)
+        ids = pl.read_parquet(layout.prompts, columns=["id"])["id"].to_list()[:n]
+        for start in range(0, n, 20_000):
+            part = ids[start : start + 20_000]
+            cols = {k: [None] * len(part) for k in RESPONSE_SCHEMA}
+            cols.update(
+                id=part,
+                backend=["openrouter"] * len(part),
+                model=["m"] * len(part),
+                content=[_text(rng, 7000) for _ in part],
+                reasoning=[_text(rng, 3000) for _ in part],
+                finish_reason=["stop"] * len(part),
+                completion_tokens=[2500] * len(part),
+                prompt_tokens=[60] * len(part),
+                latency_s=[30.0] * len(part),
+                run_id=["seed"] * len(part),
+            )
+            JournalTable(layout.responses_dir, RESPONSE_SCHEMA).append(
+                pl.DataFrame(cols, schema=RESPONSE_SCHEMA)
+            )
 
 
 STAGE = r"""
@@ -163,26 +166,21 @@ stage = {stage!r}
 t0 = time.perf_counter()
 if stage == "responses":
     import asyncio
-    from eagle3_assets.core.engine import EngineSettings
-    from eagle3_assets.core.generation import GenerationPlan, generate_responses
+    from eagle3_assets.core.generation.engine import EngineSettings
+    from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
     from bench.storage import FastBackend
-    layout = storage.checkout("B1", "responses")
     plan = GenerationPlan("B1", cfg.datasets["B1"], cfg.sampling, limit={limit})
-    try:
+    with storage.stage("B1", "responses", append_only=True) as layout:
         generate_responses(layout, plan, FastBackend(), None, EngineSettings(max_concurrency=256, progress_interval_s=3600),
                            log=lambda m: None, lock=storage.lock("B1"), on_flush=storage.flusher("B1"))
-    finally:
-        storage.publish("B1", "responses")
 elif stage == "tokens":
-    from eagle3_assets.core.tokens import build_tokens
-    layout = storage.checkout("B1", "tokens")
-    s = build_tokens(layout, rt["target"].chat_tokenizer(), log=lambda m: None)
-    storage.publish("B1", "tokens")
+    from eagle3_assets.core.tokens.build import build_tokens
+    with storage.stage("B1", "tokens") as layout:
+        s = build_tokens(layout, rt["target"].chat_tokenizer(), log=lambda m: None)
 elif stage == "validation_report":
-    from eagle3_assets.core.report import write_report
-    layout = storage.checkout("B1", "validation_report")
-    write_report(layout, cfg.datasets["B1"].budget_tokens, None)
-    storage.publish("B1", "validation_report")
+    from eagle3_assets.core.report.summary import write_report
+    with storage.stage("B1", "validation_report") as layout:
+        write_report(layout, cfg.datasets["B1"])
 print(json.dumps({{"seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
 
@@ -203,7 +201,7 @@ class FastBackend:
         return []
 
     async def complete(self, request):
-        from eagle3_assets.core.protocol import Completion
+        from eagle3_assets.core.generation.protocol import Completion
 
         return Completion(
             content=_text(self.rng, 7000),

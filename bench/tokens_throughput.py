@@ -23,12 +23,12 @@ from pathlib import Path
 
 import polars as pl
 
-from eagle3_assets.core.chat_tokens import Answer, ChatRecipe, ChatTokenizer, chat_tokenizer
-from eagle3_assets.core.ingest import ingest
-from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
-from eagle3_assets.core.target import builtin_dir
-from eagle3_assets.core.tokens import build_tokens
+from eagle3_assets.core.prompts.ingest import ingest
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.core.target.chat import Answer, ChatRecipe, ChatTokenizer, chat_tokenizer
+from eagle3_assets.core.target.loading import builtin_dir
+from eagle3_assets.core.tokens.build import build_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 N = 80_000  # ~20M tokens: the size the goal was set at (fixed costs such as loading the tokenizer amortise)
@@ -196,7 +196,7 @@ from eagle3_assets.definitions import TRAINING_DATA_JOB, build_definitions
 cfg, warm = sys.argv[1], sys.argv[2] == "warm"
 defs = build_definitions(load_config(cfg), cfg)
 if warm:  # as in a run whose earlier step (responses) already loaded the target's tokenizer in this process
-    from resources.tokenizer import Target
+    from resources.target import Target
     Target(load_config(cfg)).chat_tokenizer()
 job = defs.resolve_job_def(TRAINING_DATA_JOB)
 with dg.instance_for_test() as instance:
@@ -222,7 +222,7 @@ def _dagster_step(convs, warm: bool = False) -> dict:
     with its class remembered by an earlier load as on any machine after its first; warm: loaded before, as after a
     responses step in the same run): the step's own duration from its STEP_START / STEP_SUCCESS events, and the cores
     it kept busy (the run's CPU time over the step's wall time)."""
-    from eagle3_assets.core.files import available_cores
+    from eagle3_assets.core.storage.files import available_cores
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "B1.jsonl").write_text('{"messages": [{"role": "user", "content": "unused"}]}\n')

@@ -4,7 +4,7 @@ downstream stages follow when their inputs change, never past a failing blocking
 import dagster as dg
 
 from .config import load_config
-from .core.topup import source_changed, top_up_status
+from .core.generation.topup import source_changed, top_up_status
 
 
 class _PerDataset(dg.AutomationCondition):
@@ -47,9 +47,8 @@ class BudgetNotMet(_PerDataset):
         return "budget_not_met"
 
     def wanted(self, cfg, storage, key: str) -> bool:
-        ds = cfg.datasets[key]
         layout = storage.checkout(key, "responses")  # an object-store root: its journal, up to date
-        return top_up_status(layout, ds.budget_tokens, ds.budget_usd, ds.max_tokens).needed
+        return top_up_status(layout, cfg.datasets[key]).needed
 
 
 class SourceChanged(_PerDataset):
@@ -63,7 +62,7 @@ class SourceChanged(_PerDataset):
 
     def wanted(self, cfg, storage, key: str) -> bool:
         return source_changed(
-            storage.modified(key, "prompts.parquet"), cfg.resolve_path(cfg.datasets[key].source)
+            storage.modified(key, storage.layout(key).prompts), cfg.resolve_path(cfg.datasets[key].source)
         )
 
 

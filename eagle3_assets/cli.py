@@ -42,25 +42,24 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .core.importer import import_responses
+    from .core.generation.importer import import_responses
 
     cfg, res = _resources(args)
     ds = cfg.dataset(args.dataset)
-    layout = res["storage"].checkout(args.dataset, "responses")
-    if not layout.prompts.exists():
-        print(
-            f"materialise prompts for {args.dataset} first (dagster asset materialize -m eagle3_assets.definitions "
-            f"--select prompts --partition {args.dataset})"
+    with res["storage"].stage(args.dataset, "responses") as layout:
+        if not layout.prompts.exists():
+            print(
+                f"materialise prompts for {args.dataset} first (dagster asset materialize -m "
+                f"eagle3_assets.definitions --select prompts --partition {args.dataset})"
+            )
+            return 1
+        s = import_responses(
+            layout,
+            Path(args.file),
+            res["target"].chat_tokenizer(),
+            model=args.model,
+            system_prompt=ds.system_prompt,
         )
-        return 1
-    s = import_responses(
-        layout,
-        Path(args.file),
-        res["target"].chat_tokenizer(),
-        model=args.model,
-        system_prompt=ds.system_prompt,
-    )
-    res["storage"].publish(args.dataset, "responses")
     print(
         f"{args.dataset}: imported {s.imported} of {s.rows} rows ({s.completion_tokens:,} completion tokens)"
     )
@@ -71,7 +70,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .assets.hidden_states import extraction_settings
-    from .core.export import ExportError, export, read_target
+    from .core.hidden_states.export import ExportError, export, read_target
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
@@ -100,14 +99,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_hidden_states(args: argparse.Namespace) -> int:
     """Extraction without Dagster (a GPU box, a debugging session); the asset runs the same functions."""
     from .assets.hidden_states import extraction_settings
-    from .core.extraction import extract_dataset
+    from .core.hidden_states.extraction import extract_dataset
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
-    _work, stats, index = extract_dataset(
-        res["storage"].checkout(args.dataset, "hidden_states"), extraction_settings(cfg)
-    )
-    res["storage"].publish(args.dataset, "hidden_states")
+    with res["storage"].stage(args.dataset, "hidden_states") as layout:
+        _work, stats, index = extract_dataset(layout, extraction_settings(cfg))
     rate = stats.tokens / stats.forward_s if stats.forward_s else 0.0
     print(
         f"{args.dataset}: {index.height} samples in the index; this run {stats.samples} samples, "
@@ -119,16 +116,15 @@ def cmd_hidden_states(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     """The occasional full compaction of a dataset's journal: one file per table (runs fold only their own
     parts, so a partition topped up many times gathers one file per run until this is run)."""
-    from .core.journal import ResponseJournal
+    from .core.generation.journal import ResponseJournal
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
     storage = res["storage"]
-    with storage.lock(args.dataset)("compaction"):
-        layout = storage.checkout(args.dataset, "responses")
-        before = len(ResponseJournal(layout.dir).responses.files())
-        answered, failed = ResponseJournal(layout.dir).compact()
-        storage.publish(args.dataset, "responses")
+    with storage.lock(args.dataset)("compaction"), storage.stage(args.dataset, "responses") as layout:
+        journal = ResponseJournal(layout)
+        before = len(journal.responses.files())
+        answered, failed = journal.compact()
     print(
         f"{args.dataset}: {answered:,} responses and {failed:,} failures, in one file each ({before} response parts before)"
     )

@@ -277,7 +277,7 @@ class ProjectConfig(Strict):
     def storage_root(self) -> Path:
         """The local folder of every partition: the root itself, or the working copies of an object-store root."""
         if self.storage_is_remote:
-            from .core.remote import RemoteRoot
+            from .core.storage.remote import RemoteRoot
 
             return RemoteRoot.cache_folder(
                 self.storage.root, Path(os.path.expanduser(self.storage.cache_dir))

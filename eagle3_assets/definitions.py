@@ -11,6 +11,7 @@ from resources import Inference, Project, Storage, StorageJsonIOManager, Target,
 
 from .assets import (
     build_acceptance_asset,
+    build_checks,
     build_hidden_states_asset,
     build_prompts_asset,
     build_report_asset,
@@ -18,7 +19,6 @@ from .assets import (
     build_tokens_asset,
 )
 from .automation import automation_sensor, follow_upstream, ingest_condition, top_up_condition
-from .checks import build_checks
 from .config import ProjectConfig, get_config
 from .partitions import dataset_partitions
 

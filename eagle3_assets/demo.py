@@ -14,8 +14,8 @@ import time
 import dagster as dg
 
 from .config import config_path, get_config
-from .core.export import export
-from .core.layout import DatasetLayout
+from .core.hidden_states.export import export
+from .core.storage.layout import DatasetLayout
 from .definitions import ACCEPTANCE_JOB, HIDDEN_STATES_JOB, TRAINING_DATA_JOB, defs
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
@@ -108,10 +108,9 @@ def _hidden_states(key: str, instance, root) -> tuple[bool, str, float]:
     result = _run(defs.resolve_job_def(HIDDEN_STATES_JOB), key, instance)
     passed, total = _checks(result)
     layout = DatasetLayout(root, key)
-    if not result.success or not (layout.hidden_states_dir / "index.parquet").exists():
+    if not result.success or not layout.hidden_states_index.exists():
         return False, f"FAILED ({passed}/{total} checks)", time.monotonic() - t0
-    out = layout.dir / "exports" / "speculators"
-    n = export(layout.hidden_states_dir, out, "speculators", log=lambda m: None)
+    n = export(layout.hidden_states_dir, layout.export_dir("speculators"), "speculators", log=lambda m: None)
     return True, f"{n} samples, {passed}/{total} checks, exported", time.monotonic() - t0
 
 

@@ -5,7 +5,7 @@ from .inference import Inference
 from .locked import locked
 from .project import Project
 from .storage import Storage, StorageJsonIOManager
-from .tokenizer import Target
+from .target import Target
 
 __all__ = [
     "Inference",

@@ -1,39 +1,21 @@
 """Where outputs land: one sub-folder per partition under `storage.root`, a local folder or an object store (the
 README's Outputs section). Stages work in the partition's local folder; with an object-store root that folder is a
-working copy synchronised around each stage (`eagle3_assets.core.remote`)."""
+working copy synchronised around each stage (`eagle3_assets.core.storage.remote`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import dagster as dg
 
 from eagle3_assets.config import ProjectConfig
-from eagle3_assets.core.files import write_json
-from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.remote import RemoteRoot
-from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
-
-_JOURNAL = ["responses/", "failures/", "journal/"]
-# What each stage reads and writes in its partition (paths relative to it; a trailing "/" is a folder).
-STAGE_PATHS: dict[str, tuple[list[str], list[str]]] = {
-    "prompts": ([], ["prompts.parquet", "quarantine.parquet"]),
-    "responses": (["prompts.parquet", *_JOURNAL], _JOURNAL),
-    "tokens": (
-        ["prompts.parquet", "responses/", "tokens.parquet", "tokens_errors.parquet"],
-        ["tokens.parquet", "tokens_errors.parquet"],
-    ),
-    "validation_report": (
-        ["prompts.parquet", "quarantine.parquet", *_JOURNAL, "tokens.parquet", "tokens_errors.parquet"],
-        ["report.json", "report.md"],
-    ),
-    "hidden_states": (["tokens.parquet", "hidden_states/"], ["hidden_states/"]),
-    "exports": (["hidden_states/"], ["exports/"]),
-    "acceptance": (["prompts.parquet", "hidden_states/", "acceptance/"], ["acceptance/"]),
-}
+from eagle3_assets.core.storage.files import write_json
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.storage.remote import RemoteRoot
+from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 
 
 class Storage:
@@ -51,23 +33,41 @@ class Storage:
         return DatasetLayout(Path(self.root), key).ensure()
 
     def checkout(self, key: str, stage: str) -> DatasetLayout:
-        """The partition's layout with what `stage` reads and writes up to date (a no-op for a local root)."""
+        """The partition's layout with what `stage` reads and writes up to date (a no-op for a local root). For
+        readers (checks, automation); a stage that writes uses `stage()`."""
+        layout = self.layout(key)
         if self.remote is not None:
-            reads, writes = STAGE_PATHS[stage]
+            reads, writes = layout.stage_paths(stage)
             # What it writes too: a file it replaces must be replaced at the version this copy saw (If-Match).
             self.remote.pull(key, sorted(set(reads) | set(writes)))
-        return self.layout(key)
+        return layout
+
+    @contextlib.contextmanager
+    def stage(self, key: str, stage: str, *, append_only: bool = False) -> Iterator[DatasetLayout]:
+        """Check out what `stage` reads and writes, yield the layout, and publish what it wrote once it succeeded.
+
+        After an error nothing is published, so a stage that failed halfway never replaces the stored outputs;
+        except for an append-only stage (`append_only`: the journal), whose files are each whole and each hold
+        answers that were paid for."""
+        layout = self.checkout(key, stage)
+        try:
+            yield layout
+        except BaseException:
+            if append_only:
+                self.publish(key, stage)
+            raise
+        self.publish(key, stage)
 
     def publish(self, key: str, stage: str) -> None:
         """Store what `stage` wrote (a no-op for a local root)."""
         if self.remote is not None:
-            self.remote.push(key, STAGE_PATHS[stage][1])
+            self.remote.push(key, self.layout(key).stage_paths(stage)[1])
 
-    def modified(self, key: str, rel: str) -> float | None:
-        """When the partition's file was last written (seconds since the epoch), None if it does not exist."""
+    def modified(self, key: str, path: Path) -> float | None:
+        """When `path`, a file of the partition's layout, was last written (seconds since the epoch), None if it
+        does not exist."""
         if self.remote is not None:
-            return self.remote.modified(key, rel)
-        path = self.layout(key).dir / rel
+            return self.remote.modified(key, str(path.relative_to(self.layout(key).dir)))
         return path.stat().st_mtime if path.exists() else None
 
     def lock(self, key: str) -> Callable[[str], contextlib.AbstractContextManager]:
@@ -81,7 +81,8 @@ class Storage:
         what a local kill -9 loses, no more)."""
         if self.remote is None:
             return None
-        return lambda: self.remote.push(key, _JOURNAL)
+        paths = self.layout(key).journal_paths()
+        return lambda: self.remote.push(key, paths)
 
 
 class StorageJsonIOManager(dg.IOManager):

@@ -20,21 +20,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from eagle3_assets.core.target import builtin_dir
+    from eagle3_assets.core.target.loading import builtin_dir
 
     return builtin_dir("smollm2")
 
 
 @pytest.fixture(scope="session")
 def smol_tok(smollm2_dir):
-    from eagle3_assets.core.target import load_tokenizer
+    from eagle3_assets.core.target.loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_dir))
 
 
 @pytest.fixture(scope="session")
 def chat(smol_tok):
-    from eagle3_assets.core.chat_tokens import ChatTokenizer
+    from eagle3_assets.core.target.chat import ChatTokenizer
 
     return ChatTokenizer(smol_tok)
 
@@ -70,7 +70,7 @@ def make_plan(
 ):
     """A generation plan for a dataset section written in code (tests and benchmarks)."""
     from eagle3_assets.config import DatasetConfig, SamplingConfig
-    from eagle3_assets.core.generation import GenerationPlan
+    from eagle3_assets.core.generation.run import GenerationPlan
 
     ds = DatasetConfig(
         source="(in code)",
@@ -114,7 +114,7 @@ class ShippedRun:
 
     @property
     def layout(self):
-        from eagle3_assets.core.layout import DatasetLayout
+        from eagle3_assets.core.storage.layout import DatasetLayout
 
         return DatasetLayout(self.root / "data", "B3")
 

@@ -16,25 +16,25 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3_assets.config import load_config
-from eagle3_assets.core.acceptance import (
-    SpeculativeDecoder,
-    load_samples,
-    rendered_prompts,
-    run_gate,
-    split_ids,
-)
-from eagle3_assets.core.drafter import (
-    DraftShape,
+from eagle3_assets.core.acceptance.drafter import (
     Eagle3Draft,
     StepKV,
     TrainSample,
     load_checkpoint,
     ttt_forward,
 )
-from eagle3_assets.core.export import layer_config
-from eagle3_assets.core.extraction import load_target_model
-from eagle3_assets.core.hidden_states import finished_shards
-from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.acceptance.gate import (
+    SpeculativeDecoder,
+    load_samples,
+    rendered_prompts,
+    run_gate,
+    split_ids,
+)
+from eagle3_assets.core.hidden_states.draft_format import DraftShape
+from eagle3_assets.core.hidden_states.export import layer_config
+from eagle3_assets.core.hidden_states.extraction import load_target_model
+from eagle3_assets.core.hidden_states.shards import finished_shards
+from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.definitions import (
     ACCEPTANCE_JOB,
     HIDDEN_STATES_JOB,

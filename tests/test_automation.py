@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import load_config
-from eagle3_assets.core.importer import import_responses
-from eagle3_assets.core.ingest import write_prompts
-from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.generation.importer import import_responses
+from eagle3_assets.core.prompts.ingest import write_prompts
+from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.definitions import build_definitions
 
 from .conftest import make_project, user_rows

@@ -7,12 +7,12 @@ import json
 import polars as pl
 
 from eagle3_assets.config import OpenRouterConfig, SGLangConfig
-from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.generation import generate_responses
-from eagle3_assets.core.importer import import_responses
-from eagle3_assets.core.protocol import Sampling
-from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
-from eagle3_assets.core.tokens import build_tokens
+from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.importer import import_responses
+from eagle3_assets.core.generation.protocol import Sampling
+from eagle3_assets.core.generation.run import generate_responses
+from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.core.tokens.build import build_tokens
 from resources.inference.openrouter import OpenRouterBackend, parse_chat_completion
 from resources.inference.sglang import SGLangBackend, split_reasoning
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle3_assets.core.chat_tokens import Answer, TemplateError
+from eagle3_assets.core.target.chat import Answer, TemplateError
+from eagle3_assets.core.target.preflight import special_token_problems
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}],
@@ -75,8 +76,8 @@ def test_train_all_assistant_turns_masks_every_answer(chat):
 
 
 def test_special_token_sanity(chat):
-    assert chat.special_token_problems() == []
-    problems = chat.special_token_problems(configured_id=1234)
+    assert special_token_problems(chat) == []
+    problems = special_token_problems(chat, configured_id=1234)
     assert problems and "1234" in problems[0] and "'<|im_end|>' (id 2)" in problems[0]
 
 

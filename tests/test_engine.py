@@ -6,12 +6,12 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.generation import PreflightError, generate_responses
-from eagle3_assets.core.ingest import write_prompts
-from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.protocol import FatalRunError
-from eagle3_assets.core.store import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.protocol import FatalRunError
+from eagle3_assets.core.generation.run import PreflightError, generate_responses
+from eagle3_assets.core.prompts.ingest import write_prompts
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 from resources.inference.openrouter import OpenRouterBackend
 
 from .conftest import make_plan, user_rows, write_jsonl

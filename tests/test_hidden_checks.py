@@ -13,14 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3_assets.core import hidden_checks
-from eagle3_assets.core.extraction import (
+from eagle3_assets.core.hidden_states import checks as hidden_checks
+from eagle3_assets.core.hidden_states.extraction import (
     expected_metadata,
     extract_dataset,
     load_target_model,
     skipped_samples,
 )
-from eagle3_assets.core.hidden_states import finished_shards
+from eagle3_assets.core.hidden_states.shards import finished_shards
 
 from .test_hidden_states import settings, write_tokens
 

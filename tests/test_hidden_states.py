@@ -17,12 +17,12 @@ import torch
 from safetensors import safe_open
 
 from eagle3_assets.config import HiddenStatesConfig
-from eagle3_assets.core.chat_tokens import Answer
-from eagle3_assets.core.export import export
-from eagle3_assets.core.extraction import ExtractionSettings, extract_dataset
-from eagle3_assets.core.hidden_states import HiddenStatesReader, bytes_per_token, default_aux_layers
-from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.target import load_model
+from eagle3_assets.core.hidden_states.export import export
+from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
+from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, bytes_per_token, default_aux_layers
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.target.chat import Answer
+from eagle3_assets.core.target.loading import load_model
 
 from .conftest import REPO, make_project, user_rows
 
@@ -181,9 +181,9 @@ def test_finished_shards_are_kept_and_changed_samples_recomputed(chat, tmp_path)
 KILL_SCRIPT = """
 import sys
 from pathlib import Path
-from eagle3_assets.core.layout import DatasetLayout
+from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.config import HiddenStatesConfig
-from eagle3_assets.core.extraction import ExtractionSettings, extract_dataset
+from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 extract_dataset(DatasetLayout(Path(sys.argv[1]), "B1"),
                 ExtractionSettings(hidden=HiddenStatesConfig(shard_bytes=int(sys.argv[2]))),
                 log=lambda m: None)
@@ -326,7 +326,7 @@ def test_a_model_whose_attention_ignores_packing_is_extracted_unpacked(
     whose values are right."""
     import transformers.masking_utils as masking
 
-    from eagle3_assets.core import extraction
+    from eagle3_assets.core.hidden_states import extraction
 
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     monkeypatch.setattr(extraction, "_PACKING", {})  # the verdict is cached per loaded model
@@ -345,7 +345,7 @@ def test_a_model_whose_attention_ignores_packing_is_extracted_unpacked(
 
 
 def test_packing_is_used_where_the_model_respects_it(chat, tmp_path, monkeypatch):
-    from eagle3_assets.core import extraction
+    from eagle3_assets.core.hidden_states import extraction
 
     monkeypatch.setattr(extraction, "_PACKING", {})
     layout = write_tokens(chat, tmp_path, n=4)

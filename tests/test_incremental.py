@@ -8,12 +8,13 @@ import json
 import polars as pl
 import pyarrow.parquet as pq
 
-from eagle3_assets.core.importer import import_responses
-from eagle3_assets.core.ingest import write_prompts
-from eagle3_assets.core.journal import ResponseJournal
-from eagle3_assets.core.layout import DatasetLayout
-from eagle3_assets.core.parquet_append import read_footer
-from eagle3_assets.core.tokens import STATE_KEY, build_tokens
+from eagle3_assets.config import TokensConfig
+from eagle3_assets.core.generation.importer import import_responses
+from eagle3_assets.core.generation.journal import ResponseJournal
+from eagle3_assets.core.prompts.ingest import write_prompts
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.storage.parquet_append import read_footer
+from eagle3_assets.core.tokens.build import STATE_KEY, build_tokens
 
 from .conftest import user_rows, write_jsonl
 
@@ -68,23 +69,28 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     # A compaction replaces the journal's files: every row is keyed again, none is redone, and the file records
     # the new parts (so the next top-up reads only what is added after the compaction).
     redone = pl.read_parquet(layout.tokens).sort("id")
-    ResponseJournal(layout.dir).compact()
+    ResponseJournal(layout).compact()
     assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 0
     assert pl.read_parquet(layout.tokens).sort("id").equals(redone)
-    parts = [p.name for p in ResponseJournal(layout.dir).responses.files()]
+    parts = [p.name for p in ResponseJournal(layout).responses.files()]
     assert json.loads(pq.read_schema(layout.tokens).metadata[STATE_KEY.encode()])["parts"] == parts
     answer(layout, tmp_path, chat, ids[25:27], "third")
     assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 2
 
     # Another template option changes every conversation's ids: everything is redone.
-    assert build_tokens(layout, chat, train_all=True, log=lambda m: None).n_tokenized == 27
+    assert (
+        build_tokens(
+            layout, chat, TokensConfig(train_all_assistant_turns=True), log=lambda m: None
+        ).n_tokenized
+        == 27
+    )
 
 
 def test_a_run_folds_its_own_parts_and_leaves_the_table_alone(tmp_path, chat):
     layout = partition(tmp_path, [f"q {i}" for i in range(12)])
     ids = pl.read_parquet(layout.prompts)["id"].to_list()
     answer(layout, tmp_path, chat, ids[:6], "first")
-    journal = ResponseJournal(layout.dir)
+    journal = ResponseJournal(layout)
     files_before = {p.name for p in journal.responses.files()}
     answer(layout, tmp_path, chat, ids[6:], "second")
     files_after = {p.name for p in journal.responses.files()}
@@ -102,7 +108,7 @@ def test_eagle3_compact_folds_the_journal_into_one_file(tmp_path, chat):
     ids = pl.read_parquet(layout.prompts)["id"].to_list()
     for n, part in enumerate((ids[:3], ids[3:6], ids[6:])):
         answer(layout, tmp_path, chat, part, f"run{n}")
-    journal = ResponseJournal(layout.dir)
+    journal = ResponseJournal(layout)
     assert len(journal.responses.files()) == 3
     cfg = tmp_path / "eagle3.yaml"
     cfg.write_text(

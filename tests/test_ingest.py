@@ -6,7 +6,7 @@ import json
 
 import polars as pl
 
-from eagle3_assets.core.ingest import content_id, ingest, write_prompts
+from eagle3_assets.core.prompts.ingest import content_id, ingest, write_prompts
 
 from .conftest import REPO, write_jsonl
 

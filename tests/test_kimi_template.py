@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_assets.core.chat_tokens import Answer, ChatTokenizer
-from eagle3_assets.core.text_encoder import SlowTextEncoder
+from eagle3_assets.core.target.chat import Answer, ChatTokenizer
+from eagle3_assets.core.target.preflight import special_token_problems
+from eagle3_assets.core.target.text_encoder import SlowTextEncoder
 
 from .kimi_standin import build_kimi_standin
 
@@ -38,7 +39,7 @@ def test_slow_tokenizer_shape_and_end_of_turn_detection(kimi, kimi_tok):
     assert not kimi_tok.is_fast and isinstance(kimi.encoder, SlowTextEncoder)
     assert kimi_tok.eos_token == "[EOS]"
     assert kimi.eot_token == "<|im_end|>"  # read from the template, not the eos token
-    assert kimi.special_token_problems() == []
+    assert special_token_problems(kimi) == []
 
 
 def test_prompt_ids_match_the_template(kimi, kimi_tok):
@@ -116,7 +117,7 @@ def test_text_stays_text(kimi, kimi_tok, content):
 
 def test_a_configured_end_of_turn_id_that_is_an_ordinary_word_is_fatal(kimi, kimi_tok):
     word_id = kimi_tok.encode("chas", allow_special_tokens=False)[0]
-    problems = kimi.special_token_problems(configured_id=word_id)
+    problems = special_token_problems(kimi, configured_id=word_id)
     eot_id = kimi_tok.convert_tokens_to_ids("<|im_end|>")
     assert len(problems) == 1
     text = problems[0]

@@ -15,10 +15,10 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.generation import generate_responses
-from eagle3_assets.core.journal import ResponseJournal
-from eagle3_assets.core.protocol import FatalRunError
+from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.journal import ResponseJournal
+from eagle3_assets.core.generation.protocol import FatalRunError
+from eagle3_assets.core.generation.run import generate_responses
 from resources.inference.openrouter import OpenRouterBackend
 
 from .conftest import make_plan
@@ -229,7 +229,7 @@ def test_an_exception_in_our_own_code_never_marks_a_prompt_permanent(tmp_path, c
     assert failures.height == 6 and set(failures["error_kind"]) == {"internal"}
     assert not failures["permanent"].any()
     # They were paid for and not stored: the ledger charged them to the budget.
-    assert ResponseJournal(layout.dir).prior_usage().lost_requests == 6
+    assert ResponseJournal(layout).prior_usage().lost_requests == 6
 
 
 def test_streamed_faults_and_answers_without_usage(tmp_path, chat):

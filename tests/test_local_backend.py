@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from eagle3_assets.config import LocalConfig, TargetConfig
-from eagle3_assets.core.protocol import CompletionRequest, InferenceBackend
+from eagle3_assets.core.generation.protocol import CompletionRequest, InferenceBackend
 from resources.inference.local import LocalBackend
 
 

@@ -17,7 +17,7 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import load_config
-from eagle3_assets.core.remote import ConflictError, LeaseHeld, RemoteRoot
+from eagle3_assets.core.storage.remote import ConflictError, LeaseHeld, RemoteRoot
 from eagle3_assets.definitions import build_definitions
 
 from .conftest import make_project, user_rows

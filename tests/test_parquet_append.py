@@ -10,7 +10,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_assets.core.parquet_append import append_file, encode_footer, read_footer
+from eagle3_assets.core.storage.parquet_append import append_file, encode_footer, read_footer
 
 SCHEMA = {
     "id": pl.String,

@@ -13,8 +13,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets.core.journal import ResponseJournal
-from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.core.generation.journal import ResponseJournal
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 
 from .conftest import REPO, make_project, user_rows
 from .fake_servers import FakeOpenRouter
@@ -104,7 +105,7 @@ def test_kill_9_mid_run_then_resume_sends_nothing_twice(tmp_path):
     assert len(server.hits) - len(texts) <= 16 + 2 * 16
     # And the resumed run charged each of them to the budget: every request the server saw before the kill is
     # either stored or counted as lost in flight (a few more may have been on their way when the kill came).
-    usage = ResponseJournal(tmp_path / "data" / "B1").prior_usage()
+    usage = ResponseJournal(DatasetLayout(tmp_path / "data", "B1")).prior_usage()
     lost = usage.lost_requests
     assert hits_before - len(stored_at_kill) <= lost <= hits_before - len(stored_at_kill) + 16, lost
     billed = int(final["completion_tokens"].sum())

@@ -10,15 +10,17 @@ import json
 import polars as pl
 import pytest
 
-from eagle3_assets.core.budget import Budget
-from eagle3_assets.core.chat_tokens import Answer, ChatTokenizer, TemplateError
-from eagle3_assets.core.engine import EngineSettings, GenerationEngine
-from eagle3_assets.core.hidden_states import ShardWriter
-from eagle3_assets.core.importer import import_responses
-from eagle3_assets.core.journal import JournalWriter, ResponseJournal
-from eagle3_assets.core.protocol import Completion, CompletionRequest, FatalRunError
-from eagle3_assets.core.store import FAILURE_SCHEMA, JournalTable
-from eagle3_assets.core.topup import top_up_status
+from eagle3_assets.config import DatasetConfig
+from eagle3_assets.core.generation.budget import Budget
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.importer import import_responses
+from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
+from eagle3_assets.core.generation.protocol import Completion, CompletionRequest, FatalRunError
+from eagle3_assets.core.generation.topup import top_up_status
+from eagle3_assets.core.hidden_states.shards import ShardWriter
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, JournalTable
+from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
 from resources.inference.sglang import split_reasoning
 
 from .fake_servers import FakeOpenRouter
@@ -74,7 +76,7 @@ def completion(i: int) -> Completion:
 
 
 def test_a_failed_journal_write_keeps_the_rows(tmp_path):
-    journal = ResponseJournal(tmp_path)
+    journal = ResponseJournal(DatasetLayout(tmp_path, "B1"))
     journal.responses = _FlakyTable(journal.responses, failures=1)
     writer = JournalWriter(journal, "openrouter", "run")
     for i in range(3):
@@ -107,7 +109,7 @@ class _InstantBackend:
 
 
 def test_the_engine_stops_buying_answers_it_cannot_store(tmp_path):
-    journal = ResponseJournal(tmp_path)
+    journal = ResponseJournal(DatasetLayout(tmp_path, "B1"))
     journal.responses = _FlakyTable(journal.responses, failures=10**6)
     backend = _InstantBackend()
     engine = GenerationEngine(
@@ -165,13 +167,14 @@ def test_a_dataset_stopped_by_its_budget_is_not_topped_up_again(tmp_path, chat):
         "\n".join(json.dumps({"id": i, "response": "x", "usage": {"completion_tokens": 30}}) for i in ids[:3])
     )
     import_responses(layout, src, chat)
-    assert not top_up_status(layout, 100, None, max_tokens=64).needed
-    assert top_up_status(layout, 100_000, None, max_tokens=64).needed
+    section = DatasetConfig(source="(in code)", format="messages", budget_tokens=100, max_tokens=64)
+    assert not top_up_status(layout, section).needed
+    assert top_up_status(layout, section.model_copy(update={"budget_tokens": 100_000})).needed
 
 
 def test_importing_by_messages_matches_a_dataset_with_a_system_prompt(tmp_path, chat):
-    from eagle3_assets.core.ingest import write_prompts
-    from eagle3_assets.core.layout import DatasetLayout
+    from eagle3_assets.core.prompts.ingest import write_prompts
+    from eagle3_assets.core.storage.layout import DatasetLayout
 
     from .conftest import user_rows, write_jsonl
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from eagle3_assets.core.chat_tokens import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target.preflight import exactness, reference_ids, special_token_problems
 
 from .tokenizer_families import FAMILIES
 
@@ -51,7 +52,7 @@ def chat_for(family: str) -> ChatTokenizer:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_rebuilt_ids_equal_the_tokenizers_own_encoding(family):
     chat = chat_for(family)
-    assert chat.special_token_problems() == [] and chat.exactness()[0] == []
+    assert special_token_problems(chat) == [] and exactness(chat)[0] == []
     tok = chat.tok
     for messages, answer in CONVERSATIONS:
         res = chat.tokenize([(messages, answer)])[0]
@@ -59,7 +60,7 @@ def test_rebuilt_ids_equal_the_tokenizers_own_encoding(family):
         ours = res.input_ids.tolist()
         prompt = tok(chat.render(messages, True), add_special_tokens=False)["input_ids"]
         assert ours[: res.answer_start] == prompt, (family, messages)  # the prompt as a server tokenizes it
-        truth = chat.reference_ids(messages, answer.content)
+        truth = reference_ids(chat, messages, answer.content)
         n = len(ours) if answer.finished else len(ours) - 3  # a cut answer's last word may merge differently
         assert truth[:n] == ours[:n], (
             family,
@@ -118,7 +119,7 @@ def test_a_trimming_template_fails_the_padded_rows_whatever_their_order():
     assert "rewrites this conversation's text" in msg
     # A fresh tokenizer that sees the padded row first decides the same.
     assert isinstance(ChatTokenizer(FAMILIES["llama3"]()).tokenize([padded, clean])[0], TemplateError)
-    problems, warnings = chat.exactness()
+    problems, warnings = exactness(chat)
     assert problems == [] and any("trims or strips" in w for w in warnings)
 
 
@@ -141,14 +142,14 @@ def test_a_thinking_template_keeps_the_final_reasoning_and_says_what_it_drops():
     out = chat.tokenize([stripped, (messages, answer)])
     assert isinstance(out[0], TemplateError) and not isinstance(out[1], TemplateError)
     # Earlier turns lose their reasoning once a later user turn follows: training on them cannot be exact.
-    problems, warnings = chat.exactness()
+    problems, warnings = exactness(chat)
     assert problems == [] and any("train_all_assistant_turns" in w for w in warnings)
 
 
 def test_a_template_that_rewrites_all_text_is_refused_before_any_request():
     tok = FAMILIES["deepseek_v3"]()
     tok.chat_template = tok.chat_template.replace("m['content']", "m['content'] | upper")
-    problems, _ = ChatTokenizer(tok).exactness()
+    problems, _ = exactness(ChatTokenizer(tok))
     assert problems and "cannot render a plain conversation exactly" in problems[0]
 
 

@@ -12,15 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.core import target
-from eagle3_assets.core.target import _class_record_key, _class_record_path, _recorded_class, load_tokenizer
+from eagle3_assets.core.target import loading as target
+from eagle3_assets.core.target.loading import (
+    _class_record_key,
+    _class_record_path,
+    _recorded_class,
+    load_tokenizer,
+)
 
 from .conftest import REPO
 
 PROBE = r"""
 import json, sys
-from eagle3_assets.core.chat_tokens import ChatTokenizer
-from eagle3_assets.core.target import load_tokenizer
+from eagle3_assets.core.target.chat import ChatTokenizer
+from eagle3_assets.core.target.loading import load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 chat = ChatTokenizer(tok)
 msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: 1 2 3\n\n  <|im_end|> x"}]

@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets.core.export import FORMATS, ExportError, export
+from eagle3_assets.core.hidden_states.export import FORMATS, ExportError, export
 
 from .consumers import environments
 

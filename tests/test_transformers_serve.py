@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.generation import generate_responses
+from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.run import generate_responses
 from resources.inference.openrouter import OpenRouterBackend
 
 from .conftest import make_plan

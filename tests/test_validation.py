@@ -7,9 +7,11 @@ import json
 import dagster as dg
 import polars as pl
 
-from eagle3_assets.core import validation
-from eagle3_assets.core.report import build_report, is_degenerate, render_markdown, wilson_interval
-from eagle3_assets.core.store import RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.config import DatasetConfig
+from eagle3_assets.core.report import validation
+from eagle3_assets.core.report.summary import build_report, render_markdown, wilson_interval
+from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.core.tokens.answer_quality import is_degenerate
 
 from .conftest import REPO, make_project, user_rows
 from .test_pipeline import run_job
@@ -79,7 +81,7 @@ def test_degenerate_answers_are_detected():
     assert not is_degenerate(natural)
     paragraphs = (REPO / "README.md").read_text().split("\n\n")
     long_prose = "\n\n".join(p for p in paragraphs if len(p) > 200)[:12000]
-    code = (REPO / "eagle3_assets" / "core" / "chat_tokens.py").read_text()[:12000]
+    code = (REPO / "eagle3_assets" / "core" / "target" / "chat.py").read_text()[:12000]
     assert len(long_prose) > 5000 and not is_degenerate(long_prose) and not is_degenerate(code)
     loop = "I will check the answer again. "
     for share, expected in ((0.5, False), (0.7, False), (0.9, True), (0.97, True)):
@@ -89,7 +91,7 @@ def test_degenerate_answers_are_detected():
 
 
 def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):
-    from eagle3_assets.core.layout import DatasetLayout
+    from eagle3_assets.core.storage.layout import DatasetLayout
 
     layout = DatasetLayout(tmp_path, "B1").ensure()
     pl.DataFrame({"id": ["a", "b", "c"], "messages": [[{"role": "user", "content": "q"}]] * 3}).write_parquet(
@@ -124,7 +126,7 @@ def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):
             "answer_has_reasoning": [True, False],
         }
     ).write_parquet(layout.tokens)
-    r = build_report(layout, budget_tokens=1000, budget_usd=None)
+    r = build_report(layout, DatasetConfig(source="(in code)", format="messages", budget_tokens=1000))
     assert r["n_prompts"] == 3 and r["n_responses"] == 2 and r["duplicate_ids"]["responses_files"] == 1
     assert r["finish_reasons"] == {"stop": 1, "length": 1} and r["truncated_share"] == 0.5
     assert r["degenerate_answers"] == 1 and r["reasoning_share"] == 0.5
@@ -137,8 +139,8 @@ def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):
 
 def test_a_failing_blocking_check_keeps_the_report_from_being_built(tmp_path, smol_tok):
     from eagle3_assets.config import load_config
-    from eagle3_assets.core.importer import import_responses
-    from eagle3_assets.core.layout import DatasetLayout
+    from eagle3_assets.core.generation.importer import import_responses
+    from eagle3_assets.core.storage.layout import DatasetLayout
     from resources import Target
 
     path = make_project(tmp_path, {"B1": {"rows": user_rows([f"question {i}" for i in range(12)])}})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.core.chat_tokens import Answer, ChatTokenizer, TemplateError
-from eagle3_assets.core.verbatim_templates import verbatim_problem
+from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target.verbatim import verbatim_problem
 
 from .tokenizer_families import FAMILIES
 

@@ -1,17 +1,32 @@
-"""Thin Dagster assets, one module per stage; each calls the plain functions of `eagle3_assets.core`."""
+"""Thin Dagster assets, one module per stage, each beside its checks; each calls the plain functions of
+`eagle3_assets.core`."""
 
-from .acceptance import build_acceptance_asset
-from .hidden_states import build_hidden_states_asset
+import dagster as dg
+
+from .acceptance import build_acceptance_asset, build_acceptance_checks
+from .hidden_states import build_hidden_states_asset, build_hidden_states_checks
 from .prompts import build_prompts_asset
-from .report import build_report_asset
-from .responses import build_responses_asset
-from .tokens import build_tokens_asset
+from .report import build_report_asset, build_report_checks
+from .responses import build_responses_asset, build_responses_checks
+from .tokens import build_tokens_asset, build_tokens_checks
 
 __all__ = [
     "build_acceptance_asset",
+    "build_checks",
     "build_hidden_states_asset",
     "build_prompts_asset",
     "build_report_asset",
     "build_responses_asset",
     "build_tokens_asset",
 ]
+
+
+def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    """Every stage's checks, per partition."""
+    return [
+        *build_responses_checks(partitions),
+        *build_tokens_checks(partitions),
+        *build_report_checks(partitions),
+        *build_hidden_states_checks(partitions),
+        *build_acceptance_checks(partitions),
+    ]

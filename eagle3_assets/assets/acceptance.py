@@ -1,17 +1,16 @@
 """acceptance (GPU pool; CPU for the embedded target): a small EAGLE-3 draft trained on the partition's hidden
-states and measured against the target. The blocking check `acceptance_gate` reads its report."""
-
-import hashlib
-import json
+states and measured against the target; and its blocking check `acceptance_gate`, which reports the verdict the gate
+computed (once, in `core.acceptance.gate.run_gate`, stored in report.json)."""
 
 import dagster as dg
 
 from resources import Project, Storage, Target
 
-from ..core.acceptance import gate_verdict, run_gate
-from ..core.extraction import load_target_model
-from ..core.target import pick_device
-from .common import GROUP
+from ..core.acceptance.gate import read_report, run_gate
+from ..core.hidden_states.extraction import load_target_model
+from ..core.storage.versions import content_version
+from ..core.target.loading import pick_device
+from .common import GROUP, MISSING
 from .hidden_states import GPU_STEP_TAGS, extraction_settings
 
 
@@ -45,22 +44,17 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         target: dg.ResourceParam[Target],
     ) -> dg.MaterializeResult:
         cfg = project.cfg
-        key = context.partition_key
-        layout = storage.checkout(key, "acceptance")
-        settings = extraction_settings(cfg)
         device = pick_device(cfg.acceptance.device)
-        model = load_target_model(settings)
-        result = run_gate(
-            layout, cfg.acceptance, model, target.chat_tokenizer(), device, log=context.log.info
-        )
-        storage.publish(key, "acceptance")
+        model = load_target_model(extraction_settings(cfg))
+        with storage.stage(context.partition_key, "acceptance") as layout:
+            result = run_gate(
+                layout, cfg.acceptance, model, target.chat_tokenizer(), device, log=context.log.info
+            )
         r = result.report
-        content = {k: v for k, v in r.items() if k not in ("seconds", "device")}
-        passed, reasons = gate_verdict(r, cfg.acceptance)
         source = r["source_answers"]
         return dg.MaterializeResult(
             data_version=dg.DataVersion(
-                hashlib.blake2b(json.dumps(content, sort_keys=True).encode(), digest_size=8).hexdigest()
+                content_version({k: v for k, v in r.items() if k not in ("seconds", "device")})
             ),
             metadata={
                 "draft_tokens": r["draft_tokens"],
@@ -72,14 +66,43 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
                     source["heldout"]["acceptance_length"] if "heldout" in source else dg.MetadataValue.null()
                 ),
                 "source_answers": dg.MetadataValue.json(source),
-                "gate_passed": passed,
-                "gate_reasons": dg.MetadataValue.json(reasons),
+                "gate_passed": result.passed,
+                "gate_reasons": dg.MetadataValue.json(result.reasons),
                 "training": dg.MetadataValue.json(r["training"]),
                 "seconds": r["seconds"]["total"],
                 "device": r["device"],
-                "report_json": dg.MetadataValue.path(str(layout.acceptance_dir / "report.json")),
-                "draft": dg.MetadataValue.path(str(layout.acceptance_dir / "draft")),
+                "report_json": dg.MetadataValue.path(str(layout.acceptance_report)),
+                "draft": dg.MetadataValue.path(str(layout.draft_dir)),
             },
         )
 
     return acceptance
+
+
+def build_acceptance_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    @dg.asset_check(
+        asset="acceptance",
+        blocking=True,
+        partitions_def=partitions,
+        description="The draft trained on this partition fits its own training prompts (acceptance length ≥ "
+        "acceptance.min_train_share × (k + 1)) and beats an untrained draft on heldout prompts; every answer's "
+        "loss mask sits where the target's template puts it.",
+    )
+    def acceptance_gate(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        report = read_report(storage.checkout(context.partition_key, "acceptance"))
+        if report is None:
+            return MISSING
+        return dg.AssetCheckResult(
+            passed=report["gate"]["passed"],
+            metadata={
+                "reasons": dg.MetadataValue.json(report["gate"]["reasons"]),
+                "train_acceptance_length": report["train"]["acceptance_length"],
+                "heldout_acceptance_length": report["heldout"]["acceptance_length"],
+                "untrained_acceptance_length": report["untrained"]["acceptance_length"],
+                "boundary_problems": report["boundaries"]["bad"],
+            },
+        )
+
+    return [acceptance_gate]

@@ -1,4 +1,5 @@
-"""hidden_states (GPU): a graph-backed asset that fans a dataset's shards out over as many GPU steps as exist.
+"""hidden_states (GPU): a graph-backed asset that fans a dataset's shards out over as many GPU steps as exist; and
+its five blocking checks.
 
 plan (one step) -> extract shard (one step per shard: pool "gpu", a GPU requested under k8s_job_executor) -> index.
 With the in-process executor (a laptop, a single GPU box) the shards run in turn in one process and the model is
@@ -8,13 +9,24 @@ loaded once; under Kubernetes every shard step is its own pod.
 import re
 
 import dagster as dg
+import polars as pl
 
 from resources import Project, Storage
 
 from ..config import ProjectConfig
-from ..core.extraction import ExtractionSettings, describe_layout, extract, finish, prepare
-from ..core.versions import rows_version
-from .common import GROUP
+from ..core.hidden_states import checks as rules
+from ..core.hidden_states.extraction import (
+    ExtractionSettings,
+    describe_layout,
+    expected_metadata,
+    extract,
+    finish,
+    load_target_model,
+    prepare,
+    skipped_samples,
+)
+from ..core.storage.versions import rows_version
+from .common import GROUP, MISSING, check_result
 
 # One GPU per shard step when the run uses k8s_job_executor (ignored by the other executors).
 GPU_STEP_TAGS = {
@@ -46,10 +58,8 @@ def _mapping_key(name: str) -> str:
 def plan_hidden_state_shards(
     context: dg.OpExecutionContext, project: dg.ResourceParam[Project], storage: dg.ResourceParam[Storage]
 ):
-    cfg = project.cfg
-    key = context.partition_key
-    work = prepare(storage.checkout(key, "hidden_states"), extraction_settings(cfg), log=context.log.info)
-    storage.publish(key, "hidden_states")
+    with storage.stage(context.partition_key, "hidden_states") as layout:
+        work = prepare(layout, extraction_settings(project.cfg), log=context.log.info)
     for plan in work.todo:
         yield dg.DynamicOutput(plan.name, mapping_key=_mapping_key(plan.name))
 
@@ -66,12 +76,8 @@ def extract_hidden_state_shard(
     project: dg.ResourceParam[Project],
     storage: dg.ResourceParam[Storage],
 ) -> dict:
-    cfg = project.cfg
-    key = context.partition_key
-    stats = extract(
-        storage.checkout(key, "hidden_states"), extraction_settings(cfg), [shard], log=context.log.info
-    )
-    storage.publish(key, "hidden_states")
+    with storage.stage(context.partition_key, "hidden_states") as layout:
+        stats = extract(layout, extraction_settings(project.cfg), [shard], log=context.log.info)
     return {
         "samples": stats.samples,
         "tokens": stats.tokens,
@@ -85,10 +91,8 @@ def extract_hidden_state_shard(
 def index_hidden_states(
     context: dg.OpExecutionContext, results: list[dict], storage: dg.ResourceParam[Storage]
 ):
-    key = context.partition_key
-    layout = storage.checkout(key, "hidden_states")
-    index = finish(layout)
-    storage.publish(key, "hidden_states")
+    with storage.stage(context.partition_key, "hidden_states") as layout:
+        index = finish(layout)
     summary = describe_layout(layout.hidden_states_dir)
     tokens = sum(r["tokens"] for r in results)
     forward_s = sum(r["forward_s"] for r in results)
@@ -129,3 +133,104 @@ def build_hidden_states_asset(
         return index_hidden_states(shards.map(extract_hidden_state_shard).collect())
 
     return hidden_states
+
+
+def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    """Blocking: a partition's hidden states flow on to training only when each of these holds."""
+
+    def folder_and_tokens(storage: Storage, key: str, columns: list[str]):
+        layout = storage.checkout(key, "hidden_states")
+        if not layout.hidden_states_index.exists() or not layout.tokens.exists():
+            return layout, None, None
+        return layout, layout.hidden_states_dir, pl.scan_parquet(layout.tokens).select(columns)
+
+    @dg.asset_check(
+        asset="hidden_states",
+        blocking=True,
+        partitions_def=partitions,
+        description="Every token row has a sample (or is recorded as too long), and no sample is left over.",
+    )
+    def hidden_states_coverage(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        layout, folder, tokens = folder_and_tokens(storage, context.partition_key, ["id"])
+        if folder is None:
+            return MISSING
+        index = pl.read_parquet(layout.hidden_states_index)
+        return check_result(rules.coverage(tokens.collect(), index, skipped_samples(layout)))
+
+    @dg.asset_check(
+        asset="hidden_states",
+        blocking=True,
+        partitions_def=partitions,
+        description="The input_ids and loss_mask stored with the states are exactly tokens.parquet's.",
+    )
+    def hidden_states_ids_match(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        _, folder, tokens = folder_and_tokens(
+            storage, context.partition_key, ["id", "input_ids", "loss_mask"]
+        )
+        return MISSING if folder is None else check_result(rules.ids_match(folder, tokens))
+
+    @dg.asset_check(
+        asset="hidden_states",
+        blocking=True,
+        partitions_def=partitions,
+        description="No NaN or Inf in any stored state.",
+    )
+    def hidden_states_finite(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        _, folder, _ = folder_and_tokens(storage, context.partition_key, ["id"])
+        return MISSING if folder is None else check_result(rules.finite(folder))
+
+    @dg.asset_check(
+        asset="hidden_states",
+        blocking=True,
+        partitions_def=partitions,
+        description="Every shard names the configured model, revision, tokenizer, layers and dtype, with tensor "
+        "shapes that agree with its samples.",
+    )
+    def hidden_states_consistent(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        _, folder, _ = folder_and_tokens(storage, context.partition_key, ["id"])
+        if folder is None:
+            return MISSING
+        expected = expected_metadata(extraction_settings(project.cfg))
+        return check_result(rules.consistent(folder, expected))
+
+    @dg.asset_check(
+        asset="hidden_states",
+        blocking=True,
+        partitions_def=partitions,
+        pool="gpu",
+        op_tags=GPU_STEP_TAGS,
+        description="A few samples recomputed by an independent forward (output_hidden_states, one sample per "
+        "forward, no extraction hooks or packing) agree with the stored states (per-token cosine ≥ 0.999).",
+    )
+    def hidden_states_spot_check(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        layout, folder, _ = folder_and_tokens(storage, context.partition_key, ["id"])
+        if folder is None:
+            return MISSING
+        cfg = project.cfg
+        ids = rules.spot_sample_ids(
+            pl.read_parquet(layout.hidden_states_index), cfg.checks.hidden_states_spot_samples
+        )
+        model = load_target_model(extraction_settings(cfg))
+        return check_result(rules.spot_check(folder, model, ids))
+
+    return [
+        hidden_states_coverage,
+        hidden_states_ids_match,
+        hidden_states_finite,
+        hidden_states_consistent,
+        hidden_states_spot_check,
+    ]

@@ -4,8 +4,8 @@ import dagster as dg
 
 from resources import Project, Storage
 
-from ..core.ingest import quarantine_reasons, write_prompts
-from ..core.versions import file_version
+from ..core.prompts.ingest import quarantine_reasons, write_prompts
+from ..core.storage.versions import file_version
 from .common import GROUP, counts_table
 
 
@@ -30,15 +30,14 @@ def build_prompts_asset(
         cfg = project.cfg
         key = context.partition_key
         ds = cfg.dataset(key)
-        layout = storage.checkout(key, "prompts")
         source = cfg.resolve_path(ds.source)
-        result = write_prompts(
-            source, layout.prompts, layout.quarantine, ds.format, ds.fields.model_dump(), ds.system_prompt
-        )
+        with storage.stage(key, "prompts") as layout:
+            result = write_prompts(
+                source, layout.prompts, layout.quarantine, ds.format, ds.fields.model_dump(), ds.system_prompt
+            )
         context.log.info(
             f"{key}: {result.outcomes['ok']} prompts from {result.n_source_rows} rows of {source}"
         )
-        storage.publish(key, "prompts")
         reasons = quarantine_reasons(result.quarantine)
         return dg.MaterializeResult(
             data_version=dg.DataVersion(file_version(layout.prompts)),  # same source rows: same version

@@ -1,14 +1,16 @@
-"""validation_report: per-dataset statistics in report.json / report.md and in the asset's metadata."""
+"""validation_report: per-dataset statistics in report.json / report.md and in the asset's metadata; and its
+check."""
 
-import hashlib
 import json
 
 import dagster as dg
 
 from resources import Project, Storage
 
-from ..core.report import render_markdown, write_report
-from .common import GROUP
+from ..core.report import validation
+from ..core.report.summary import render_markdown, write_report
+from ..core.storage.versions import content_version
+from .common import GROUP, MISSING, check_result
 
 
 def build_report_asset(
@@ -30,16 +32,12 @@ def build_report_asset(
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
     ) -> dg.MaterializeResult:
-        cfg = project.cfg
         key = context.partition_key
-        ds = cfg.dataset(key)
-        layout = storage.checkout(key, "validation_report")
-        r = write_report(layout, ds.budget_tokens, ds.budget_usd)
-        storage.publish(key, "validation_report")
+        with storage.stage(key, "validation_report") as layout:
+            r = write_report(layout, project.cfg.dataset(key))
         rate = r["reference_match_rate"]
-        content = json.dumps({k: v for k, v in r.items() if k != "generated_at"}, sort_keys=True, default=str)
         return dg.MaterializeResult(
-            data_version=dg.DataVersion(hashlib.blake2b(content.encode(), digest_size=8).hexdigest()),
+            data_version=dg.DataVersion(content_version({k: v for k, v in r.items() if k != "generated_at"})),
             metadata={
                 "summary": dg.MetadataValue.md(render_markdown(r)),
                 "n_prompts": r["n_prompts"],
@@ -57,3 +55,26 @@ def build_report_asset(
         )
 
     return validation_report
+
+
+def build_report_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    @dg.asset_check(
+        asset="validation_report",
+        partitions_def=partitions,
+        description="Warns when too many answers are truncated or degenerate (thresholds in checks.*).",
+    )
+    def report_answer_quality(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        path = storage.checkout(context.partition_key, "validation_report").report_json
+        if not path.exists():
+            return MISSING
+        checks = project.cfg.checks
+        verdict = validation.answer_quality(
+            json.loads(path.read_text()), checks.max_truncated_share, checks.max_degenerate_share
+        )
+        return check_result(verdict, warn=True)
+
+    return [report_answer_quality]

@@ -1,13 +1,15 @@
-"""responses: the target model's answers, through whichever inference resource is configured."""
+"""responses: the target model's answers, through whichever inference resource is configured; and its checks."""
 
 import dagster as dg
+import polars as pl
 
 from resources import Inference, Project, Storage, Target
 
-from ..core.generation import GenerationPlan, GenerationSummary, generate_responses
-from ..core.store import RESPONSE_SCHEMA, JournalTable
-from ..core.versions import rows_version
-from .common import GROUP, counts_table
+from ..core.generation.run import GenerationPlan, GenerationSummary, generate_responses
+from ..core.report import validation
+from ..core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
+from ..core.storage.versions import rows_version
+from .common import GROUP, check_result, counts_table
 
 
 class ResponsesRunConfig(dg.Config):
@@ -19,7 +21,7 @@ class ResponsesRunConfig(dg.Config):
     max_concurrency: int | None = None  # a lower ceiling for this run (never above the configured one)
 
 
-def summary_metadata(s: GenerationSummary) -> dict:
+def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
     r = s.report
     md: dict = {
         "dagster/row_count": s.n_responses,
@@ -49,7 +51,7 @@ def summary_metadata(s: GenerationSummary) -> dict:
                         "final": r.limit_final,
                         "min": r.limit_min,
                         "max": r.limit_max,
-                        "ceiling": settings_ceiling(s),
+                        "ceiling": max_concurrency,
                         "decreases": r.limit_decreases,
                         "key_wide_pauses": r.global_pauses,
                         "max_in_flight": r.max_in_flight,
@@ -70,10 +72,6 @@ def summary_metadata(s: GenerationSummary) -> dict:
             }
         )
     return md
-
-
-def settings_ceiling(s: GenerationSummary) -> int | None:
-    return s.extra.get("max_concurrency")
 
 
 def build_responses_asset(
@@ -114,8 +112,8 @@ def build_responses_asset(
         )
         chat = target.chat_tokenizer()
         settings = inference.engine_settings(config.max_concurrency)
-        layout = storage.checkout(key, "responses")
-        try:
+        # Append-only: after a failure too, every answer that was paid for is stored.
+        with storage.stage(key, "responses", append_only=True) as layout:
             summary = generate_responses(
                 layout,
                 plan,
@@ -127,15 +125,51 @@ def build_responses_asset(
                 lock=storage.lock(key),
                 on_flush=storage.flusher(key),
             )
-        finally:  # also after a failure: every answer that was paid for is stored
-            storage.publish(key, "responses")
-        summary.extra["max_concurrency"] = settings.max_concurrency
         stored = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).scan(["id"])
         return dg.MaterializeResult(
             data_version=dg.DataVersion(
                 rows_version(stored, ["id"])
             ),  # a run that bought nothing: same version
-            metadata=summary_metadata(summary) | {"path": dg.MetadataValue.path(str(layout.responses_dir))},
+            metadata=summary_metadata(summary, settings.max_concurrency)
+            | {"path": dg.MetadataValue.path(str(layout.responses_dir))},
         )
 
     return responses
+
+
+def build_responses_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    @dg.asset_check(
+        asset="responses",
+        blocking=True,
+        partitions_def=partitions,
+        description="No prompt id has two stored responses.",
+    )
+    def responses_unique_ids(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        table = JournalTable(
+            storage.checkout(context.partition_key, "responses").responses_dir, RESPONSE_SCHEMA
+        )
+        return check_result(validation.unique_ids(table.scan(["id"]).collect()["id"]))
+
+    @dg.asset_check(
+        asset="responses",
+        blocking=True,
+        partitions_def=partitions,
+        description="Share of prompts whose last attempt failed stays under checks.max_failure_share.",
+    )
+    def responses_failure_share(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        layout = storage.checkout(context.partition_key, "responses")
+        n_prompts = (
+            pl.scan_parquet(layout.prompts).select(pl.len()).collect().item()
+            if layout.prompts.exists()
+            else 0
+        )
+        n_fail = len(JournalTable(layout.failures_dir, FAILURE_SCHEMA).keys())
+        return check_result(validation.failure_share(n_fail, n_prompts, project.cfg.checks.max_failure_share))
+
+    return [responses_unique_ids, responses_failure_share]

@@ -1,12 +1,15 @@
-"""tokens: exact input ids and loss masks of every answered conversation."""
+"""tokens: exact input ids and loss masks of every answered conversation; and its checks."""
 
 import dagster as dg
+import polars as pl
 
 from resources import Project, Storage, Target
 
-from ..core.tokens import build_tokens
-from ..core.versions import rows_version
-from .common import GROUP, counts_table
+from ..core.report import validation
+from ..core.storage.tables import RESPONSE_SCHEMA, JournalTable
+from ..core.storage.versions import rows_version
+from ..core.tokens.build import build_tokens
+from .common import GROUP, MISSING, check_result, counts_table, scan_tokens
 
 
 def build_tokens_asset(
@@ -31,30 +34,20 @@ def build_tokens_asset(
     ) -> dg.MaterializeResult:
         cfg = project.cfg
         key = context.partition_key
-        layout = storage.checkout(key, "tokens")
         chat = target.chat_tokenizer()
         # Proven once for the template, or the reason every row's render is compared with its plan.
         template_check = (
             "proven verbatim once" if chat.verbatim_problem is None else f"every row: {chat.verbatim_problem}"
         )
         context.log.info(f"{key}: template text check: {template_check}")
-        s = build_tokens(
-            layout,
-            chat,
-            cfg.tokens.train_all_assistant_turns,
-            cfg.tokens.prefer_reference_ids,
-            cfg.tokens.batch_size,
-            log=context.log.info,
-        )
-        storage.publish(key, "tokens")
+        with storage.stage(key, "tokens") as layout:
+            s = build_tokens(layout, chat, cfg.tokens, log=context.log.info)
         rate = s.match_rate
         context.log.info(
             f"{key}: {s.n_rows} conversations ({s.n_tokenized:,} new or changed tokenized), {s.n_tokens:,} tokens; "
             "reference match "
             + (f"{100 * rate:.2f}% of {s.n_reference}" if rate is not None else "n/a (no reference ids)")
         )
-        import polars as pl
-
         return dg.MaterializeResult(
             data_version=dg.DataVersion(rows_version(pl.scan_parquet(layout.tokens), ["id", "row_key"])),
             metadata={
@@ -74,3 +67,89 @@ def build_tokens_asset(
         )
 
     return tokens
+
+
+def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    @dg.asset_check(
+        asset="tokens",
+        blocking=True,
+        partitions_def=partitions,
+        description="Every row's input_ids and loss_mask have the same length.",
+    )
+    def tokens_lengths_match(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        df = scan_tokens(storage, context.partition_key, ["id", "input_ids", "loss_mask"])
+        return MISSING if df is None else check_result(validation.lengths_match(df))
+
+    @dg.asset_check(
+        asset="tokens",
+        blocking=True,
+        partitions_def=partitions,
+        description="Rebuilt ids equal the model's own output ids for at least "
+        "checks.min_reference_match_rate of the rows that have them (truncation tails excepted; fails "
+        "when the 95% interval of the rate lies below the threshold).",
+    )
+    def tokens_reference_match(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        lf = scan_tokens(storage, context.partition_key, ["reference_match", "match_explained", "mismatch"])
+        threshold = project.cfg.checks.min_reference_match_rate
+        if lf is None:
+            return MISSING
+        v = validation.reference_match(lf.collect(), threshold)
+        if not v.metadata["verified"]:
+            # Nothing to compare against. Not a bare pass: the result says UNVERIFIED in its description and
+            # metadata. (A failed result, even at WARN severity, would hold every later stage of a text-only
+            # backend back for good: Dagster's automation treats any failed blocking check as blocking.)
+            return dg.AssetCheckResult(
+                passed=True,
+                metadata=v.metadata,
+                description="UNVERIFIED: the backend returned no token ids (text only), so the rebuilt ids could "
+                "not be compared with what the model produced",
+            )
+        return check_result(v)
+
+    @dg.asset_check(
+        asset="tokens",
+        blocking=True,
+        partitions_def=partitions,
+        description="Every answered prompt has a token row or a recorded reason (tokens_errors.parquet), and the "
+        "errors stay under checks.max_token_error_share; responses with no token rows at all fail.",
+    )
+    def tokens_coverage(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        layout = storage.checkout(context.partition_key, "tokens")
+        if not layout.tokens.exists():
+            return MISSING
+        responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).keys()
+        tokens = set(pl.read_parquet(layout.tokens, columns=["id"])["id"].to_list())
+        errors = (
+            set(pl.read_parquet(layout.tokens_errors, columns=["id"])["id"].to_list())
+            if layout.tokens_errors.exists()
+            else set()
+        )
+        limit = project.cfg.checks.max_token_error_share
+        return check_result(validation.token_coverage(responses, tokens, errors, limit))
+
+    @dg.asset_check(
+        asset="tokens",
+        blocking=True,
+        partitions_def=partitions,
+        description="Every finished answer (finish_reason=stop) ends with the trained end-of-turn token.",
+    )
+    def tokens_end_of_turn(
+        context: dg.AssetCheckExecutionContext,
+        storage: dg.ResourceParam[Storage],
+        target: dg.ResourceParam[Target],
+    ) -> dg.AssetCheckResult:
+        df = scan_tokens(storage, context.partition_key, ["id", "input_ids", "loss_mask", "finish_reason"])
+        eot = target.chat_tokenizer().eot_id
+        return MISSING if df is None else check_result(validation.end_of_turn_present(df, eot))
+
+    return [tokens_lengths_match, tokens_reference_match, tokens_coverage, tokens_end_of_turn]

@@ -1,1 +1,15 @@
-"""Plain-Python core of the pipeline: no Dagster import anywhere below this package."""
+"""The plain-Python core of the pipeline, one package per stage; no Dagster import anywhere below this package.
+
+Stages, in the order data flows, each importing only the ones listed before it (and `eagle3_assets.config`):
+
+    storage        paths of a partition, crash-safe files, append-only tables, object stores, data versions
+    target         the target model, its tokenizer and chat template (shared by every stage after prompts)
+    prompts        dataset sources -> chat prompts with stable ids, bad rows quarantined
+    generation     the engine that answers prompts through any backend: budget, journal, limiter, imports
+    tokens         answered conversations -> input_ids + loss_mask, checked against the ids the model produced
+    report         per-dataset statistics and the rules of the asset checks
+    hidden_states  the target's aux hidden states in packed shards, their checks, the trainers' exports
+    acceptance     a small EAGLE-3 draft trained on a partition and measured against the target
+
+`tests/test_layering.py` holds every module to this order.
+"""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from eagle3_assets.config import README_CONFIG, ProjectConfig
-from eagle3_assets.core.chat_tokens import ChatTokenizer
-from eagle3_assets.core.engine import EngineSettings
-from eagle3_assets.core.protocol import InferenceBackend
+from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.protocol import InferenceBackend
+from eagle3_assets.core.target.chat import ChatTokenizer
 
 from .local import LocalBackend
 from .openrouter import OpenRouterBackend

@@ -14,7 +14,7 @@ from urllib.parse import quote, quote_plus
 
 import aiohttp
 
-from eagle3_assets.core.protocol import ErrorKind, InferenceError, describe
+from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError, describe
 
 try:  # orjson parses responses 2-4x faster; plain json works too
     import orjson

@@ -10,20 +10,18 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from eagle3_assets.config import LocalConfig, TargetConfig
-from eagle3_assets.core.chat_tokens import ChatTokenizer
-from eagle3_assets.core.protocol import Completion, CompletionRequest, ErrorKind, InferenceError, Sampling
-from eagle3_assets.core.target import load_model, pick_device, resolve
-
-
-@lru_cache(maxsize=2)
-def _shared_model(ref: str, device: str, trust_remote_code: bool, revision: str | None) -> Any:
-    """One copy of the weights per process, shared by every run (the demo materialises eight partitions)."""
-    return load_model(ref, device=device, trust_remote_code=trust_remote_code, revision=revision)
-
+from eagle3_assets.core.generation.protocol import (
+    Completion,
+    CompletionRequest,
+    ErrorKind,
+    InferenceError,
+    Sampling,
+)
+from eagle3_assets.core.target.chat import ChatTokenizer
+from eagle3_assets.core.target.loading import pick_device, resolve, shared_model
 
 _GENERATE_LOCK = threading.Lock()
 
@@ -98,7 +96,7 @@ class LocalBackend:
 
     async def start(self) -> None:
         self._weights = await asyncio.to_thread(
-            _shared_model,
+            shared_model,
             resolve(self.model_ref),
             pick_device(self.device),
             self.trust_remote_code,

@@ -14,8 +14,14 @@ from urllib.parse import urlparse
 import aiohttp
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.chat_tokens import ChatTokenizer
-from eagle3_assets.core.protocol import Completion, CompletionRequest, ErrorKind, InferenceError, describe
+from eagle3_assets.core.generation.protocol import (
+    Completion,
+    CompletionRequest,
+    ErrorKind,
+    InferenceError,
+    describe,
+)
+from eagle3_assets.core.target.chat import ChatTokenizer
 
 from .http import classify, get_json, make_session, post_json, post_sse, secret_forms
 

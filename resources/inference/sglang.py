@@ -12,8 +12,14 @@ from typing import Any
 import aiohttp
 
 from eagle3_assets.config import SGLangConfig
-from eagle3_assets.core.chat_tokens import ChatTokenizer
-from eagle3_assets.core.protocol import Completion, CompletionRequest, ErrorKind, InferenceError, describe
+from eagle3_assets.core.generation.protocol import (
+    Completion,
+    CompletionRequest,
+    ErrorKind,
+    InferenceError,
+    describe,
+)
+from eagle3_assets.core.target.chat import ChatTokenizer
 
 from .http import CONTEXT_MARKERS, get_json, make_session, post_json
 

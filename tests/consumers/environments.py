@@ -114,7 +114,7 @@ class ConsumerEnvironmentError(RuntimeError):
 
 
 def root() -> Path:
-    from eagle3_assets.core.target import cache_root
+    from eagle3_assets.core.target.loading import cache_root
 
     return cache_root() / "consumers"
 

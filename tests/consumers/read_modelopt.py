@@ -13,21 +13,14 @@ JSON line; never imports the project.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault(
-    "TORCHDYNAMO_DISABLE", "1"
-)  # before torch: Model-Optimizer compiles its EAGLE functions
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import argparse
-import json
 import math
-import sys
 import tempfile
-import traceback
 from pathlib import Path
+
+from driver import offline, report
+
+offline()  # the frameworks, imported in main(), read these settings at import
 
 
 def main() -> dict:
@@ -120,9 +113,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = main()
-    except Exception as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-    print(json.dumps(result, default=str))
-    sys.exit(0)
+    report(main)

@@ -18,21 +18,21 @@ Prints one JSON line; never imports the project.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before torch: SpecForge compiles regions, minutes on CPU
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import argparse
 import contextlib
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
 import traceback
 from pathlib import Path
+
+from driver import offline, report
+
+offline()  # the frameworks, imported in main(), read these settings at import
 
 CPU_OVERRIDES = [
     "training.fsdp_sharding=NO_SHARD",
@@ -202,9 +202,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--train"]:
         train(sys.argv[2], sys.argv[3], sys.argv[4:])
         sys.exit(0)
-    try:
-        result = main()
-    except Exception as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-    print(json.dumps(result, default=str))
-    sys.exit(0)
+    report(main)

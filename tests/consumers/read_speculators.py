@@ -14,16 +14,13 @@ line; never imports the project.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import sys
 import tempfile
-import traceback
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+from driver import offline, report
+
+offline()  # the frameworks, imported in main(), read these settings at import
 
 
 def main() -> dict:
@@ -179,9 +176,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = main()
-    except Exception as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-    print(json.dumps(result, default=str))
-    sys.exit(0)
+    report(main)

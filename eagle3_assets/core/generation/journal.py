@@ -1,0 +1,244 @@
+"""The response journal of one dataset: what is done, what failed, and a buffered writer for a running engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from ..storage.layout import DatasetLayout
+from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable, empty_columns
+from .budget import CostFit, LengthHistory, PriorUsage
+from .ledger import LOST_SCHEMA, DispatchLedger, bought_and_unstored, lost_rows
+from .protocol import Completion
+
+
+@dataclass(frozen=True)
+class LostCharge:
+    """What requests bought and never stored cost, for the caller to charge to its budget."""
+
+    requests: int = 0
+    tokens: float = 0.0
+    usd: float = 0.0
+
+
+class ResponseJournal:
+    """The responses, failures and dispatch ledgers of one dataset (their folders are its layout's)."""
+
+    def __init__(self, layout: DatasetLayout):
+        self.responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
+        self.failures = JournalTable(layout.failures_dir, FAILURE_SCHEMA)
+        self.ledger_dir = layout.journal_dir
+        self.lost = JournalTable(layout.lost_dir, LOST_SCHEMA)
+
+    def ledger(self, run_id: str) -> DispatchLedger:
+        return DispatchLedger(self.ledger_dir, run_id)
+
+    def settle_ledgers(self, tokens_each: float, usd_each: float) -> LostCharge:
+        """Record what each finished or crashed run bought and did not store, each request at the expected cost of
+        an answer (it was probably billed); returns the charge for the caller's budget. Call with the dataset's
+        lock held, after the run's own rows are flushed."""
+        if not self.ledger_dir.is_dir():
+            return LostCharge()
+        lost = 0
+        for path in sorted(self.ledger_dir.glob("dispatch-*.log")):
+            run_id, ids = bought_and_unstored(path, self._stored_by)
+            if ids:
+                self.lost.append(lost_rows(run_id, ids, tokens_each, usd_each))
+                lost += len(ids)
+            path.unlink()
+        return LostCharge(lost, tokens_each * lost, usd_each * lost)
+
+    def _stored_by(self, run_id: str) -> set[str]:
+        df = self.responses.scan(["id", "run_id"]).filter(pl.col("run_id") == run_id).collect()
+        return set(df["id"].to_list())
+
+    def done_ids(self) -> set[str]:
+        return self.responses.keys()
+
+    def permanent_failure_ids(self) -> set[str]:
+        """Ids whose latest failure is permanent (a later retryable row for the same id wins)."""
+        latest = self.failures.scan(["id", "permanent"]).unique(
+            subset=["id"], keep="last", maintain_order=True
+        )
+        return set(latest.filter(pl.col("permanent")).collect()["id"].to_list())
+
+    def prior_usage(self) -> PriorUsage:
+        df = (
+            self.responses.scan(["id", "completion_tokens", "cost_usd", "latency_s"])
+            .unique(subset=["id"], keep="first")
+            .collect()
+        )
+        tokens = df["completion_tokens"].fill_null(0).to_numpy().astype(float)
+        history = LengthHistory()
+        history.add_many(tokens, df["latency_s"].fill_null(0.0).to_numpy())
+        costs = CostFit()
+        priced = df.filter(pl.col("cost_usd").is_not_null())
+        costs.add_many(priced["completion_tokens"].fill_null(0).to_numpy(), priced["cost_usd"].to_numpy())
+        lost = self.lost.scan(["estimated_tokens", "estimated_usd"]).collect()
+        lost_tokens = float(lost["estimated_tokens"].sum()) if lost.height else 0.0
+        lost_usd = float(lost["estimated_usd"].sum()) if lost.height else 0.0
+        return PriorUsage(
+            n_responses=df.height,
+            completion_tokens=int(tokens.sum()) + round(lost_tokens),
+            cost_usd=float(df["cost_usd"].drop_nulls().sum()) + lost_usd,
+            history=history,
+            costs=costs,
+            lost_requests=lost.height,
+            lost_tokens=lost_tokens,
+        )
+
+    MAX_PARTS = 200  # beyond this many files, reads slow down: fold everything once (the occasional step)
+
+    def finalize(self) -> tuple[int, int]:
+        """Make the tables what the contract says, at a cost proportional to what this run added: the run's own
+        parts fold into one file, failures (small) drop the ids that now have an answer, and the whole response
+        table is compacted only when duplicates exist (a crash during a fold) or it has grown too many files."""
+        self.responses.fold(self.responses.written)
+        self.responses.written.clear()
+        rows, keys = self.responses.row_count()
+        if rows != keys or len(self.responses.files()) > self.MAX_PARTS:
+            keys = self.responses.compact(keep="first")
+        n_fail = self.failures.compact(keep="last", drop_keys=self.done_ids())
+        return keys, n_fail
+
+    def compact(self) -> tuple[int, int]:
+        """The occasional full compaction (eagle3 compact): one file per table."""
+        return self.responses.compact(keep="first"), self.failures.compact(
+            keep="last", drop_keys=self.done_ids()
+        )
+
+
+def _int(v: Any) -> int | None:
+    """Server fields coerced to the column types, so one odd value cannot fail a whole flush."""
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return None if v is None else float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+class JournalWriter:
+    """Buffers rows in columns and flushes them as atomic part files, off the event loop."""
+
+    def __init__(
+        self,
+        journal: ResponseJournal,
+        backend: str,
+        run_id: str,
+        source: str = "generated",
+        on_flush: Callable[[], None] | None = None,
+    ):
+        self.journal = journal
+        self.on_flush = on_flush
+        self.backend = backend
+        self.run_id = run_id
+        self.source = source
+        self._resp = empty_columns(RESPONSE_SCHEMA)
+        self._fail = empty_columns(FAILURE_SCHEMA)
+        self._lock = asyncio.Lock()
+        self.rows_written = 0
+
+    def add_completion(self, request_id: str, c: Completion) -> None:
+        r = self._resp
+        r["id"].append(request_id)
+        r["backend"].append(self.backend)
+        r["model"].append(c.model)
+        r["provider"].append(_str(c.provider))
+        r["content"].append(str(c.content))
+        r["reasoning"].append(_str(c.reasoning))
+        r["finish_reason"].append(str(c.finish_reason))
+        r["prompt_tokens"].append(_int(c.prompt_tokens))
+        r["completion_tokens"].append(_int(c.completion_tokens))
+        r["cost_usd"].append(_float(c.cost_usd))
+        r["output_ids"].append(c.output_ids)
+        r["native_finish_reason"].append(_str(c.native_finish_reason))
+        r["reasoning_tokens"].append(_int(c.reasoning_tokens))
+        r["cached_tokens"].append(_int(c.cached_tokens))
+        r["request_id"].append(_str(c.request_id))
+        r["latency_s"].append(_float(c.latency_s))
+        r["created_at"].append(time.time())
+        r["run_id"].append(self.run_id)
+        r["source"].append(self.source)
+        r["usage_estimated"].append(bool(c.usage_estimated))
+
+    def add_failure(
+        self, request_id: str, kind: str, message: str, attempts: int, permanent: bool, status: int | None
+    ) -> None:
+        f = self._fail
+        f["id"].append(request_id)
+        f["error_kind"].append(kind)
+        f["message"].append(message[:2000])
+        f["attempts"].append(attempts)
+        f["permanent"].append(permanent)
+        f["backend"].append(self.backend)
+        f["status"].append(status)
+        f["created_at"].append(time.time())
+        f["run_id"].append(self.run_id)
+
+    @property
+    def pending(self) -> int:
+        return len(self._resp["id"]) + len(self._fail["id"])
+
+    def _swap(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        resp, fail = self._resp, self._fail
+        self._resp, self._fail = empty_columns(RESPONSE_SCHEMA), empty_columns(FAILURE_SCHEMA)
+        return resp, fail
+
+    def _restore(self, resp: dict[str, list[Any]], fail: dict[str, list[Any]]) -> None:
+        """Put rows that could not be written back in front of the buffer: a failed write must lose nothing."""
+        for name, values in resp.items():
+            self._resp[name][:0] = values
+        for name, values in fail.items():
+            self._fail[name][:0] = values
+
+    async def flush(self) -> None:
+        """Write what is buffered; rows whose write fails go back in front of the buffer (on the event loop, where
+        rows are added) and the error propagates."""
+        async with self._lock:
+            if not self.pending:
+                return
+            resp, fail = self._swap()
+            try:
+                await asyncio.to_thread(self.journal.responses.append, resp)
+            except BaseException:
+                self._restore(resp, fail)
+                raise
+            self.rows_written += len(resp["id"])
+            try:
+                await asyncio.to_thread(self.journal.failures.append, fail)
+            except BaseException:
+                self._restore(empty_columns(RESPONSE_SCHEMA), fail)
+                raise
+            if self.on_flush is not None:
+                await asyncio.to_thread(self.on_flush)
+
+    def flush_sync(self) -> None:
+        if not self.pending:
+            return
+        resp, fail = self._swap()
+        try:
+            self.journal.responses.append(resp)
+        except BaseException:
+            self._restore(resp, fail)
+            raise
+        self.rows_written += len(resp["id"])
+        try:
+            self.journal.failures.append(fail)
+        except BaseException:
+            self._restore(empty_columns(RESPONSE_SCHEMA), fail)
+            raise

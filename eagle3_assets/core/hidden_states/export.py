@@ -1,0 +1,542 @@
+"""Export packed hidden-state shards to the layouts the training frameworks read, with what each needs beside them.
+
+Every layout below was checked by running the framework's own code on it (tests/consumers/: speculators 0.9.0,
+SpecForge 0.2.0, Model-Optimizer 0.47.0, each in its own environment):
+
+- speculators: an HF Arrow dataset saved in torch format (`set_format("torch")`, as speculators' data preparation
+  saves it: its `ArrowDataset` compares the ids with `torch.equal`) with `input_ids`, `loss_mask` (int64 lists),
+  `seq_len`, `id`; `hidden_states/hs_{i}.safetensors` for row i holding `hidden_states` [S, 4, H] (the three aux
+  layers, then the last layer before the final norm) and `token_ids` [S] int64; `token_freq.pt` ({token id: count}
+  over the trained tokens), from which `--draft-vocab-size` builds the draft vocabulary.
+- SpecForge: `rows_{k}-{k+2000}/data_{i}.ckpt`, a `torch.save` dict with `input_ids` [S] int64, `loss_mask` [S]
+  int64, `hidden_state` [1, S, H] *after* the final norm (its target head is the LM head alone) and
+  `aux_hidden_state` [1, S, 3H]; `vocab_mapping/vocab_mapping.pt` (`d2t`, `t2d` for `draft_vocab_size` tokens, where
+  SpecForge's own preparation writes them), the matching draft `draft_config.json`, and `specforge_train.yaml`,
+  a run config for `specforge train --config`.
+- Model-Optimizer: `{i}-{id}.pt` with `input_ids` [S], `hidden_states` [S, H] after the final norm,
+  `aux_hidden_states` [S, 3H], `loss_mask` [S], `conversation_id`. It reads every `*.pt` under the folder as a
+  sample, so nothing else in this export ends in `.pt`.
+
+Every export also writes `manifest.json` (target model, revision, layer ids in the consumer's convention, dtype,
+sample and token counts, the training command) and `eagle3_config.json` (the layer ids alone), so that a consumer can
+refuse data for another target. Samples are written in the order of a hash of their id: speculators holds out the
+last tenth of the rows for validation, and the shards are ordered by length.
+
+An export is built in a temporary folder beside `out` and swapped in whole, so a re-export never leaves files of an
+earlier one behind (Model-Optimizer would read a stale `*.pt` as a sample) and a crash leaves the previous export.
+
+Layer ids: `hidden_states.aux_layers` counts outputs of decoder layers, 0-based ([1, L//2-1, L-4] by default).
+SpecForge (through SGLang, which captures the input of layer id + 1) and Model-Optimizer (forward hooks on layer
+outputs) use that convention; vLLM and speculators count `output_hidden_states` indices (index j is the output of
+layer j - 1, 0 the embeddings), so their ids are ours + 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+from .shards import HiddenStatesReader, finished_shards
+
+FORMATS = ("speculators", "specforge", "modelopt")
+SPECFORGE_GROUP = 2000
+DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's and speculators' usual draft vocabulary; capped at the target's
+MANIFEST = "manifest.json"
+LAYER_CONFIG = "eagle3_config.json"
+# Where each consumer cuts a sample by default (its own code, measured): longer samples train on their head only.
+CONSUMER_MAX_LEN = {"speculators": 8192, "specforge": 2048, "modelopt": 2048}
+# speculators holds out the last floor(n / 10) rows and refuses an empty training split.
+MIN_SAMPLES = {"speculators": 2, "specforge": 1, "modelopt": 1}
+
+
+class ExportError(ValueError):
+    """An export the consumer could not train from; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the side files of an export need from the target: its sizes and the names of its head weights."""
+
+    path: str  # as `from_pretrained` takes it
+    config: Any  # the text model's PretrainedConfig
+    lm_head_key: str
+    embedding_key: str
+    weight_index: bool  # a *.safetensors.index.json (SpecForge's target head loads through it)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+
+def read_target(ref: str, revision: str | None = None, trust_remote_code: bool = False) -> TargetFacts:
+    """The target's config and head weight names (from its weight index or safetensors header, where local)."""
+    from transformers import AutoConfig
+
+    from ..target.loading import resolve
+
+    path = resolve(ref)
+    cfg = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    names = _weight_names(Path(path))
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
+    embedding = _pick(names, "embed_tokens.weight", "model.embed_tokens.weight")
+    head = embedding if tied and not any(n.endswith("lm_head.weight") for n in names) else None
+    return TargetFacts(
+        path=path,
+        config=text,
+        lm_head_key=head or _pick(names, "lm_head.weight", "lm_head.weight"),
+        embedding_key=embedding,
+        weight_index=Path(path).is_dir() and any(Path(path).glob("*.safetensors.index.json")),
+    )
+
+
+def _weight_names(folder: Path) -> list[str]:
+    if not folder.is_dir():
+        return []
+    for index in folder.glob("*.safetensors.index.json"):
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    from safetensors import safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="np") as st:
+            names += list(st.keys())
+    return names
+
+
+def _pick(names: list[str], suffix: str, default: str) -> str:
+    """The weight whose name ends with `suffix`, preferring the shortest (the text model's, not a tower's)."""
+    hits = sorted((n for n in names if n == suffix or n.endswith("." + suffix)), key=len)
+    return hits[0] if hits else default
+
+
+# -- the samples, in export order --------------------------------------------------------------------------
+@dataclass
+class Counts:
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    longest: int = 0  # as exported (after any cut)
+    longest_source: int = 0
+    truncated: int = 0
+
+
+def _ordered(reader: HiddenStatesReader) -> list[str]:
+    return sorted(reader.ids(), key=lambda sid: hashlib.blake2b(sid.encode(), digest_size=8).digest())
+
+
+def _samples(
+    reader: HiddenStatesReader, max_len: int | None, counts: Counts, freq: Counter[int]
+) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(i, id, sample) in export order, cut to `max_len` tokens, counting tokens and trained token ids as they pass."""
+    import torch
+
+    for i, sid in enumerate(_ordered(reader)):
+        s = reader.sample(sid)
+        n = int(s["input_ids"].shape[0])
+        counts.longest_source = max(counts.longest_source, n)
+        if max_len is not None and n > max_len:
+            s = {k: v[:max_len] for k, v in s.items()}
+            counts.truncated += 1
+            n = max_len
+        counts.longest = max(counts.longest, n)
+        ids, mask = s["input_ids"].long(), s["loss_mask"].long()
+        trained = ids[mask.bool()]
+        values, times = torch.unique(trained, return_counts=True)
+        freq.update(dict(zip(values.tolist(), times.tolist(), strict=True)))
+        counts.samples += 1
+        counts.tokens += n
+        counts.loss_tokens += int(trained.numel())
+        yield i, sid, {**s, "input_ids": ids, "loss_mask": mask}
+
+
+def _final_norm(folder: Path) -> Callable[[Any], Any]:
+    from safetensors import safe_open
+
+    path = folder / FINAL_NORM
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing; re-materialise hidden_states (it is written with the shards)"
+        )
+    with safe_open(str(path), framework="pt") as f:
+        weight = f.get_tensor("weight")
+        meta = f.metadata() or {}
+    eps = float(meta.get("eps", 1e-6))
+    if "rms" not in meta.get("kind", "RMSNorm").lower():
+        raise ValueError(
+            f"final norm {meta.get('kind')} is not an RMSNorm; post-norm export is not supported"
+        )
+
+    def rms_norm(x: Any) -> Any:
+        import torch
+
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight * h).to(x.dtype)
+
+    return rms_norm
+
+
+# -- the export ----------------------------------------------------------------------------------------------
+def export(
+    folder: Path,
+    out: Path,
+    fmt: str,
+    log: Callable[[str], None] = print,
+    *,
+    target: TargetFacts | None = None,
+    max_len: int | None = None,
+    draft_vocab_size: int = DEFAULT_DRAFT_VOCAB,
+) -> int:
+    """Write every sample of a dataset's hidden_states folder to `out` in `fmt`; returns the sample count.
+
+    `target` defaults to the model the shards name (resolvable when it is a builtin, a hub id or an absolute
+    path); `max_len` cuts longer samples (ids, mask and states alike) where a consumer would cut them anyway;
+    `draft_vocab_size` sizes the draft vocabulary of the side files (capped at the target's vocabulary)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if max_len is not None and max_len < 2:
+        raise ExportError(f"max_len {max_len} leaves nothing to train on: use at least 2 tokens")
+    folder, out = Path(folder), Path(out).resolve()  # the side files name their paths absolutely
+    metas = list(finished_shards(folder).values())
+    reader = HiddenStatesReader(folder) if (folder / HIDDEN_STATES_INDEX).exists() else None
+    n = len(reader) if reader is not None else 0
+    if n < MIN_SAMPLES[fmt]:
+        need = "at least 2 samples (it holds out the last tenth for validation and refuses an empty training split)"
+        raise ExportError(
+            f"{folder} holds {n} hidden-state sample(s): {fmt} needs "
+            + (need if fmt == "speculators" else "at least one")
+            + "; answer more prompts and materialise tokens and hidden_states first"
+        )
+    assert reader is not None
+    if target is None:
+        target = read_target(metas[0]["model"], metas[0].get("revision") or None)
+    _check_out(out)
+    work = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    work.mkdir()  # not mkdtemp: the export's folders get the user's umask, not 0700
+    try:
+        counts, freq = Counts(), Counter[int]()
+        samples = _samples(reader, max_len, counts, freq)
+        side = {"speculators": _speculators, "specforge": _specforge, "modelopt": _modelopt}[fmt](
+            samples, folder, work
+        )
+        side_files = side(work, out, target, freq, counts, draft_vocab_size) if side else {}
+        layers = layer_config(folder, fmt)
+        _write_json(layers, work / LAYER_CONFIG)
+        manifest = _manifest(fmt, metas[0], layers, target, counts, max_len, side_files, out)
+        _write_json(manifest, work / MANIFEST)
+        _swap_in(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        work.with_name(work.name + ".rows.arrow").unlink(missing_ok=True)
+    log(
+        f"exported {counts.samples} samples ({counts.tokens:,} tokens, {counts.loss_tokens:,} trained) from {folder} "
+        f"to {out} ({fmt})"
+    )
+    if counts.truncated:
+        log(f"{counts.truncated} samples longer than {max_len} tokens were cut to {max_len}")
+    default = CONSUMER_MAX_LEN[fmt]
+    if counts.longest > default:
+        log(
+            f"the longest sample has {counts.longest} tokens, more than {fmt} keeps by default ({default}): "
+            "the command in manifest.json raises its limit"
+        )
+    return counts.samples
+
+
+def _check_out(out: Path) -> None:
+    if (
+        out.exists()
+        and any(out.iterdir())
+        and not (out / MANIFEST).exists()
+        and not (out / LAYER_CONFIG).exists()
+    ):
+        raise ExportError(f"{out} is not empty and holds no earlier export: choose a new or empty folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _swap_in(work: Path, out: Path) -> None:
+    """Replace `out` (an earlier export, or nothing) with `work` in two renames."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(work, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def layer_config(folder: Path, fmt: str) -> dict[str, Any]:
+    """The aux layer ids in the key and the convention `fmt` reads them in."""
+    metas = list(finished_shards(folder).values())
+    if not metas:
+        raise FileNotFoundError(f"no hidden-state shards in {folder}")
+    aux = json.loads(metas[0]["aux_layers"])
+    num_layers = int(metas[0]["num_layers"])
+    if fmt == "speculators":
+        ids = [i + 1 for i in aux]
+        convention = (
+            "output_hidden_states indices (id j = output of decoder layer j - 1; 0 = embeddings), as vLLM"
+        )
+    else:
+        ids = list(aux)
+        convention = "outputs of decoder layers, 0-based" + (
+            " (SGLang captures the input of layer id + 1)" if fmt == "specforge" else " (forward hooks)"
+        )
+    last = "before the final norm" if fmt == "speculators" else "after the final norm"
+    return {
+        "format": fmt,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "layer_convention": convention,
+        "num_hidden_layers": num_layers,
+        "last_hidden_state": f"output of decoder layer {num_layers - 1}, {last}",
+        "model": metas[0].get("model"),
+        "revision": metas[0].get("revision") or None,
+    }
+
+
+def _manifest(
+    fmt: str,
+    meta: dict[str, Any],
+    layers: dict[str, Any],
+    target: TargetFacts,
+    counts: Counts,
+    max_len: int | None,
+    side_files: dict[str, Any],
+    out: Path,
+) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    limit = max(CONSUMER_MAX_LEN[fmt], counts.longest)
+    return {
+        "format": fmt,
+        "producer": f"eagle3-assets {version('eagle3-assets')}",
+        "target": {
+            "model": meta.get("model"),
+            "revision": meta.get("revision") or None,
+            "tokenizer": meta.get("tokenizer"),
+            "num_hidden_layers": int(meta["num_layers"]),
+            "hidden_size": int(target.config.hidden_size),
+            "vocab_size": target.vocab_size,
+        },
+        "aux_layer_ids": layers["eagle_aux_hidden_state_layer_ids"],
+        "layer_convention": layers["layer_convention"],
+        "last_hidden_state": layers["last_hidden_state"],
+        "dtype": meta.get("dtype"),
+        "samples": counts.samples,
+        "tokens": counts.tokens,
+        "trained_tokens": counts.loss_tokens,
+        "longest_sample": counts.longest,
+        "longest_source_sample": counts.longest_source,
+        "max_len": max_len,
+        "truncated_samples": counts.truncated,
+        "files": side_files,
+        "train_command": _train_command(fmt, layers, target, out, side_files, limit),
+    }
+
+
+def _train_command(
+    fmt: str, layers: dict[str, Any], target: TargetFacts, out: Path, side: dict[str, Any], limit: int
+) -> str:
+    ids = layers["eagle_aux_hidden_state_layer_ids"]
+    if fmt == "speculators":
+        return (
+            f"speculators train --verifier-name-or-path {target.path} --data-path {out} "
+            f"--target-layer-ids {' '.join(map(str, ids))} --draft-vocab-size {side['draft_vocab_size']} "
+            f"--total-seq-len {limit} --on-missing raise --save-path ./checkpoints"
+        )
+    if fmt == "specforge":
+        return f"specforge train --config {out / SPECFORGE_RUN}"
+    return (
+        "./launch_train.sh --config ../../modelopt_recipes/general/speculative_decoding/eagle3.yaml "
+        f"model.model_name_or_path={target.path} data.offline_data_path={out} training.output_dir=./checkpoints "
+        f"training.training_seq_len={limit} training.answer_only_loss=true "
+        f"'eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids=[{','.join(map(str, ids))}]'"
+        "  # in examples/speculative_decoding of a Model-Optimizer checkout"
+    )
+
+
+# -- the three layouts ---------------------------------------------------------------------------------------
+SideWriter = Callable[[Path, Path, TargetFacts, Counter, Counts, int], dict[str, Any]]
+SPECFORGE_RUN = "specforge_train.yaml"
+
+
+def _speculators(samples: Iterator, folder: Path, work: Path) -> SideWriter:
+    """The states per sample, then the Arrow dataset from a stream file (bounded memory at any size)."""
+    import pyarrow as pa
+    from safetensors.torch import save_file
+
+    hs_dir = work / "hidden_states"
+    hs_dir.mkdir()
+    schema = pa.schema(
+        [
+            ("input_ids", pa.list_(pa.int64())),
+            ("loss_mask", pa.list_(pa.int64())),
+            ("seq_len", pa.int64()),
+            ("id", pa.string()),
+        ]
+    )
+    stream = work.with_name(
+        work.name + ".rows.arrow"
+    )  # outside: save_to_disk will not write over its own source
+    batch: dict[str, list] = {name: [] for name in schema.names}
+    with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+
+        def flush() -> None:
+            writer.write_batch(pa.record_batch([batch[k] for k in schema.names], schema=schema))
+            for v in batch.values():
+                v.clear()
+
+        for i, sid, s in samples:  # one sample's states in memory at a time
+            aux, last = s["aux_hidden_states"], s["last_hidden_state"]
+            t, h = last.shape
+            import torch
+
+            stacked = torch.cat([aux.view(t, 3, h), last.view(t, 1, h)], dim=1).contiguous()
+            save_file(
+                {"hidden_states": stacked, "token_ids": s["input_ids"]},
+                str(hs_dir / f"hs_{i}.safetensors"),
+            )
+            batch["input_ids"].append(s["input_ids"].numpy())
+            batch["loss_mask"].append(s["loss_mask"].numpy())
+            batch["seq_len"].append(int(t))
+            batch["id"].append(sid)
+            if len(batch["id"]) >= 1024:
+                flush()
+        if batch["id"]:
+            flush()
+
+    def side(work: Path, out: Path, target: TargetFacts, freq: Counter, counts: Counts, vocab: int) -> dict:
+        import datasets
+        import torch
+
+        datasets.disable_progress_bars()
+        ds = datasets.Dataset.from_file(str(stream), in_memory=False)
+        ds.set_format(type="torch")  # what speculators' ArrowDataset expects (torch.equal on the ids)
+        ds.save_to_disk(str(work))
+        del ds
+        stream.unlink()
+        for cache in work.glob("cache-*.arrow"):
+            cache.unlink()
+        # speculators' own data preparation writes {token id: count} over the trained tokens.
+        torch.save({int(k): int(v) for k, v in sorted(freq.items())}, work / "token_freq.pt")
+        return {
+            "dataset": "datasets.load_from_disk (torch format)",
+            "hidden_states": "hidden_states/hs_{i}.safetensors",
+            "token_freq": "token_freq.pt",
+            "draft_vocab_size": min(vocab, target.vocab_size),
+        }
+
+    return side
+
+
+def _specforge(samples: Iterator, folder: Path, work: Path) -> SideWriter:
+    import torch
+
+    norm = _final_norm(folder)
+    for i, _sid, s in samples:
+        group = i // SPECFORGE_GROUP * SPECFORGE_GROUP
+        path = work / f"rows_{group}-{group + SPECFORGE_GROUP}" / f"data_{i}.ckpt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "input_ids": s["input_ids"],
+                "loss_mask": s["loss_mask"],
+                "hidden_state": norm(s["last_hidden_state"]).unsqueeze(0).contiguous(),
+                "aux_hidden_state": s["aux_hidden_states"].unsqueeze(0).contiguous(),
+            },
+            path,
+        )
+
+    def side(work: Path, out: Path, target: TargetFacts, freq: Counter, counts: Counts, vocab: int) -> dict:
+        return _specforge_side_files(work, out, folder, target, freq, counts, vocab)
+
+    return side
+
+
+def _specforge_side_files(
+    work: Path, out: Path, folder: Path, target: TargetFacts, freq: Counter, counts: Counts, vocab: int
+) -> dict[str, Any]:
+    """The vocabulary maps where SpecForge's preparation writes them, a draft config of the same vocabulary for
+    this target, and a run config that trains from this folder."""
+    import torch
+    import yaml
+
+    from .draft_format import DraftShape, build_draft_vocab, draft_config, vocab_mapping
+
+    shape = DraftShape.from_target(target.config, vocab)
+    chosen = build_draft_vocab(freq, shape.vocab_size, shape.draft_vocab_size, fill=True)
+    d2t, t2d = vocab_mapping(chosen, shape.vocab_size)
+    (work / "vocab_mapping").mkdir()
+    torch.save({"d2t": d2t, "t2d": t2d}, work / "vocab_mapping" / "vocab_mapping.pt")
+    aux = json.loads(next(iter(finished_shards(folder).values()))["aux_layers"])
+    _write_json(draft_config(shape, aux, "bfloat16"), work / "draft_config.json")
+    run = {
+        "model": {
+            "target_model_path": target.path,
+            "draft_model_config": str(out / "draft_config.json"),
+            "vocab_mapping_path": str(out / "vocab_mapping" / "vocab_mapping.pt"),
+            "lm_head_key": target.lm_head_key,
+            "embedding_key": target.embedding_key,
+            "aux_hidden_state_layer_ids": aux,
+            "torch_dtype": "bfloat16",
+        },
+        "data": {
+            "hidden_states_path": str(out),
+            "max_length": max(CONSUMER_MAX_LEN["specforge"], counts.longest),
+        },
+        "training": {
+            "strategy": "eagle3",
+            "num_epochs": 10,
+            "batch_size": 1,
+            "learning_rate": 1e-4,
+            "max_grad_norm": 0.5,
+            "ttt_length": 7,
+            "seed": 0,
+        },
+        "run_id": f"eagle3-{out.name}",
+        "output_dir": str(out.parent / f"{out.name}-specforge-run"),
+    }
+    (work / SPECFORGE_RUN).write_text(
+        "# SpecForge 0.2.0 offline EAGLE-3 training from this export: specforge train --config <this file>\n"
+        "# (SpecForge's target head reads the target through a *.safetensors.index.json in its folder)\n"
+        + yaml.safe_dump(run, sort_keys=False)
+    )
+    return {
+        "vocab_mapping": "vocab_mapping/vocab_mapping.pt",
+        "draft_config": "draft_config.json",
+        "run_config": SPECFORGE_RUN,
+        "draft_vocab_size": shape.draft_vocab_size,
+        "target_weight_index": target.weight_index,
+    }
+
+
+def _modelopt(samples: Iterator, folder: Path, work: Path) -> None:
+    norm = _final_norm(folder)
+    import torch
+
+    for i, sid, s in samples:
+        # The index keeps names unique where ids differ only in characters a file name cannot hold.
+        safe = f"{i:07d}-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in sid)[:100]
+        torch.save(
+            {
+                "input_ids": s["input_ids"],
+                "hidden_states": norm(s["last_hidden_state"]).contiguous(),
+                "aux_hidden_states": s["aux_hidden_states"].contiguous(),
+                "loss_mask": s["loss_mask"],
+                "conversation_id": sid,
+            },
+            work / f"{safe}.pt",
+        )
+    return None

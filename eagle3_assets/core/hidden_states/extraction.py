@@ -1,0 +1,225 @@
+"""The hidden-states job of one dataset: plan what is left, extract shards (one or many per process), index.
+
+Split so that Dagster can fan the shards out over many GPU pods: `prepare` runs once, `extract` runs per unit of
+work (any subset of the planned shards), `finish` rebuilds the index from the shards on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from ...config import HiddenStatesConfig, TargetConfig
+from ..storage.files import write_json
+from ..storage.layout import EXTRACTION_PLAN, HIDDEN_STATES_INDEX, DatasetLayout
+from ..target.loading import pick_device, resolve, shared_model
+from .shards import (
+    ExtractionStats,
+    HiddenStateCapture,
+    ShardPlan,
+    ShardWriter,
+    WorkPlan,
+    bytes_per_token,
+    default_aux_layers,
+    extract_shard,
+    load_samples,
+    packing_is_exact,
+    plan_work,
+    row_budget,
+    save_final_norm,
+    write_index,
+)
+
+
+@dataclass(frozen=True)
+class ExtractionSettings:
+    """The sections of eagle3.yaml extraction reads, and the folder relative references resolve against."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    hidden: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+    base_dir: str = "."
+
+    @property
+    def store_dtype(self) -> str:
+        """`auto` stores bf16, what the training frameworks read (compute runs in the device's own dtype)."""
+        return "bfloat16" if self.hidden.dtype == "auto" else self.hidden.dtype
+
+    @property
+    def model_ref(self) -> str:
+        return resolve(self.target.model, self.base_dir)
+
+
+def load_target_model(settings: ExtractionSettings) -> Any:
+    """The target on the configured device, once per process (`shared_model`)."""
+    t = settings.target
+    return shared_model(
+        settings.model_ref, pick_device(settings.hidden.device), t.trust_remote_code, t.revision
+    )
+
+
+def model_config(settings: ExtractionSettings) -> dict[str, Any]:
+    """num_layers and hidden_size from config.json, without loading weights (planning needs only sizes)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(
+        settings.model_ref,
+        trust_remote_code=settings.target.trust_remote_code,
+        revision=settings.target.revision,
+    )
+    text = getattr(cfg, "text_config", None) or cfg
+    return {"num_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size)}
+
+
+def expected_metadata(settings: ExtractionSettings, num_layers: int | None = None) -> dict[str, str]:
+    """What every shard of this configuration must say about itself (the hidden_states checks compare)."""
+    if num_layers is None:
+        num_layers = model_config(settings)["num_layers"]
+    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
+    t = settings.target
+    return {
+        "model": t.model,
+        "revision": t.revision or "",
+        "tokenizer": t.tokenizer,
+        "aux_layers": json.dumps(aux),
+        "dtype": settings.store_dtype,
+        "num_layers": str(num_layers),
+    }
+
+
+def skipped_samples(layout: DatasetLayout) -> dict[str, str]:
+    """Samples the last plan left out, with the reason (longer than hidden_states.max_seq_len)."""
+    path = layout.extraction_plan
+    return json.loads(path.read_text()).get("skipped", {}) if path.exists() else {}
+
+
+def prepare(
+    layout: DatasetLayout, settings: ExtractionSettings, log: Callable[[str], None] = print
+) -> WorkPlan:
+    """Plan the shards still to extract and write the plan beside the shards (extract steps read it)."""
+    folder = layout.hidden_states_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = model_config(settings)
+    tokens = pl.read_parquet(layout.tokens, columns=["id", "input_ids"])
+    per_token = bytes_per_token(sizes["hidden_size"], settings.store_dtype)
+    work = plan_work(tokens, folder, settings.hidden.shard_bytes, per_token, settings.hidden.max_seq_len)
+    for name in work.stale_shards:
+        (folder / name).unlink(missing_ok=True)
+    write_json(
+        {
+            "created_at": time.time(),
+            "shards": {p.name: list(p.ids) for p in work.todo},
+            "skipped": work.skipped,
+        },
+        folder / EXTRACTION_PLAN,
+    )
+    log(
+        f"{layout.key}: {len(work.done_ids):,} samples already extracted, {sum(len(p.ids) for p in work.todo):,} "
+        f"to do in {len(work.todo)} shards; {len(work.stale_shards)} stale shards removed, "
+        f"{len(work.skipped)} samples too long"
+    )
+    return work
+
+
+def planned_shards(layout: DatasetLayout) -> list[ShardPlan]:
+    data = json.loads((layout.extraction_plan).read_text())
+    return [ShardPlan(name, tuple(ids), 0) for name, ids in data["shards"].items()]
+
+
+def extract(
+    layout: DatasetLayout,
+    settings: ExtractionSettings,
+    shard_names: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> ExtractionStats:
+    """Extract the planned shards (all, or the named ones) that are not on disk yet."""
+    folder = layout.hidden_states_dir
+    plans = [p for p in planned_shards(layout) if shard_names is None or p.name in shard_names]
+    plans = [p for p in plans if not (folder / p.name).exists()]  # finished by an earlier attempt
+    stats = ExtractionStats()
+    if not plans:
+        return stats
+    device = pick_device(settings.hidden.device)
+    model = load_target_model(settings)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
+    capture = HiddenStateCapture(model, aux)
+    attn = getattr(model.config, "_attn_implementation", None)
+    row_tokens = row_budget(device, attn, settings.hidden.max_tokens_per_batch)
+    packed, similarity = _packing_verdict(capture, model)
+    if not packed:
+        log(
+            f"{layout.key}: WARNING: this model's attention ignores packed sample boundaries (a packed forward of two "
+            f"samples differs from separate ones, cosine {similarity:.4f}); extracting one sample per forward "
+            "instead (slower, never mixed samples)"
+        )
+        row_tokens = 1  # every sample in a row of its own
+    metadata = {
+        **expected_metadata(settings, num_layers),
+        "aux_layers": json.dumps(aux),
+        "last_layer": str(capture.last_layer),
+        "layer_convention": "outputs of decoder layers (0-based); last_hidden_state is before the final norm",
+        "hidden_size": str(model.config.get_text_config().hidden_size),
+        "packing": "packed" if packed else "one sample per forward (the model ignores packed boundaries)",
+    }
+    save_final_norm(model, folder)
+    samples = load_samples(layout.tokens, {i for p in plans for i in p.ids})
+    writer = ShardWriter()
+    started = time.monotonic()
+    try:
+        for k, plan in enumerate(plans, 1):
+            plan = ShardPlan(plan.name, plan.ids, sum(len(samples[i].input_ids) for i in plan.ids))
+            stats.merge(
+                extract_shard(
+                    capture, plan, samples, folder, row_tokens, settings.store_dtype, metadata, writer
+                )
+            )
+            elapsed = max(time.monotonic() - started, 1e-9)
+            log(
+                f"{layout.key}: shard {k}/{len(plans)} ({plan.n_tokens:,} tokens) queued for writing; "
+                f"{stats.tokens / elapsed:,.0f} tok/s so far on {device}"
+            )
+    finally:
+        writer.close()  # every queued shard is on disk (or the error surfaces) before this returns
+        capture.close()
+    stats.bytes_written = sum((folder / n).stat().st_size for n in stats.shards)
+    return stats
+
+
+_PACKING: dict[int, tuple[bool, float]] = {}
+
+
+def _packing_verdict(capture: HiddenStateCapture, model: Any) -> tuple[bool, float]:
+    """The packing self-test, once per loaded model and process."""
+    key = id(model)
+    if key not in _PACKING:
+        _PACKING[key] = packing_is_exact(capture, int(model.config.get_text_config().vocab_size))
+    return _PACKING[key]
+
+
+def finish(layout: DatasetLayout) -> pl.DataFrame:
+    return write_index(layout.hidden_states_dir)
+
+
+def extract_dataset(
+    layout: DatasetLayout, settings: ExtractionSettings, log: Callable[[str], None] = print
+) -> tuple[WorkPlan, ExtractionStats, pl.DataFrame]:
+    """All three steps in one process (CLI, tests, a single-GPU machine)."""
+    work = prepare(layout, settings, log)
+    stats = extract(layout, settings, None, log)
+    return work, stats, finish(layout)
+
+
+def describe_layout(folder: Path) -> dict[str, Any]:
+    index = pl.read_parquet(folder / HIDDEN_STATES_INDEX) if (folder / HIDDEN_STATES_INDEX).exists() else None
+    return {
+        "samples": 0 if index is None else index.height,
+        "tokens": 0 if index is None else int(index["n_tokens"].sum()),
+        "shards": len(list(folder.glob("shard-*.safetensors"))),
+        "bytes": sum(p.stat().st_size for p in folder.glob("shard-*.safetensors")),
+    }

@@ -1,0 +1,464 @@
+"""hidden_states: the target's auxiliary hidden states over every token sequence, in packed safetensors shards.
+
+Layout (design §4): each shard holds samples back to back: `input_ids` [T] int32, `loss_mask` [T] int8,
+`aux_hidden_states` [T, 3H], `last_hidden_state` [T, H] (output of the last decoder layer, before the final norm),
+`cu_seqlens` [n+1] int64; its metadata names the model, layers, dtype and every sample (id, length, content hash).
+Shards are written atomically, so a crash never leaves a partial shard that looks finished; a finished shard is never
+recomputed. `index.parquet` (id, shard, position, n_tokens) is rebuilt from the shards' own metadata.
+
+Throughput: samples are sorted by length and packed back to back into rows of up to a token budget, with position
+ids restarting per sample (block-diagonal attention; flash-attention's varlen kernel on GPUs), so no compute goes to
+padding; the model is loaded once per process, and device-to-host copies and file writes run on a background thread
+while the next forward runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from ..storage.files import atomic_write, remove_stale_temporaries, write_parquet
+from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+
+FORMAT = "eagle3-assets/hidden-states/v1"
+INDEX_SCHEMA = {
+    "id": pl.String,
+    "shard": pl.String,
+    "position": pl.Int32,
+    "n_tokens": pl.Int32,
+    "input_hash": pl.String,
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+SDPA_ROW_TOKENS = {
+    "cpu": 1024,
+    "cuda": 4096,
+}  # dense block-diagonal masks grow as T²; flash-attn needs no cap
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Outputs of decoder layers [1, L//2-1, L-4] (SpecForge and Model-Optimizer; speculators' [2, L//2, L-3]
+    counted as layer inputs are the same tensors)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def input_hash(ids: Sequence[int] | np.ndarray) -> str:
+    """Content hash of a sample's token ids: a re-tokenized sample is recomputed, an unchanged one is not."""
+    return hashlib.blake2b(np.asarray(ids, dtype=np.int32).tobytes(), digest_size=8).hexdigest()
+
+
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    return 4 * hidden_size * DTYPE_BYTES[dtype] + 4 + 1
+
+
+# -- planning ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+    @property
+    def hash(self) -> str:
+        return input_hash(self.input_ids)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    name: str
+    ids: tuple[str, ...]
+    n_tokens: int
+
+
+def shard_name(ids: Iterable[str]) -> str:
+    digest = hashlib.blake2b("\n".join(ids).encode(), digest_size=8).hexdigest()
+    return f"shard-{digest}.safetensors"
+
+
+def plan_shards(lengths: dict[str, int], shard_bytes: int, per_token: int) -> list[ShardPlan]:
+    """Deterministic shards of length-sorted samples, each under `shard_bytes` (a longer sample gets its own)."""
+    order = sorted(lengths, key=lambda i: (lengths[i], i))
+    shards: list[ShardPlan] = []
+    current: list[str] = []
+    tokens = 0
+    for sid in order:
+        n = lengths[sid]
+        if current and (tokens + n) * per_token > shard_bytes:
+            shards.append(ShardPlan(shard_name(current), tuple(current), tokens))
+            current, tokens = [], 0
+        current.append(sid)
+        tokens += n
+    if current:
+        shards.append(ShardPlan(shard_name(current), tuple(current), tokens))
+    return shards
+
+
+def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """Consecutive samples (already length-sorted) packed into rows of at most `row_tokens` tokens."""
+    rows: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if current and total + n > row_tokens:
+            rows.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        rows.append(current)
+    return rows
+
+
+# -- reading what exists ---------------------------------------------------------------------------------------
+def read_shard_metadata(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        meta = dict(f.metadata() or {})
+    meta["samples"] = json.loads(meta.get("samples", "[]"))
+    return meta
+
+
+def finished_shards(folder: Path) -> dict[str, dict[str, Any]]:
+    """Shard file name -> metadata, for every complete shard (temporaries are never named *.safetensors)."""
+    out = {}
+    for path in sorted(folder.glob("shard-*.safetensors")):
+        try:
+            meta = read_shard_metadata(path)
+        except Exception:  # unreadable: not ours or damaged outside our control; recompute its samples
+            continue
+        if meta.get("format") == FORMAT:
+            out[path.name] = meta
+    return out
+
+
+def build_index(folder: Path) -> pl.DataFrame:
+    rows = []
+    for name, meta in finished_shards(folder).items():
+        for pos, (sid, n, h) in enumerate(meta["samples"]):
+            rows.append({"id": sid, "shard": name, "position": pos, "n_tokens": n, "input_hash": h})
+    return pl.DataFrame(rows, schema=INDEX_SCHEMA)
+
+
+def write_index(folder: Path) -> pl.DataFrame:
+    index = build_index(folder)
+    write_parquet(index, folder / HIDDEN_STATES_INDEX)
+    return index
+
+
+@dataclass
+class WorkPlan:
+    todo: list[ShardPlan]
+    done_ids: set[str]
+    stale_shards: list[str]
+    skipped: dict[str, str] = field(default_factory=dict)  # id -> reason
+
+
+def plan_work(
+    tokens: pl.DataFrame, folder: Path, shard_bytes: int, per_token: int, max_seq_len: int
+) -> WorkPlan:
+    """What is left to extract: samples not in any finished shard with the same content hash, sharded."""
+    remove_stale_temporaries(folder)
+    current = {
+        sid: input_hash(ids)
+        for sid, ids in zip(tokens["id"].to_list(), tokens["input_ids"].to_list(), strict=True)
+    }
+    done: set[str] = set()
+    stale: list[str] = []
+    for name, meta in finished_shards(folder).items():
+        samples = meta["samples"]
+        if all(current.get(sid) == h for sid, _, h in samples):
+            done.update(sid for sid, _, _ in samples)
+        else:
+            stale.append(
+                name
+            )  # re-tokenized or removed samples: the shard no longer describes tokens.parquet
+    lengths = {}
+    skipped = {}
+    for sid, n in zip(tokens["id"].to_list(), tokens["input_ids"].list.len().to_list(), strict=True):
+        if sid in done:
+            continue
+        if n > max_seq_len:
+            skipped[sid] = f"{n} tokens > hidden_states.max_seq_len {max_seq_len}"
+            continue
+        lengths[sid] = n
+    return WorkPlan(plan_shards(lengths, shard_bytes, per_token), done, stale, skipped)
+
+
+# -- extraction ----------------------------------------------------------------------------------------------
+class HiddenStateCapture:
+    """Forward hooks on the decoder layers that EAGLE-3 needs; the rest of the model runs as usual."""
+
+    def __init__(self, model: Any, aux_layers: Sequence[int]):
+        self.model = model
+        layers = _decoder_layers(model)
+        self.num_layers = len(layers)
+        self.aux_layers = list(aux_layers)
+        bad = [i for i in self.aux_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"aux layers {bad} are outside the model's {self.num_layers} decoder layers")
+        self.last_layer = self.num_layers - 1
+        self._out: dict[int, Any] = {}
+        wanted = sorted({*self.aux_layers, self.last_layer})
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in wanted]
+
+    def _hook(self, i: int) -> Callable:
+        def grab(_module: Any, _inputs: Any, output: Any) -> None:
+            self._out[i] = output[0] if isinstance(output, tuple) else output
+
+        return grab
+
+    def forward_packed(self, rows: list[np.ndarray]) -> tuple[list[Any], Any]:
+        """One packed row (samples back to back, positions restarting per sample) -> ([aux layer] [T, H] each,
+        last [T, H]), still on the model's device."""
+        import torch
+
+        ids = np.concatenate(rows)
+        positions = np.concatenate([np.arange(len(r)) for r in rows])
+        device = _input_device(self.model)
+        self._out.clear()
+        with torch.inference_mode():
+            # No attention mask and no cache: transformers reads the packing from position_ids (block-diagonal).
+            _base_model(self.model)(
+                input_ids=torch.from_numpy(ids.astype(np.int64))[None].to(device),
+                position_ids=torch.from_numpy(positions.astype(np.int64))[None].to(device),
+                use_cache=False,
+            )
+        # Concatenation happens later, on the writer thread, off the forward's critical path.
+        return [self._out[i][0] for i in self.aux_layers], self._out[self.last_layer][0]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _decoder_layers(model: Any) -> Any:
+    base = _base_model(model)
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers")
+    return layers
+
+
+def _base_model(model: Any) -> Any:
+    return getattr(model, "model", model)
+
+
+def _input_device(model: Any) -> Any:
+    emb = _base_model(model).get_input_embeddings()
+    return emb.weight.device
+
+
+@dataclass
+class ExtractionStats:
+    samples: int = 0
+    tokens: int = 0
+    forwards: int = 0
+    padded_tokens: int = 0  # always 0 with packing; kept to report it
+    forward_s: float = 0.0
+    bytes_written: int = 0
+    shards: list[str] = field(default_factory=list)
+
+    def merge(self, other: ExtractionStats) -> None:
+        self.samples += other.samples
+        self.tokens += other.tokens
+        self.forwards += other.forwards
+        self.padded_tokens += other.padded_tokens
+        self.forward_s += other.forward_s
+        self.bytes_written += other.bytes_written
+        self.shards += other.shards
+
+
+class ShardWriter:
+    """Background thread: device-to-host copies of each forward's outputs, then the shard file, atomically."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue(maxsize=4)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._error: BaseException | None = None
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._error is not None:
+                continue  # after a failure nothing more is written: a shard must never miss rows
+            try:
+                job()
+            except BaseException as e:  # surfaced on the next submit/close
+                self._error = e
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._error:
+            raise self._error
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        if self._error:
+            raise self._error
+
+
+def extract_shard(
+    capture: HiddenStateCapture,
+    plan: ShardPlan,
+    samples: dict[str, Sample],
+    folder: Path,
+    row_tokens: int,
+    store_dtype: str,
+    metadata: dict[str, str],
+    writer: ShardWriter | None = None,
+) -> ExtractionStats:
+    """Run the model over one shard's samples and write the shard (atomically) when all are captured."""
+    import torch
+
+    dtype = getattr(torch, store_dtype)
+    ordered = [samples[i] for i in plan.ids]
+    rows = pack_rows([len(s.input_ids) for s in ordered], row_tokens)
+    stats = ExtractionStats(samples=len(ordered), tokens=plan.n_tokens, forwards=len(rows))
+    aux_parts: list[Any] = []
+    last_parts: list[Any] = []
+    own_writer = writer is None
+    writer = writer or ShardWriter()
+
+    def to_host(aux: list[Any], last: Any) -> None:
+        aux_parts.append(torch.cat([a.to("cpu", dtype=dtype) for a in aux], dim=-1))
+        last_parts.append(last.to("cpu", dtype=dtype))
+
+    for row in rows:
+        t0 = time.perf_counter()
+        aux, last = capture.forward_packed([ordered[i].input_ids for i in row])
+        stats.forward_s += time.perf_counter() - t0
+        writer.submit(lambda a=aux, b=last: to_host(a, b))
+
+    lengths = np.array([len(s.input_ids) for s in ordered], dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    meta = dict(metadata)
+    meta["format"] = FORMAT
+    meta["samples"] = json.dumps([[s.id, len(s.input_ids), s.hash] for s in ordered])
+    path = folder / plan.name
+
+    def save() -> None:
+        from safetensors.torch import save_file
+
+        tensors = {
+            "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in ordered]).astype(np.int32)),
+            "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in ordered]).astype(np.int8)),
+            "aux_hidden_states": torch.cat(aux_parts).contiguous(),
+            "last_hidden_state": torch.cat(last_parts).contiguous(),
+            "cu_seqlens": torch.from_numpy(cu),
+        }
+        rows = {k: int(t.shape[0]) for k, t in tensors.items() if k != "cu_seqlens"}
+        if set(rows.values()) != {int(cu[-1])}:
+            raise RuntimeError(
+                f"shard {plan.name} is inconsistent ({rows}, {int(cu[-1])} tokens); not written"
+            )
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+    writer.submit(save)
+    if own_writer:
+        writer.close()
+        stats.bytes_written = path.stat().st_size
+    stats.shards.append(plan.name)
+    return stats
+
+
+PACKING_COSINE = 0.999
+
+
+def packing_is_exact(capture: HiddenStateCapture, vocab_size: int) -> tuple[bool, float]:
+    """Two short samples forwarded packed (positions restarting, no mask) against each forwarded alone. A model whose
+    attention ignores the packed boundaries (some trust_remote_code models build their own causal mask) lets the
+    second sample see the first: its states then differ, and extraction must not pack for that model."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(10, min(vocab_size, 30_000), 9).astype(np.int32)
+    b = rng.integers(10, min(vocab_size, 30_000), 7).astype(np.int32)
+    aux_ab, last_ab = capture.forward_packed([a, b])
+    packed = torch.cat([*aux_ab, last_ab], dim=-1).float()
+    alone = []
+    for x in (a, b):
+        aux, last = capture.forward_packed([x])
+        alone.append(torch.cat([*aux, last], dim=-1).float())
+    sim = float(torch.nn.functional.cosine_similarity(packed, torch.cat(alone), dim=-1).min())
+    return sim >= PACKING_COSINE, sim
+
+
+def row_budget(device: str, attn_implementation: str | None, max_tokens_per_batch: int) -> int:
+    if attn_implementation and attn_implementation.startswith("flash_attention"):
+        return max_tokens_per_batch
+    return min(max_tokens_per_batch, SDPA_ROW_TOKENS["cuda" if device.startswith("cuda") else "cpu"])
+
+
+def load_samples(tokens_path: Path, ids: Iterable[str] | None = None) -> dict[str, Sample]:
+    df = pl.read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
+    if ids is not None:
+        df = df.filter(pl.col("id").is_in(pl.Series(list(ids), dtype=pl.String).implode()))
+    return {
+        sid: Sample(sid, np.asarray(a, dtype=np.int32), np.asarray(m, dtype=np.int8))
+        for sid, a, m in zip(
+            df["id"].to_list(), df["input_ids"].to_list(), df["loss_mask"].to_list(), strict=True
+        )
+    }
+
+
+def save_final_norm(model: Any, folder: Path) -> None:
+    """The final norm's weights, so exports for frameworks that want post-norm last states need no model."""
+    from safetensors.torch import save_file
+
+    norm = getattr(_base_model(model), "norm", None)
+    if norm is None or not hasattr(norm, "weight"):
+        return
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    weight = norm.weight.detach().to("cpu").float().contiguous()
+    path = folder / FINAL_NORM
+    atomic_write(
+        path,
+        lambda tmp: save_file(
+            {"weight": weight}, str(tmp), metadata={"kind": type(norm).__name__, "eps": str(eps)}
+        ),
+    )
+
+
+# -- reading one sample -------------------------------------------------------------------------------------
+class HiddenStatesReader:
+    """Random access by id: reads only that sample's rows from its shard (safetensors slices, memory-mapped)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        index = pl.read_parquet(self.folder / HIDDEN_STATES_INDEX)
+        self._where = {r["id"]: (r["shard"], r["position"]) for r in index.iter_rows(named=True)}
+        self._cu: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def ids(self) -> list[str]:
+        return list(self._where)
+
+    def sample(self, sid: str, framework: str = "pt") -> dict[str, Any]:
+        from safetensors import safe_open
+
+        shard, pos = self._where[sid]
+        path = str(self.folder / shard)
+        with safe_open(path, framework=framework) as f:
+            if shard not in self._cu:
+                self._cu[shard] = np.asarray(f.get_tensor("cu_seqlens"))
+            a, b = int(self._cu[shard][pos]), int(self._cu[shard][pos + 1])
+            return {
+                k: f.get_slice(k)[a:b]
+                for k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
+            }

@@ -1,0 +1,330 @@
+"""Source datasets -> chat prompts with stable ids (design §3 source formats).
+
+Every source row ends in exactly one place: a prompt, a duplicate of an earlier prompt, or the quarantine with a
+reason. A bad row never stops the rest of the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+MESSAGE_ROLES = {"system", "user", "assistant"}
+# ShareGPT dumps in the wild name speakers in several ways; anything else is quarantined.
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+}
+RAW_PREVIEW_CHARS = 2000
+
+PROMPT_SCHEMA = {
+    "id": pl.String,
+    "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
+    "source_row": pl.Int64,
+    "n_turns": pl.Int32,
+    # The source's own answer to the last turn (its trailing assistant turn, or an instruction row's response
+    # field), null where it has none: the acceptance gate trains on it to show what regeneration buys.
+    "source_answer": pl.String,
+}
+QUARANTINE_SCHEMA = {"source_row": pl.Int64, "id": pl.String, "reason": pl.String, "raw": pl.String}
+
+
+class RowError(ValueError):
+    """Why one source row cannot be used (becomes its quarantine reason)."""
+
+
+@dataclass
+class IngestResult:
+    prompts: pl.DataFrame
+    quarantine: pl.DataFrame
+    n_source_rows: int
+    outcomes: Counter = field(default_factory=Counter)
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+def iter_source_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield (row number, parsed object or None, error) for each row of a jsonl, json or parquet file."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        for i, row in enumerate(pl.read_parquet(path).iter_rows(named=True)):
+            yield i, row, None
+        return
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RowError(
+                f"{path}: not a readable JSON document ({e}); use .jsonl for one object per line"
+            ) from e
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise RowError(f"{path}: a .json source must hold a list of objects")
+        for i, row in enumerate(data):
+            yield i, row, None
+        return
+    with open(path, "rb") as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield (
+                    i,
+                    line[:RAW_PREVIEW_CHARS].decode("utf-8", "replace"),
+                    f"invalid UTF-8 at byte {e.start}",
+                )
+                continue
+            try:
+                yield i, json.loads(text), None
+            except json.JSONDecodeError as e:
+                yield i, text[:RAW_PREVIEW_CHARS], f"bad JSON: {e.msg} at column {e.colno}"
+
+
+# -- normalising -----------------------------------------------------------------------------------------------
+def _text(value: Any, where: str) -> str:
+    """Message content as text; OpenAI multi-part content is joined when every part is text."""
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise RowError(f"{where}: non-text content part {str(part)[:80]!r}")
+        value = "".join(parts)
+    if not isinstance(value, str):
+        raise RowError(f"{where}: content must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError(f"{where}: empty content")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(f"{where}: invalid unicode (lone surrogate at {e.start})") from None
+    return value
+
+
+def _from_messages(row: dict) -> list[dict]:
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RowError("missing field 'messages' (a non-empty list)")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RowError(f"messages[{i}] is not an object")
+        role = m.get("role")
+        if role not in MESSAGE_ROLES:
+            raise RowError(f"messages[{i}]: unknown role {role!r} (expected system, user or assistant)")
+        out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}]")})
+    return out
+
+
+def _from_sharegpt(row: dict) -> list[dict]:
+    conv = row.get("conversations")
+    if not isinstance(conv, list) or not conv:
+        raise RowError("missing field 'conversations' (a non-empty list)")
+    out = []
+    for i, m in enumerate(conv):
+        if not isinstance(m, dict):
+            raise RowError(f"conversations[{i}] is not an object")
+        speaker = m.get("from")
+        role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
+        if role is None:
+            raise RowError(f"conversations[{i}]: unknown role {speaker!r} (expected system, human or gpt)")
+        out.append({"role": role, "content": _text(m.get("value"), f"conversations[{i}]")})
+    return out
+
+
+def _from_instruction(row: dict, instruction: str, input_: str, system: str | None) -> list[dict]:
+    if instruction not in row:
+        raise RowError(f"missing field {instruction!r}")
+    text = _text(row.get(instruction), instruction)
+    extra = row.get(input_)
+    if extra is not None and not isinstance(extra, str):
+        raise RowError(f"field {input_!r} must be a string")
+    if extra and extra.strip():
+        text = f"{text}\n\n{_text(extra, input_)}"
+    msgs = [{"role": "user", "content": text}]
+    if system and row.get(system):
+        msgs.insert(0, {"role": "system", "content": _text(row[system], system)})
+    return msgs
+
+
+def normalise_row(
+    row: Any, fmt: str, fields: dict[str, Any] | None = None, system_prompt: str | None = None
+) -> list[dict]:
+    """One source row -> chat messages ending in a user turn, or RowError with the reason."""
+    if not isinstance(row, dict):
+        raise RowError(f"row is a {type(row).__name__}, not an object")
+    fields = fields or {}
+    if fmt == "messages":
+        msgs = _from_messages(row)
+    elif fmt == "sharegpt":
+        msgs = _from_sharegpt(row)
+    elif fmt == "instruction":
+        msgs = _from_instruction(
+            row, fields.get("instruction", "instruction"), fields.get("input", "input"), fields.get("system")
+        )
+    else:
+        raise ValueError(f"unknown source format {fmt!r}")
+    # The target model answers the last turn afresh: a trailing assistant turn is dropped.
+    while msgs and msgs[-1]["role"] == "assistant":
+        msgs.pop()
+    if not any(m["role"] == "user" for m in msgs):
+        raise RowError("no user turn")
+    if msgs[-1]["role"] != "user":
+        raise RowError(f"conversation ends with a {msgs[-1]['role']} turn, not a user turn")
+    if any(m["role"] == "system" for m in msgs[1:]):
+        raise RowError("a system turn after the first message")
+    if system_prompt and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return msgs
+
+
+def source_answer(row: Any, fmt: str, fields: dict[str, Any] | None = None) -> str | None:
+    """The answer the source itself gives to the conversation's last turn, if any (never an error: the prompt
+    stands without it)."""
+    fields = fields or {}
+    try:
+        if fmt == "instruction":
+            names = [fields["response"]] if fields.get("response") else ["response", "output"]
+            for name in names:
+                value = row.get(name)
+                if isinstance(value, str) and value.strip():
+                    return value
+            return None
+        msgs = _from_messages(row) if fmt == "messages" else _from_sharegpt(row)
+    except RowError:
+        return None
+    if msgs and msgs[-1]["role"] == "assistant" and msgs[-1]["content"].strip():
+        return msgs[-1]["content"]
+    return None
+
+
+def content_id(messages: list[dict]) -> str:
+    """A stable id from the conversation's content (used when the source row has no id)."""
+    canonical = json.dumps(
+        [[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":")
+    )
+    return "h" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:20]
+
+
+def _printable(text: str | None) -> str | None:
+    """Quarantine text that Parquet can store even when the source held lone surrogates."""
+    if text is None:
+        return None
+    return text[:RAW_PREVIEW_CHARS].encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _source_id(row: Any) -> str | None:
+    if isinstance(row, dict):
+        value = row.get("id")
+        if isinstance(value, bool) or value is None:
+            return None
+        if isinstance(value, int | str) and str(value).strip():
+            return str(value).strip()
+    return None
+
+
+def ingest(
+    path: Path, fmt: str, fields: dict[str, Any] | None = None, system_prompt: str | None = None
+) -> IngestResult:
+    """Parse a whole source file into prompts and quarantine rows."""
+    prompts: list[dict] = []
+    quarantine: list[dict] = []
+    outcomes: Counter = Counter()
+    seen_ids: dict[str, str] = {}  # id -> content hash
+    seen_content: dict[str, str] = {}  # content hash -> id
+    n_rows = 0
+    for row_no, row, error in iter_source_rows(path):
+        n_rows += 1
+        sid = _source_id(row)
+        try:
+            if error:
+                raise RowError(error)
+            if sid is not None and _printable(sid) != sid:
+                raise RowError("id is not valid unicode")
+            msgs = normalise_row(row, fmt, fields, system_prompt)
+        except RowError as e:
+            raw = row if isinstance(row, str) else json.dumps(row, ensure_ascii=False, default=str)
+            quarantine.append(
+                {"source_row": row_no, "id": _printable(sid), "reason": str(e), "raw": _printable(raw)}
+            )
+            outcomes["quarantined"] += 1
+            continue
+        digest = content_id(msgs)
+        pid = sid or digest
+        if digest in seen_content:
+            reason = f"duplicate of {seen_content[digest]}"
+            quarantine.append({"source_row": row_no, "id": pid, "reason": reason, "raw": ""})
+            outcomes["duplicate"] += 1
+            continue
+        if pid in seen_ids:
+            reason = f"id {pid!r} already used by another conversation"
+            raw = json.dumps(row, ensure_ascii=False, default=str)
+            quarantine.append({"source_row": row_no, "id": pid, "reason": reason, "raw": _printable(raw)})
+            outcomes["quarantined"] += 1
+            continue
+        seen_ids[pid] = digest
+        seen_content[digest] = pid
+        prompts.append(
+            {
+                "id": pid,
+                "messages": msgs,
+                "source_row": row_no,
+                "n_turns": len(msgs),
+                "source_answer": source_answer(row, fmt, fields),
+            }
+        )
+        outcomes["ok"] += 1
+    return IngestResult(
+        prompts=pl.DataFrame(prompts, schema=PROMPT_SCHEMA),
+        quarantine=pl.DataFrame(quarantine, schema=QUARANTINE_SCHEMA),
+        n_source_rows=n_rows,
+        outcomes=outcomes,
+    )
+
+
+def quarantine_reasons(quarantine: pl.DataFrame) -> dict[str, int]:
+    """Counts by reason class (the text before the first ':' or ' of '), for metadata."""
+    counts: Counter = Counter()
+    for reason in quarantine["reason"].to_list():
+        head = reason.split(":")[-1].strip() if reason.startswith(("messages[", "conversations[")) else reason
+        head = head.split(" at ")[0].split(" of ")[0].split(" (")[0]
+        counts[head] += 1
+    return dict(counts.most_common())
+
+
+def write_prompts(
+    source: Path,
+    dest: Path,
+    quarantine_path: Path,
+    fmt: str,
+    fields: dict[str, Any] | None = None,
+    system_prompt: str | None = None,
+) -> IngestResult:
+    """Ingest `source` and write prompts.parquet and quarantine.parquet atomically."""
+    from ..storage.files import write_parquet
+
+    if not source.exists():
+        raise FileNotFoundError(
+            f"dataset source {source} does not exist; fix datasets.<key>.source in the config"
+        )
+    result = ingest(source, fmt, fields, system_prompt)
+    write_parquet(result.prompts, dest)
+    write_parquet(result.quarantine, quarantine_path)
+    return result

@@ -1,0 +1,143 @@
+"""Where every output of a dataset lives (design §4). The one place that spells a path of a partition: no stage, and
+no storage adapter, invents one; what each stage reads and writes is derived from these names too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# Inside the hidden_states folder (the shard format's own files; shards are `shard-*.safetensors`).
+HIDDEN_STATES_INDEX = "index.parquet"
+FINAL_NORM = "final_norm.safetensors"
+EXTRACTION_PLAN = "plan.json"
+
+
+@dataclass(frozen=True)
+class DatasetLayout:
+    root: Path
+    key: str
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.key
+
+    # -- prompts
+    @property
+    def prompts(self) -> Path:
+        return self.dir / "prompts.parquet"
+
+    @property
+    def quarantine(self) -> Path:
+        """Source rows the prompts stage could not use, each with its reason."""
+        return self.dir / "quarantine.parquet"
+
+    # -- responses: the journal (append-only part files) and what generation keeps beside it
+    @property
+    def responses_dir(self) -> Path:
+        return self.dir / "responses"
+
+    @property
+    def failures_dir(self) -> Path:
+        return self.dir / "failures"
+
+    @property
+    def journal_dir(self) -> Path:
+        """The dispatch ledger: one line per attempt, written before it is sent."""
+        return self.dir / "journal"
+
+    @property
+    def lost_dir(self) -> Path:
+        """Requests a crash left in flight, charged at their expected cost."""
+        return self.journal_dir / "lost"
+
+    @property
+    def imports_dir(self) -> Path:
+        """Rows `eagle3 import-responses` could not use, with the reason."""
+        return self.dir / "imports"
+
+    # -- tokens and the report
+    @property
+    def tokens(self) -> Path:
+        return self.dir / "tokens.parquet"
+
+    @property
+    def tokens_errors(self) -> Path:
+        """Conversations the tokens stage could not render, each with its reason."""
+        return self.dir / "tokens_errors.parquet"
+
+    @property
+    def report_json(self) -> Path:
+        return self.dir / "report.json"
+
+    @property
+    def report_md(self) -> Path:
+        return self.dir / "report.md"
+
+    # -- hidden states, their exports and the acceptance gate
+    @property
+    def hidden_states_dir(self) -> Path:
+        return self.dir / "hidden_states"
+
+    @property
+    def hidden_states_index(self) -> Path:
+        return self.hidden_states_dir / HIDDEN_STATES_INDEX
+
+    @property
+    def extraction_plan(self) -> Path:
+        return self.hidden_states_dir / EXTRACTION_PLAN
+
+    def export_dir(self, fmt: str) -> Path:
+        """Where `make demo` writes a training framework's export (the `eagle3 export` command takes any folder)."""
+        return self.dir / "exports" / fmt
+
+    @property
+    def acceptance_dir(self) -> Path:
+        return self.dir / "acceptance"
+
+    @property
+    def acceptance_report(self) -> Path:
+        return self.acceptance_dir / "report.json"
+
+    @property
+    def draft_dir(self) -> Path:
+        """The gate's trained draft, in the layout SGLang serves and SpecForge loads."""
+        return self.acceptance_dir / "draft"
+
+    def ensure(self) -> DatasetLayout:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # -- what each stage touches, for a storage root that is a working copy of an object store
+    def stage_paths(self, stage: str) -> tuple[list[str], list[str]]:
+        """(reads, writes) of `stage`, relative to the partition's folder; a trailing "/" marks a folder."""
+        rel = self._rel
+        journal = [rel(self.responses_dir), rel(self.failures_dir), rel(self.journal_dir)]
+        prompts = [rel(self.prompts), rel(self.quarantine)]
+        tokens = [rel(self.tokens), rel(self.tokens_errors)]
+        hidden = [rel(self.hidden_states_dir)]
+        paths = {
+            "prompts": ([], prompts),
+            "responses": ([rel(self.prompts), *journal], [*journal, rel(self.imports_dir)]),
+            "tokens": ([rel(self.prompts), rel(self.responses_dir), *tokens], tokens),
+            "validation_report": (
+                [*prompts, *journal, *tokens],
+                [rel(self.report_json), rel(self.report_md)],
+            ),
+            "hidden_states": ([rel(self.tokens), *hidden], hidden),
+            "exports": (hidden, [rel(self.dir / "exports")]),
+            "acceptance": (
+                [rel(self.prompts), *hidden, rel(self.acceptance_dir)],
+                [rel(self.acceptance_dir)],
+            ),
+        }
+        if stage not in paths:
+            raise KeyError(f"unknown stage {stage!r}; one of {', '.join(paths)}")
+        return paths[stage]
+
+    def journal_paths(self) -> list[str]:
+        """The journal folders, pushed at every flush of a running generation."""
+        return [self._rel(self.responses_dir), self._rel(self.failures_dir), self._rel(self.journal_dir)]
+
+    def _rel(self, path: Path) -> str:
+        name = str(path.relative_to(self.dir))
+        return name if path.suffix else name + "/"
