@@ -19,7 +19,7 @@ import openai
 
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.storage.layout import DatasetLayout
@@ -59,15 +59,14 @@ async def _engine_client(base_url: str, n: int, concurrency: int, done_at: list[
         writer = JournalWriter(ResponseJournal(DatasetLayout(Path(tmp), "bench")), "openrouter", "bench")
         engine = GenerationEngine(
             backend,
-            writer,
-            Budget(64, 10**12),
             EngineSettings(max_concurrency=concurrency, max_retries=0, progress_interval_s=3600),
             log=lambda m: None,
         )
+        requests = (CompletionRequest(f"r{i}", MESSAGES, 64) for i in range(n))
+        lane = Lane("bench", requests, n, Budget(64, 10**12), writer)
         await backend.start()
         try:
-            requests = (CompletionRequest(f"r{i}", MESSAGES, 64) for i in range(n))
-            report = await engine.run(requests, total=n)
+            (report,) = await engine.run([lane])
         finally:
             await backend.close()
     return report.succeeded

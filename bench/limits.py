@@ -20,7 +20,7 @@ from pathlib import Path
 
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.storage.layout import DatasetLayout
@@ -63,15 +63,12 @@ async def _engine(
     with tempfile.TemporaryDirectory() as tmp:
         writer = JournalWriter(ResponseJournal(DatasetLayout(Path(tmp), "bench")), "openrouter", "bench")
         engine = GenerationEngine(
-            backend,
-            writer,
-            Budget(max_tokens, budget_tokens),
-            EngineSettings(max_concurrency=ceiling, progress_interval_s=3600),
-            log=lambda m: None,
+            backend, EngineSettings(max_concurrency=ceiling, progress_interval_s=3600), log=lambda m: None
         )
+        lane = Lane("bench", _requests(n, max_tokens, tag), n, Budget(max_tokens, budget_tokens), writer)
         await backend.start()
         try:
-            report = await engine.run(_requests(n, max_tokens, tag), n)
+            (report,) = await engine.run([lane])
         finally:
             await backend.close()
     return {"answered": report.succeeded, "attempts": report.attempts, "refused": report.refused}

@@ -34,7 +34,8 @@ BACKFILL_STATUS = """
 query($id: String!) {
   partitionBackfillOrError(backfillId: $id) {
     __typename
-    ... on PartitionBackfill { status numPartitions runs(limit: 50) { id status } }
+    ... on PartitionBackfill { status numPartitions
+      runs(limit: 50) { id status tags { key value } assetSelection { path } } }
     ... on PythonError { message }
   }
 }"""

@@ -52,6 +52,16 @@ def backfill_and_verify(dev: DagsterDev, tmp_path) -> None:
     result = dev.wait_backfill(backfill)
     assert result["status"] in ("COMPLETED", "COMPLETED_SUCCESS"), (result, dev.log_tail())
     assert result["runs"] and all(r["status"] == "SUCCESS" for r in result["runs"])
+    # Generation for both datasets is one run (single-run backfill policy): one engine, one window for the key.
+    generating = [
+        r for r in result["runs"] if ["responses"] in [a["path"] for a in r["assetSelection"] or []]
+    ]
+    assert len(generating) == 1, [(r["assetSelection"], r["tags"]) for r in result["runs"]]
+    tags = {t["key"]: t["value"] for t in generating[0]["tags"]}
+    assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == (
+        "B1",
+        "B2",
+    )
     for key, n in (("B1", 2), ("B2", 1)):
         report = json.loads((tmp_path / "data" / key / "report.json").read_text())
         assert report["n_prompts"] == n and report["n_responses"] == n

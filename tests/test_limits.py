@@ -18,7 +18,7 @@ from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.generation.protocol import FatalRunError
-from eagle3_assets.core.generation.run import generate_responses
+from eagle3_assets.core.generation.run import DatasetJob, generate_datasets, generate_responses
 from resources.inference.openrouter import OpenRouterBackend
 
 from .conftest import make_plan
@@ -270,3 +270,42 @@ def test_the_key_is_redacted_in_every_form_a_server_echoes_it(tmp_path, chat):
     _, failures = stored(layout)
     message = failures["message"][0]
     assert KEY not in message and message.count("[redacted]") == 2, message
+
+
+def test_several_datasets_share_one_window_each_within_its_budget(tmp_path, chat):
+    """A backfill of several datasets is one engine: their prompts fill the key's in-flight cap together, each
+    dataset stops at its own budget, and the datasets run side by side rather than one after another."""
+    cap, budget = 120, 60_000
+    layouts = [dataset(tmp_path, [f"d{k} q{i}" for i in range(3000)], key=f"B{k}") for k in (1, 2, 3)]
+    spec = ProviderSpec(
+        max_in_flight=cap, median_tokens=160, sigma=0.8, tokens_per_s=2000, base_s=0.05, latency_median_s=None
+    )
+    settings = EngineSettings(max_concurrency=1000, flush_interval_s=0.5, progress_interval_s=1.0)
+    with LimitedProvider(spec, process=True) as provider:
+        cfg = OpenRouterConfig(
+            base_url=provider.base_url,
+            api_key_env=KEY_ENV,
+            model="sim/model",
+            max_concurrency=1000,
+            stream=True,
+            reasoning=None,
+        )
+        jobs = [DatasetJob(layout, make_plan(layout.key, 1024, budget)) for layout in layouts]
+        summaries = generate_datasets(jobs, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
+        stats = provider.stats()
+    spans = []
+    for layout in layouts:
+        s = summaries[layout.key]
+        assert s.stop_reason == "budget", (layout.key, s.stop_reason)
+        responses, failures = stored(layout)
+        tokens = int(responses["completion_tokens"].sum())
+        assert 0.9 * budget <= tokens <= 1.02 * budget, (layout.key, tokens / budget)
+        assert failures.height == 0  # (a prompt refused for capacity when the budget closed stays unsent)
+        spans.append((responses["created_at"].min(), responses["created_at"].max()))
+    billed = stats["billed_tokens"]
+    assert billed == sum(int(stored(lo)[0]["completion_tokens"].sum()) for lo in layouts)  # nothing lost
+    assert stats["max_in_flight"] <= cap and stats["refused"] <= 0.05 * stats["attempts"]
+    # Side by side: every dataset's first answer landed before any dataset's last one.
+    assert max(first for first, _ in spans) < min(last for _, last in spans)
+    report = summaries["B1"].report
+    assert report.max_in_flight >= 0.9 * cap  # the datasets together reached the key's cap

@@ -122,3 +122,36 @@ def test_budget_stops_dispatch(tmp_path):
     assert responses["completion_tokens"].sum() <= 40
     report = json.loads((tmp_path / "data" / "B1" / "report.json").read_text())
     assert report["budget_tokens"] == 40 and report["completion_tokens"] <= 40
+
+
+def test_a_run_over_several_partitions_generates_them_together_and_reports_each(project, tmp_path):
+    """What a backfill of several datasets becomes (single-run backfill policy): one run, one engine, and still a
+    materialisation with its own metadata, and check results, for every partition."""
+    with dg.instance_for_test() as instance:
+        for key in ("B3", "B4"):
+            assert run_job(project, key, instance, selection=["prompts"]).success
+        defs = build_definitions(load_config(project), str(project))
+        job = defs.resolve_implicit_global_asset_job_def()
+        result = job.execute_in_process(
+            instance=instance,
+            asset_selection=[dg.AssetKey("responses")],
+            tags={"dagster/asset_partition_range_start": "B3", "dagster/asset_partition_range_end": "B4"},
+            raise_on_error=False,
+        )
+        assert result.success, [e.message for e in result.all_events if e.is_failure]
+        mats = {m.partition: m.metadata for m in result.asset_materializations_for_node("responses")}
+        assert set(mats) == {"B3", "B4"}
+        assert mats["B3"]["answered_total"].value == 4 and mats["B4"]["answered_total"].value == 1
+        assert mats["B3"]["datasets_in_this_run"].value == "B3, B4"
+        startup = mats["B3"]["startup_s"].value
+        assert startup["launch_to_first_request_s"] >= startup["step_to_first_request_s"] > 0
+        evaluations = [
+            e.asset_check_evaluation_data
+            for e in result.all_events
+            if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
+        per_partition = {(ev.check_name, ev.partition) for ev in evaluations if ev.partition}
+        for check in ("responses_unique_ids", "responses_failure_share"):
+            assert {(check, "B3"), (check, "B4")} <= per_partition
+        for key, n in (("B3", 4), ("B4", 1)):
+            assert pl.read_parquet(tmp_path / "data" / key / "responses" / "*.parquet").height == n

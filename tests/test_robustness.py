@@ -12,7 +12,7 @@ import pytest
 
 from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.protocol import Completion, CompletionRequest, FatalRunError
@@ -114,14 +114,13 @@ def test_the_engine_stops_buying_answers_it_cannot_store(tmp_path):
     backend = _InstantBackend()
     engine = GenerationEngine(
         backend,
-        JournalWriter(journal, "openrouter", "run"),
-        Budget(10, 10**9),
         EngineSettings(max_concurrency=4, flush_interval_s=0.05, fatal_grace_s=0.2),
         log=lambda m: None,
     )
     requests = (CompletionRequest(f"p{i}", [{"role": "user", "content": "q"}], 10) for i in range(10_000))
+    lane = Lane("B1", requests, 10_000, Budget(10, 10**9), JournalWriter(journal, "openrouter", "run"))
     with pytest.raises((RuntimeError, OSError)):
-        asyncio.run(engine.run(requests, total=10_000))
+        asyncio.run(engine.run([lane]))
     assert backend.calls < 1000
 
 

@@ -1,6 +1,6 @@
 """What the asset modules share: the group, metadata tables, and how a check's verdict becomes its result."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import dagster as dg
@@ -33,3 +33,39 @@ def scan_tokens(storage: Storage, key: str, columns: list[str]) -> pl.LazyFrame 
     """The partition's token rows, lazily: each check reduces them to what it needs (streaming, bounded memory)."""
     path = storage.checkout(key, "tokens").tokens
     return pl.scan_parquet(path).select(columns) if path.exists() else None
+
+
+def check_each_partition(
+    context: dg.AssetCheckExecutionContext, evaluate: Callable[[str], dg.AssetCheckResult]
+) -> dg.AssetCheckResult:
+    """A partitioned check, in a run of one partition or of a range (the single-run backfill of `responses`).
+
+    Dagster gives a check in a range run no partition of its own, so each partition's result is logged as that
+    partition's evaluation (what the UI and automation read per partition), and the step's own result summarises
+    them."""
+    keys = list(context.partition_keys)
+    if len(keys) == 1:
+        return evaluate(keys[0])
+    spec = context.check_specs[0]
+    failed = []
+    for key in keys:
+        r = evaluate(key)
+        if not r.passed:
+            failed.append(key)
+        context.op_execution_context.log_event(
+            dg.AssetCheckEvaluation(
+                asset_key=spec.asset_key,
+                check_name=spec.name,
+                passed=r.passed,
+                metadata=r.metadata,
+                severity=r.severity,
+                partition=key,
+                blocking=spec.blocking,
+            )
+        )
+    return dg.AssetCheckResult(
+        passed=not failed,
+        metadata={"partitions": ", ".join(keys), "failed_partitions": ", ".join(failed) or "none"},
+        description="evaluated per partition (a run over several partitions); each partition's result is "
+        "recorded under its partition",
+    )

@@ -1,15 +1,25 @@
-"""responses: the target model's answers, through whichever inference resource is configured; and its checks."""
+"""responses: the target model's answers, through whichever inference resource is configured; and its checks.
+
+A backfill of several datasets is one run (`BackfillPolicy.single_run()`): one engine generates all of them at once
+inside the key's adaptive window, each within its own budget and journal (core.generation.run.generate_datasets;
+the engine module says why one engine and not one run per dataset). Each partition still gets its own
+materialisation and metadata (`add_asset_metadata(partition_key=...)`) and its own check results. Runs of one
+partition at a time are unchanged; the pool `llm_api` keeps generation to one step per key.
+"""
+
+import time
+from contextlib import ExitStack
 
 import dagster as dg
 import polars as pl
 
 from resources import Inference, Project, Storage, Target
 
-from ..core.generation.run import GenerationPlan, GenerationSummary, generate_responses
+from ..core.generation.run import DatasetJob, GenerationPlan, GenerationSummary, generate_datasets
 from ..core.report import validation
 from ..core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
-from ..core.storage.versions import rows_version
-from .common import GROUP, check_result, counts_table
+from ..core.storage.versions import content_version, rows_version
+from .common import GROUP, check_each_partition, check_result, counts_table
 
 
 class ResponsesRunConfig(dg.Config):
@@ -32,7 +42,7 @@ def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
         "sent_this_run": r.sent if r else 0,
         "failures_total": s.n_failures,
         "skipped_permanent_failures": s.skipped_permanent,
-        "stop_reason": s.stop_reason,
+        "stop_reason": s.stop_reason + (f" ({s.busy})" if s.busy else ""),
         "completion_tokens_total": s.prior.completion_tokens + (r.completion_tokens if r else 0),
         "lost_in_flight": s.lost_in_flight + s.prior.lost_requests,
         "cost_usd_total": round(s.prior.cost_usd + (r.cost_usd if r else 0.0), 6),
@@ -60,6 +70,7 @@ def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
                 "unanswered_after_backpressure": r.unanswered,
                 "usage_counted_locally": r.usage_estimated,
                 "tokens_per_s": round(r.completion_tokens / r.elapsed_s, 1) if r.elapsed_s else 0.0,
+                "mean_in_flight_key": round(r.mean_in_flight, 1),
                 "elapsed_s": round(r.elapsed_s, 1),
                 "attempts": r.attempts,
                 "providers": counts_table(dict(r.providers.most_common()), "provider"),
@@ -74,6 +85,29 @@ def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
     return md
 
 
+def startup_timeline(
+    context: dg.AssetExecutionContext, step_started: float, first_request: float | None
+) -> dict:
+    """Seconds from the launch to the first request, by phase: the backfill daemon's pickup (when the run came
+    from a backfill), the run's start, the step's start, and the step's own preparation (tokenizer, journal, backend
+    preflight and start). Wall-clock stamps from the instance and this process."""
+    record = context.instance.get_run_record_by_id(context.run_id)
+    phases: dict[str, float] = {}
+    created = record.create_timestamp.timestamp() if record else None
+    backfill_id = context.run.tags.get("dagster/backfill")
+    if backfill_id and created is not None:
+        backfill = context.instance.get_backfill(backfill_id)
+        if backfill is not None:
+            phases["backfill_to_run_created_s"] = created - backfill.backfill_timestamp
+    if record is not None and record.start_time is not None and created is not None:
+        phases["run_created_to_started_s"] = record.start_time - created
+        phases["run_started_to_step_s"] = step_started - record.start_time
+    if first_request is not None:
+        phases["step_to_first_request_s"] = first_request - step_started
+        phases["launch_to_first_request_s"] = sum(phases.values())
+    return {k: round(v, 2) for k, v in phases.items()}
+
+
 def build_responses_asset(
     partitions: dg.PartitionsDefinition,
     automation_condition: dg.AutomationCondition | None = None,
@@ -83,6 +117,7 @@ def build_responses_asset(
         name="responses",
         deps=["prompts"],
         partitions_def=partitions,
+        backfill_policy=dg.BackfillPolicy.single_run(),
         automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
@@ -91,7 +126,8 @@ def build_responses_asset(
         code_version="2",
         description="The target model's answer to every prompt (text, reasoning, finish reason, usage, cost and "
         "output token ids where the backend returns them). Resumable: an answered prompt is never sent again; "
-        "stops at the dataset's token/dollar budget.",
+        "stops at the dataset's token/dollar budget. A backfill of several datasets is one run that generates "
+        "them all at once within the key's limit.",
     )
     def responses(
         context: dg.AssetExecutionContext,
@@ -101,38 +137,54 @@ def build_responses_asset(
         inference: dg.ResourceParam[Inference],
         target: dg.ResourceParam[Target],
     ) -> dg.MaterializeResult:
+        step_started = time.time()
         cfg = project.cfg
-        key = context.partition_key
-        plan = GenerationPlan(
-            key=key,
-            dataset=cfg.dataset(key),
-            sampling=cfg.sampling_for(key),
-            retry_permanent_failures=config.retry_permanent_failures,
-            limit=config.limit,
-        )
+        keys = list(context.partition_keys)
         chat = target.chat_tokenizer()
         settings = inference.engine_settings(config.max_concurrency)
-        # Append-only: after a failure too, every answer that was paid for is stored.
-        with storage.stage(key, "responses", append_only=True) as layout:
-            summary = generate_responses(
-                layout,
-                plan,
+        with ExitStack() as stack:
+            # Append-only: after a failure too, every answer that was paid for is stored.
+            layouts = {k: stack.enter_context(storage.stage(k, "responses", append_only=True)) for k in keys}
+            jobs = [
+                DatasetJob(
+                    layouts[k],
+                    GenerationPlan(
+                        key=k,
+                        dataset=cfg.dataset(k),
+                        sampling=cfg.sampling_for(k),
+                        retry_permanent_failures=config.retry_permanent_failures,
+                        limit=config.limit,
+                    ),
+                    storage.lock(k),
+                    storage.flusher(k),
+                )
+                for k in keys
+            ]
+            summaries = generate_datasets(
+                jobs,
                 inference.create_backend(chat),
                 chat,
                 settings,
                 log=context.log.info,
                 extra_preflight=target.problems(),
-                lock=storage.lock(key),
-                on_flush=storage.flusher(key),
             )
-        stored = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).scan(["id"])
-        return dg.MaterializeResult(
-            data_version=dg.DataVersion(
-                rows_version(stored, ["id"])
-            ),  # a run that bought nothing: same version
-            metadata=summary_metadata(summary, settings.max_concurrency)
-            | {"path": dg.MetadataValue.path(str(layout.responses_dir))},
-        )
+        sent = [s.report.first_dispatch_wall for s in summaries.values() if s.report]
+        first = min((t for t in sent if t is not None), default=None)
+        timeline = startup_timeline(context, step_started, first)
+        versions = {}
+        for k in keys:
+            stored = JournalTable(layouts[k].responses_dir, RESPONSE_SCHEMA).scan(["id"])
+            versions[k] = rows_version(stored, ["id"])  # a run that bought nothing: same version
+            md = summary_metadata(summaries[k], settings.max_concurrency)
+            md["startup_s"] = dg.MetadataValue.json(timeline)
+            md["path"] = dg.MetadataValue.path(str(layouts[k].responses_dir))
+            if len(keys) > 1:
+                md["datasets_in_this_run"] = ", ".join(keys)
+            context.add_asset_metadata(md, partition_key=k)
+        # One data version per materialisation: a range run's covers all its partitions, so it changes when any
+        # of them changed (the tokens stage re-reads only what is new in each).
+        version = versions[keys[0]] if len(keys) == 1 else content_version(versions)
+        return dg.MaterializeResult(data_version=dg.DataVersion(version))
 
     return responses
 
@@ -147,10 +199,11 @@ def build_responses_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asset
     def responses_unique_ids(
         context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
     ) -> dg.AssetCheckResult:
-        table = JournalTable(
-            storage.checkout(context.partition_key, "responses").responses_dir, RESPONSE_SCHEMA
-        )
-        return check_result(validation.unique_ids(table.scan(["id"]).collect()["id"]))
+        def evaluate(key: str) -> dg.AssetCheckResult:
+            table = JournalTable(storage.checkout(key, "responses").responses_dir, RESPONSE_SCHEMA)
+            return check_result(validation.unique_ids(table.scan(["id"]).collect()["id"]))
+
+        return check_each_partition(context, evaluate)
 
     @dg.asset_check(
         asset="responses",
@@ -163,13 +216,17 @@ def build_responses_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asset
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
     ) -> dg.AssetCheckResult:
-        layout = storage.checkout(context.partition_key, "responses")
-        n_prompts = (
-            pl.scan_parquet(layout.prompts).select(pl.len()).collect().item()
-            if layout.prompts.exists()
-            else 0
-        )
-        n_fail = len(JournalTable(layout.failures_dir, FAILURE_SCHEMA).keys())
-        return check_result(validation.failure_share(n_fail, n_prompts, project.cfg.checks.max_failure_share))
+        def evaluate(key: str) -> dg.AssetCheckResult:
+            layout = storage.checkout(key, "responses")
+            n_prompts = (
+                pl.scan_parquet(layout.prompts).select(pl.len()).collect().item()
+                if layout.prompts.exists()
+                else 0
+            )
+            n_fail = len(JournalTable(layout.failures_dir, FAILURE_SCHEMA).keys())
+            limit = project.cfg.checks.max_failure_share
+            return check_result(validation.failure_share(n_fail, n_prompts, limit))
+
+        return check_each_partition(context, evaluate)
 
     return [responses_unique_ids, responses_failure_share]

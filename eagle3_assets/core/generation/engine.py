@@ -20,6 +20,15 @@ a task; its outcome reopens the gates. Outcomes by kind:
 
 Every attempt is written to the dispatch ledger before it is sent (`ledger.DispatchLedger`), so what a crash
 leaves in flight is charged on resume.
+
+One engine serves several datasets at once (`Lane`: a dataset's prompts, budget, journal writer and ledger) inside
+one adaptive window: that is how a backfill of B1..B8 rides one key. Why one engine in one process rather than one
+run per dataset sharing a limiter across processes: the window is a control loop fed by every refusal and every
+answer of the key, and it is exact only where it sees all of them at once; a cross-process limiter would coordinate
+through a file or a database on every dispatch and still lag, and eight run processes cost eight interpreter,
+Dagster and tokenizer starts on the machine that also drives the requests. In one loop, while one dataset's last long
+answers are in flight (or its budget is closing in), the other datasets' prompts take the free slots. Lanes are
+served round robin, each within its own budget; a lane whose budget is reached stops alone.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import random
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .budget import Budget, Ticket
@@ -105,6 +114,9 @@ class EngineReport:
     limit_decreases: int = 0
     global_pauses: int = 0
     max_in_flight: int = 0
+    mean_in_flight: float = 0.0  # time-weighted over the run, all lanes together (the key's)
+    first_dispatch_s: float | None = None  # seconds from the engine's start to its first request
+    first_dispatch_wall: float | None = None  # when it was sent (seconds since the epoch)
     limit_trace: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, window)
 
     def latency_percentiles(self) -> dict[str, float]:
@@ -124,71 +136,103 @@ class EngineReport:
 
 
 class _Pending:
-    """A prompt being worked on: its request and what happened to it so far."""
+    """A prompt being worked on: its request, its lane and what happened to it so far."""
 
-    __slots__ = ("attempts", "faults", "last_error", "refusals", "request")
+    __slots__ = ("attempts", "faults", "lane", "last_error", "refusals", "request")
 
-    def __init__(self, request: CompletionRequest):
+    def __init__(self, request: CompletionRequest, lane: Lane):
         self.request = request
+        self.lane = lane
         self.attempts = 0
         self.faults = 0
         self.refusals = 0
         self.last_error: InferenceError | None = None
 
 
+class Lane:
+    """One dataset's share of a run: its prompts (in order), its budget, its journal writer and dispatch ledger,
+    and its own report. Prompts are pulled lazily; retries wait in the lane's own heap by ready time."""
+
+    def __init__(
+        self,
+        key: str,
+        requests: Iterable[CompletionRequest],
+        total: int,
+        budget: Budget,
+        writer: JournalWriter,
+        ledger: DispatchLedger | None = None,
+    ):
+        self.key = key
+        self.it: Iterator[CompletionRequest] = iter(requests)
+        self.budget = budget
+        self.writer = writer
+        self.ledger = ledger
+        self.report = EngineReport(total=total)
+        self.retries: list[tuple[float, int, _Pending]] = []  # heap by ready time
+        self.held: _Pending | None = None  # taken from the queue, waiting for the budget
+        self.exhausted = False
+        self.in_flight = 0
+        self.budget_blocked = False  # no room in the budget at the last look
+        self.budget_stop = False
+
+    @property
+    def finished(self) -> bool:
+        """Nothing left to send or wait for, or stopped by its budget."""
+        return self.budget_stop or (
+            self.exhausted and self.held is None and not self.retries and not self.in_flight
+        )
+
+
 _DIGITS = re.compile(r"\d+")
 
 
 class GenerationEngine:
+    """Drives one backend for one or more lanes (datasets) inside one adaptive window."""
+
     def __init__(
         self,
         backend: InferenceBackend,
-        writer: JournalWriter,
-        budget: Budget,
         settings: EngineSettings,
         log: Callable[[str], None] = print,
-        ledger: DispatchLedger | None = None,
         limiter: AdaptiveLimit | None = None,
     ):
         self.backend = backend
-        self.writer = writer
-        self.budget = budget
         self.settings = settings
         self.log = log
-        self.ledger = ledger
         self.limiter = limiter or AdaptiveLimit(
             settings.max_concurrency, settings.initial_concurrency, adaptive=settings.adaptive
         )
-        self.report = EngineReport(total=0)
+        self.lanes: list[Lane] = []
         self._stop = asyncio.Event()
         self._closing = asyncio.Event()  # the flush loop ends after the flush it is in, never inside one
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self._retries: list[tuple[float, int, _Pending]] = []  # heap by ready time
         self._seq = itertools.count()
-        self._held: _Pending | None = None  # taken from the queue, waiting for the budget
-        self._exhausted = False
+        self._turn = 0  # the lane whose turn it is to dispatch next (round robin)
         self._fatal: InferenceError | None = None
-        self._budget_stop = False
         self._journal_error: BaseException | None = None
         self._configuration_stop = False
         self._streak_sig: tuple | None = None
-        self._streak_ids: list[str] = []
+        self._streak_ids: list[tuple[Lane, str]] = []
         self._streak_since = 0.0
         self._last_success_at = time.monotonic()
         self._refused_at_last_success = 0
+        self._succeeded = self._attempts = self._refused = 0  # all lanes together
         self._recent: deque = deque(maxlen=64)  # (t, succeeded, attempts, refused) for interval rates
+        self._first_dispatch_at: float | None = None
+        self._first_dispatch_wall: float | None = None
 
     # -- public ---------------------------------------------------------------------------------------------
-    async def run(self, requests: Iterable[CompletionRequest], total: int) -> EngineReport:
-        report = self.report
-        report.total = total
+    async def run(self, lanes: Sequence[Lane]) -> list[EngineReport]:
+        """Answer every lane's prompts; returns the lanes' reports in their order."""
+        self.lanes = list(lanes)
         start = time.monotonic()
         self._last_success_at = start
+        self.limiter.start_accounting(start)
         flusher = asyncio.create_task(self._flush_loop())
         progress = asyncio.create_task(self._progress_loop(start))
         try:
-            await self._dispatch(iter(requests))
+            await self._dispatch()
             await self._drain()
             if flusher.done() and self._journal_error is None:
                 self._journal_error = flusher.exception() or RuntimeError("the journal writer stopped")
@@ -200,137 +244,165 @@ class GenerationEngine:
                 t.cancel()
             await asyncio.gather(flusher, progress, *self._tasks, return_exceptions=True)
             self._release_unsent()
-            await self.writer.flush()  # raises if the journal cannot be written: the run fails loudly
-            report.elapsed_s = time.monotonic() - start
-            self._fill_limit_stats()
+            for lane in self.lanes:
+                await lane.writer.flush()  # raises if the journal cannot be written: the run fails loudly
+            elapsed = time.monotonic() - start
+            self._fill_stats(start, elapsed)
         if self._journal_error is not None:
             raise RuntimeError(f"the response journal could not be written: {self._journal_error}") from (
                 self._journal_error
             )
         if self._fatal is not None:
-            report.stop_reason = "fatal"
             advice = FATAL_ADVICE.get(self._fatal.kind, "")
-            report.fatal_message = f"{self._fatal}; {advice}".strip("; ")
-        elif self._budget_stop:
-            report.stop_reason = "budget"
+            message = f"{self._fatal}; {advice}".strip("; ")
+            for lane in self.lanes:
+                lane.report.stop_reason, lane.report.fatal_message = "fatal", message
+        for lane in self.lanes:
+            if self._fatal is None and lane.budget_stop:
+                lane.report.stop_reason = "budget"
         self._log_progress(start, final=True)
         if self._fatal is not None:
-            raise FatalRunError(f"stopped: {report.fatal_message}")
-        return report
+            raise FatalRunError(f"stopped: {self.lanes[0].report.fatal_message}")
+        return [lane.report for lane in self.lanes]
 
-    def record_skipped(self, request_id: str, kind: str, message: str) -> None:
+    def record_skipped(self, lane: Lane, request_id: str, kind: str, message: str) -> None:
         """A prompt that could not even be turned into a request (e.g. its template fails): a permanent failure."""
-        self.writer.add_failure(request_id, kind, message, 0, True, None)
-        self.report.failed += 1
-        self.report.permanent_failures += 1
-        self.report.failure_kinds[kind] += 1
+        lane.writer.add_failure(request_id, kind, message, 0, True, None)
+        lane.report.failed += 1
+        lane.report.permanent_failures += 1
+        lane.report.failure_kinds[kind] += 1
 
     # -- the dispatcher -------------------------------------------------------------------------------------
-    async def _dispatch(self, it: Iterator[CompletionRequest]) -> None:
-        limiter, budget = self.limiter, self.budget
+    async def _dispatch(self) -> None:
+        limiter = self.limiter
         while not self._stop.is_set():
             now = time.monotonic()
-            budget_blocked = False
+            for lane in self.lanes:
+                lane.budget_blocked = False
             while limiter.has_room(now):
-                p = self._next(it, now)
+                p = self._next(now)
                 if p is None:
                     break
-                if not budget.can_dispatch():
-                    self._put_back(p, now)
-                    budget_blocked = True
-                    break
                 self._launch(p)
-            if not self._tasks and not self._retries and self._held is None and self._exhausted:
-                return  # everything answered or failed
-            if budget_blocked and not self._tasks:
-                self._budget_stop = True  # nothing in flight and still no room: the budget is spent
-                return
+            for lane in self.lanes:
+                if lane.budget_blocked and not lane.in_flight and not lane.budget_stop:
+                    lane.budget_stop = (
+                        True  # nothing in flight and still no room: this lane's budget is spent
+                    )
+            if all(lane.finished for lane in self.lanes):
+                return  # everything answered, failed or out of budget
             if self._stalled(now):
                 return
-            if self.writer.pending >= 50_000:
-                await self.writer.flush()
+            if sum(lane.writer.pending for lane in self.lanes) >= 50_000:
+                for lane in self.lanes:
+                    await lane.writer.flush()
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._next_timer(now, budget_blocked))
+                await asyncio.wait_for(self._wake.wait(), self._next_timer(now))
 
-    def _next(self, it: Iterator[CompletionRequest], now: float) -> _Pending | None:
-        """Retries that are due first (they were sent before), then the next new prompt."""
-        if self._retries and self._retries[0][0] <= now:
-            return heapq.heappop(self._retries)[2]
-        if self._held is not None:
-            p, self._held = self._held, None
+    def _next(self, now: float) -> _Pending | None:
+        """The next attempt, lanes in turn: a lane's due retries first (they were sent before), then its next new
+        prompt; a lane whose budget has no room for one more request is passed over."""
+        n = len(self.lanes)
+        for i in range(n):
+            lane = self.lanes[(self._turn + i) % n]
+            if lane.budget_stop or lane.budget_blocked:
+                continue
+            p = self._candidate(lane, now)
+            if p is None:
+                continue
+            if not lane.budget.can_dispatch():
+                self._put_back(p, now)
+                lane.budget_blocked = True
+                continue
+            self._turn = (self._turn + i + 1) % n
             return p
-        if self._exhausted:
+        return None
+
+    def _candidate(self, lane: Lane, now: float) -> _Pending | None:
+        if lane.retries and lane.retries[0][0] <= now:
+            return heapq.heappop(lane.retries)[2]
+        if lane.held is not None:
+            p, lane.held = lane.held, None
+            return p
+        if lane.exhausted:
             return None
-        request = next(it, None)
+        request = next(lane.it, None)
         if request is None:
-            self._exhausted = True
+            lane.exhausted = True
             return None
-        self.report.sent += 1
-        return _Pending(request)
+        lane.report.sent += 1
+        return _Pending(request, lane)
 
     def _put_back(self, p: _Pending, now: float) -> None:
         if p.attempts:
-            heapq.heappush(self._retries, (now, next(self._seq), p))
+            heapq.heappush(p.lane.retries, (now, next(self._seq), p))
         else:
-            self._held = p
+            p.lane.held = p
 
-    def _next_timer(self, now: float, budget_blocked: bool) -> float:
+    def _next_timer(self, now: float) -> float:
         """How long the dispatcher may sleep when nothing wakes it: the next due retry or the end of a pause."""
         timers = [1.0]
-        if self._retries and not budget_blocked:
-            timers.append(self._retries[0][0] - now)
+        for lane in self.lanes:
+            if lane.retries and not lane.budget_blocked:
+                timers.append(lane.retries[0][0] - now)
         if self.limiter.paused_until > now:
             timers.append(self.limiter.paused_until - now)
         return max(0.001, min(timers))
 
     def _launch(self, p: _Pending) -> None:
+        lane = p.lane
         p.attempts += 1
         p.request.streamed_tokens = 0
-        self.report.attempts += 1
-        ticket = self.budget.open(p.request)
+        lane.report.attempts += 1
+        self._attempts += 1
+        ticket = lane.budget.open(p.request)
         token = self.limiter.on_dispatch()
-        self.report.max_in_flight = max(self.report.max_in_flight, self.limiter.in_flight)
-        if self.ledger is not None:
-            self.ledger.sent(p.request.id)
+        lane.in_flight += 1
+        if self._first_dispatch_at is None:
+            self._first_dispatch_at, self._first_dispatch_wall = token[0], time.time()
+        if lane.ledger is not None:
+            lane.ledger.sent(p.request.id)
         task = asyncio.create_task(self._attempt(p, ticket, token))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # -- one attempt ----------------------------------------------------------------------------------------
     async def _attempt(self, p: _Pending, ticket: Ticket, token: tuple[float, int]) -> None:
+        lane = p.lane
         dispatched_at = token[0]
         try:
             c = await self.backend.complete(p.request)
         except asyncio.CancelledError:
             # Stopped while in flight: it may be billed, so no `unbilled` line; the ledger charges it.
-            self.budget.settle(ticket, None, None)
+            lane.budget.settle(ticket, None, None)
             self.limiter.on_done()
             raise
         except InferenceError as e:
-            self.budget.settle(ticket, None, None)
-            if self.ledger is not None:
-                self.ledger.unbilled(p.request.id)
+            lane.budget.settle(ticket, None, None)
+            if lane.ledger is not None:
+                lane.ledger.unbilled(p.request.id)
             self._on_error(p, e, token)
         except Exception as e:  # a bug while handling an answer must not kill its siblings; it was paid for
-            self.budget.settle(ticket, None, None)
+            lane.budget.settle(ticket, None, None)
             self.limiter.on_done()
             err = InferenceError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
-            self.report.errors[err.kind.value] += 1
+            lane.report.errors[err.kind.value] += 1
             self._fail(p, err)
             self._count_streak(p, err, dispatched_at)
         else:
             latency = c.latency_s or (time.monotonic() - dispatched_at)
             c.latency_s = latency
-            self.budget.settle(ticket, c.completion_tokens, c.cost_usd, latency)
+            lane.budget.settle(ticket, c.completion_tokens, c.cost_usd, latency)
             self.limiter.on_success()
             self._succeed(p, c, dispatched_at)
         finally:
+            lane.in_flight -= 1
             self._wake.set()
 
     def _succeed(self, p: _Pending, c: Completion, dispatched_at: float) -> None:
-        r = self.report
-        self.writer.add_completion(p.request.id, c)
+        r = p.lane.report
+        p.lane.writer.add_completion(p.request.id, c)
         r.succeeded += 1
         r.prompt_tokens += c.prompt_tokens
         r.completion_tokens += c.completion_tokens
@@ -339,13 +411,14 @@ class GenerationEngine:
         r.providers[c.provider or self.backend.name] += 1
         r.finish_reasons[c.finish_reason] += 1
         r.latencies.append(c.latency_s)
+        self._succeeded += 1
         self._last_success_at = time.monotonic()
-        self._refused_at_last_success = r.refused
+        self._refused_at_last_success = self._refused
         if self._streak_sig is not None and dispatched_at >= self._streak_since:
             self._streak_sig, self._streak_ids = None, []
 
     def _on_error(self, p: _Pending, e: InferenceError, token: tuple[float, int]) -> None:
-        r = self.report
+        r = p.lane.report
         r.errors[e.kind.value] += 1
         p.last_error = e
         now = time.monotonic()
@@ -360,11 +433,12 @@ class GenerationEngine:
         if e.backpressure:
             self.limiter.on_refused(token)
             r.refused += 1
+            self._refused += 1
             if e.pause_all_s:
                 self.limiter.pause_all(now + e.pause_all_s)
             p.refusals += 1
             delay = e.retry_after if e.retry_after is not None else self._refused_delay(p.refusals)
-            heapq.heappush(self._retries, (now + delay, next(self._seq), p))
+            heapq.heappush(p.lane.retries, (now + delay, next(self._seq), p))
             return
         if e.kind is ErrorKind.OVERLOADED:
             self.limiter.on_refused(token)  # overloaded without a Retry-After: narrow, and count a fault
@@ -376,28 +450,30 @@ class GenerationEngine:
                 self._fail(p, e, permanent=False)
                 return
             delay = e.retry_after if e.retry_after is not None else self._backoff(p.faults)
-            heapq.heappush(self._retries, (now + delay, next(self._seq), p))
+            heapq.heappush(p.lane.retries, (now + delay, next(self._seq), p))
             return
         self._fail(p, e, permanent=e.kind.permanent)
         self._count_streak(p, e, token[0])
 
     def _fail(self, p: _Pending, e: InferenceError, permanent: bool = False) -> None:
         permanent = permanent and not self._configuration_stop
-        self.writer.add_failure(p.request.id, e.kind.value, e.message, p.attempts, permanent, e.status)
-        self.report.failed += 1
-        self.report.failure_kinds[e.kind.value] += 1
+        r = p.lane.report
+        p.lane.writer.add_failure(p.request.id, e.kind.value, e.message, p.attempts, permanent, e.status)
+        r.failed += 1
+        r.failure_kinds[e.kind.value] += 1
         if permanent:
-            self.report.permanent_failures += 1
+            r.permanent_failures += 1
 
     def _count_streak(self, p: _Pending, e: InferenceError, dispatched_at: float) -> None:
         """Identical permanent errors with no answer in between (from a request sent after they began) are a
-        configuration problem, not bad prompts: stop, and leave those prompts retryable."""
+        configuration problem, not bad prompts: stop, and leave those prompts retryable. Counted across lanes:
+        they share the backend and its configuration."""
         if e.kind is ErrorKind.CONTEXT_LENGTH:
             return  # a property of each prompt
         sig = (e.kind, e.status, _DIGITS.sub("#", e.message)[:200])
         if sig != self._streak_sig:
             self._streak_sig, self._streak_ids, self._streak_since = sig, [], dispatched_at
-        self._streak_ids.append(p.request.id)
+        self._streak_ids.append((p.lane, p.request.id))
         if len(self._streak_ids) < self.settings.streak_limit or self._configuration_stop:
             return
         n = len(self._streak_ids)
@@ -412,16 +488,16 @@ class GenerationEngine:
             )
             self.log(f"stopping the run: {self._fatal}")
         self._stop.set()
-        for rid in self._streak_ids:
-            self.writer.add_failure(
+        for lane, rid in self._streak_ids:
+            lane.writer.add_failure(
                 rid, e.kind.value, "not permanent: the whole run failed the same way", 0, False, e.status
             )
-        if e.kind.permanent:
-            self.report.permanent_failures -= n
+            if e.kind.permanent:
+                lane.report.permanent_failures -= 1
 
     def _stalled(self, now: float) -> bool:
         idle = now - self._last_success_at
-        if idle < self.settings.stall_timeout_s or self.report.refused == self._refused_at_last_success:
+        if idle < self.settings.stall_timeout_s or self._refused == self._refused_at_last_success:
             return False
         self._fatal = InferenceError(
             ErrorKind.RATE_LIMITED,
@@ -445,13 +521,14 @@ class GenerationEngine:
 
     def _release_unsent(self) -> None:
         """Prompts waiting for a retry when the run stops keep their last error, as a retryable failure."""
-        for _, _, p in self._retries:
-            e = p.last_error or InferenceError(ErrorKind.SERVER, "stopped before a retry")
-            if e.backpressure:
-                self.report.unanswered += 1  # refused for capacity only: nothing is wrong with the prompt
-                continue
-            self._fail(p, e, permanent=False)
-        self._retries = []
+        for lane in self.lanes:
+            for _, _, p in lane.retries:
+                e = p.last_error or InferenceError(ErrorKind.SERVER, "stopped before a retry")
+                if e.backpressure:
+                    lane.report.unanswered += 1  # refused for capacity only: nothing is wrong with the prompt
+                    continue
+                self._fail(p, e, permanent=False)
+            lane.retries = []
 
     def _refused_delay(self, refusals: int) -> float:
         cap = min(self.settings.refused_delay_max_s, self.settings.refused_delay_s * 1.5 ** (refusals - 1))
@@ -471,7 +548,8 @@ class GenerationEngine:
             except TimeoutError:
                 pass
             try:
-                await self.writer.flush()
+                for lane in self.lanes:
+                    await lane.writer.flush()
             except BaseException as e:
                 # Answers that cannot be stored must not be bought: stop sending.
                 self._journal_error = e
@@ -484,34 +562,57 @@ class GenerationEngine:
             await asyncio.sleep(self.settings.progress_interval_s)
             self._log_progress(start)
 
-    def _fill_limit_stats(self) -> None:
-        r, lim = self.report, self.limiter
+    def _fill_stats(self, start: float, elapsed: float) -> None:
+        """The key's window and in-flight figures, the same in every lane's report (the lanes share them)."""
+        lim = self.limiter
         trace = [int(w) for _, w in lim.stats.limit_trace] or [lim.window]
-        r.limit_final, r.limit_min, r.limit_max = lim.window, min(trace), max(trace)
-        r.limit_decreases, r.global_pauses = lim.stats.decreases, lim.stats.global_pauses
-        r.limit_trace = [(t, int(w)) for t, w in lim.stats.limit_trace]
+        mean_in_flight = lim.mean_in_flight(time.monotonic())
+        first = None if self._first_dispatch_at is None else self._first_dispatch_at - start
+        for lane in self.lanes:
+            r = lane.report
+            r.elapsed_s = elapsed
+            r.limit_final, r.limit_min, r.limit_max = lim.window, min(trace), max(trace)
+            r.limit_decreases, r.global_pauses = lim.stats.decreases, lim.stats.global_pauses
+            r.max_in_flight = lim.stats.max_in_flight
+            r.mean_in_flight = mean_in_flight
+            r.first_dispatch_s = first
+            r.first_dispatch_wall = self._first_dispatch_wall
+            r.limit_trace = [(t, int(w)) for t, w in lim.stats.limit_trace]
 
     def _log_progress(self, start: float, final: bool = False) -> None:
-        r = self.report
+        lanes = self.lanes
         now = time.monotonic()
         elapsed = max(now - start, 1e-9)
-        done = r.succeeded + r.failed
-        self._recent.append((now, r.succeeded, r.attempts, r.refused))
+        total = sum(lane.report.total for lane in lanes)
+        ok = sum(lane.report.succeeded for lane in lanes)
+        failed = sum(lane.report.failed for lane in lanes)
+        tokens = sum(lane.report.completion_tokens for lane in lanes)
+        cost = sum(lane.report.cost_usd for lane in lanes)
+        errors: Counter = sum((lane.report.errors for lane in lanes), Counter())
+        self._recent.append((now, self._succeeded, self._attempts, self._refused))
         t0, s0, a0, f0 = self._recent[0] if len(self._recent) > 1 else (start, 0, 0, 0)
         span = max(now - t0, 1e-9)
-        goodput = (r.succeeded - s0) / span if not final else r.succeeded / elapsed
-        refused = (r.refused - f0) / max(r.attempts - a0, 1) if not final else r.refused_share
+        goodput = (self._succeeded - s0) / span if not final else self._succeeded / elapsed
+        refused = (
+            (self._refused - f0) / max(self._attempts - a0, 1)
+            if not final
+            else self._refused / max(self._attempts, 1)
+        )
         eta = "-"
         if goodput > 0 and not final:
-            eta_s = (r.total - done) / goodput
+            eta_s = (total - ok - failed) / goodput
             eta = f"{eta_s / 60:.1f} min" if eta_s < 7200 else f"{eta_s / 3600:.1f} h"
-        errors = ", ".join(f"{k} {v}" for k, v in r.errors.most_common()) or "none"
         head = "finished" if final else "progress"
+        budgets = (
+            lanes[0].budget.describe()
+            if len(lanes) == 1
+            else "; ".join(f"{lane.key} {lane.budget.describe()}" for lane in lanes)
+        )
         self.log(
-            f"{head}: {done:,}/{r.total:,} done ({r.succeeded:,} ok, {r.failed:,} failed), "
-            f"goodput {goodput:.1f} answers/s, {r.completion_tokens / elapsed:,.0f} tok/s, ${r.cost_usd:,.4f}, "
+            f"{head}: {ok + failed:,}/{total:,} done ({ok:,} ok, {failed:,} failed), "
+            f"goodput {goodput:.1f} answers/s, {tokens / elapsed:,.0f} tok/s, ${cost:,.4f}, "
             f"in flight {self.limiter.in_flight}, {self.limiter.describe()}, refused {refused:.1%}, "
-            f"budget {self.budget.describe()}, errors: {errors}"
+            f"budget {budgets}, errors: {', '.join(f'{k} {v}' for k, v in errors.most_common()) or 'none'}"
             + ("" if final else f", ETA {eta}")
             + (
                 f", key-wide pauses {self.limiter.stats.global_pauses}"

@@ -54,6 +54,7 @@ class LimiterStats:
     successes: int = 0
     decreases: int = 0
     global_pauses: int = 0
+    max_in_flight: int = 0
     limit_trace: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, limit), ≥ 0.2 s apart
 
     @property
@@ -93,6 +94,22 @@ class AdaptiveLimit:
         self._ring_start = 0  # the first dispatch after the last decrease
         self._blocks: deque[float] = deque(maxlen=BLOCKS)
         self._open_blocks: dict[int, int] = {}  # block index -> refusals (closed one block late)
+        self._area = 0.0  # ∫ in_flight dt since start_accounting
+        self._area_at = self._area_start = clock()
+
+    # -- accounting ----------------------------------------------------------------------------------------
+    def start_accounting(self, now: float) -> None:
+        self._area, self._area_at, self._area_start = 0.0, now, now
+
+    def _account(self) -> None:
+        now = self.clock()
+        self._area += self.in_flight * (now - self._area_at)
+        self._area_at = now
+
+    def mean_in_flight(self, now: float) -> float:
+        """Requests in flight on average (time-weighted) since `start_accounting`."""
+        area = self._area + self.in_flight * (now - self._area_at)
+        return area / (now - self._area_start) if now > self._area_start else 0.0
 
     # -- dispatch ------------------------------------------------------------------------------------------
     @property
@@ -105,7 +122,10 @@ class AdaptiveLimit:
 
     def on_dispatch(self) -> tuple[float, int]:
         """Count one attempt in flight; returns its token (pass it back on a refusal)."""
+        self._account()
         self.in_flight += 1
+        if self.in_flight > self.stats.max_in_flight:
+            self.stats.max_in_flight = self.in_flight
         self.stats.attempts += 1
         seq = self._seq
         self._seq += 1
@@ -120,6 +140,7 @@ class AdaptiveLimit:
 
     # -- outcomes ------------------------------------------------------------------------------------------
     def on_success(self) -> None:
+        self._account()
         self.in_flight -= 1
         self.stats.successes += 1
         if self.adaptive:
@@ -127,10 +148,12 @@ class AdaptiveLimit:
 
     def on_done(self) -> None:
         """An attempt ended without telling anything about capacity (a fault, a cancellation)."""
+        self._account()
         self.in_flight -= 1
 
     def on_refused(self, token: tuple[float, int]) -> None:
         """The provider refused this attempt for capacity (429, 503 + Retry-After, in-flight 402)."""
+        self._account()
         self.in_flight -= 1
         self.stats.refused += 1
         dispatched_at, seq = token

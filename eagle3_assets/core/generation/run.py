@@ -9,19 +9,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 
 import polars as pl
 
 from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
+from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
 from .budget import Budget, PriorUsage
-from .engine import EngineReport, EngineSettings, GenerationEngine
+from .engine import EngineReport, EngineSettings, GenerationEngine, Lane
 from .journal import JournalWriter, ResponseJournal
-from .ledger import DispatchLedger
 from .protocol import CompletionRequest, InferenceBackend, Sampling
 
 PROMPT_CHUNK = 1024
@@ -57,6 +57,7 @@ class GenerationSummary:
     stop_reason: str
     run_id: str
     lost_in_flight: int = 0  # requests bought and never stored (a crash, or a stop's cancelled stragglers)
+    busy: str | None = None  # why the dataset was skipped: another process is generating it
 
 
 def _requests(
@@ -78,6 +79,18 @@ def _requests(
             yield CompletionRequest(pid, msgs, plan.dataset.max_tokens, plan.sampling, prompt_ids)
 
 
+@dataclass
+class DatasetJob:
+    """One dataset of a generation run: where its files are, what the launch chose, its lock and flush hook."""
+
+    layout: DatasetLayout
+    plan: GenerationPlan
+    # `lock(what)`: one generating process per dataset (default: a file lock in its folder).
+    lock: Callable[[str], AbstractContextManager] | None = None
+    # Called after every journal flush (an object-store root pushes the new parts at once).
+    on_flush: Callable[[], None] | None = None
+
+
 def generate_responses(
     layout: DatasetLayout,
     plan: GenerationPlan,
@@ -89,79 +102,146 @@ def generate_responses(
     lock: Callable[[str], AbstractContextManager] | None = None,
     on_flush: Callable[[], None] | None = None,
 ) -> GenerationSummary:
-    """`lock(what)`: one generating process per dataset (default: a file lock in its folder). `on_flush`: called
-    after every journal flush (an object-store root pushes the new parts at once)."""
-    prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
-    journal = ResponseJournal(layout)
+    """One dataset: `generate_datasets` with a single job."""
+    job = DatasetJob(layout, plan, lock, on_flush)
+    return generate_datasets([job], backend, chat, settings, log, extra_preflight)[plan.key]
+
+
+@dataclass
+class _Prepared:
+    job: DatasetJob
+    journal: ResponseJournal
+    budget: Budget
+    summary: GenerationSummary
+    todo: pl.DataFrame
+
+
+def generate_datasets(
+    jobs: Sequence[DatasetJob],
+    backend: InferenceBackend,
+    chat: ChatTokenizer,
+    settings: EngineSettings,
+    log: Callable[[str], None] = print,
+    extra_preflight: list[str] | None = None,
+) -> dict[str, GenerationSummary]:
+    """Answer the prompts of every dataset of `jobs` through one engine and one adaptive window, each within its
+    own budget, journal and lock. A dataset another process is generating is skipped with that reason (the others
+    go on); when every one is, the BusyError is raised."""
     run_id = uuid.uuid4().hex[:12]
-    lock = lock or journal.responses.exclusive
-    with lock(f"generation for dataset {plan.key}"):
-        journal.finalize()  # fold what a crashed run left behind
-        prior = journal.prior_usage()
-        budget = Budget.for_dataset(plan.dataset, prior)
-        lost_before = _settle(journal, budget)  # requests a crashed run had in flight: bought, never stored
-        if lost_before:
-            log(
-                f"{plan.key}: {lost_before:,} requests were in flight when an earlier run died; charged "
-                f"{budget.expected_tokens():,.0f} tokens each to the budget (they were probably billed)"
-            )
-        done = journal.done_ids()
-        skip = set() if plan.retry_permanent_failures else journal.permanent_failure_ids() - done
-        todo = prompts.filter(~pl.col("id").is_in(pl.Series(list(done | skip), dtype=pl.String).implode()))
-        if plan.limit is not None:
-            todo = todo.head(plan.limit)
-        summary = GenerationSummary(
-            key=plan.key,
-            backend=backend.name,
-            n_prompts=prompts.height,
-            already_done=len(done & set(prompts["id"])),
-            skipped_permanent=len(skip),
-            todo=todo.height,
-            prior=prior,
-            report=None,
-            n_responses=len(done),
-            n_failures=0,
-            stop_reason="done",
-            run_id=run_id,
-            lost_in_flight=lost_before,
-        )
-        if todo.height == 0:
-            log(
-                f"{plan.key}: all {prompts.height:,} prompts are answered or permanently failed; nothing to send"
-            )
-        elif not budget.can_dispatch():
-            summary.stop_reason = "budget"
-            log(f"{plan.key}: budget reached ({budget.describe()}); {todo.height:,} prompts stay unanswered")
-        else:
-            log(
-                f"{plan.key}: {todo.height:,} of {prompts.height:,} prompts to answer with {backend.name} "
-                f"({len(done):,} answered before; budget {budget.describe()})"
-            )
-            writer = JournalWriter(journal, backend.name, run_id, on_flush=on_flush)
-            ledger = journal.ledger(run_id)
+    summaries: dict[str, GenerationSummary] = {}
+    with ExitStack() as stack:
+        ready: list[_Prepared] = []  # datasets with prompts to send and room in their budget
+        idle: list[_Prepared] = []  # nothing to send, or no room: their tables are folded all the same
+        busy: list[BusyError] = []
+        for job in jobs:
+            journal = ResponseJournal(job.layout)
+            lock = job.lock or journal.responses.exclusive
             try:
-                summary.report = asyncio.run(
-                    _run_engine(
-                        backend,
-                        writer,
-                        budget,
-                        ledger,
-                        settings,
-                        todo,
-                        plan,
-                        chat,
-                        log,
-                        extra_preflight or [],
-                    )
-                )
+                stack.enter_context(lock(f"generation for dataset {job.plan.key}"))
+            except BusyError as e:
+                busy.append(e)
+                log(f"{job.plan.key}: skipped, {e}")
+                summaries[job.plan.key] = _busy_summary(job, backend, run_id, str(e))
+                continue
+            prepared = _prepare(job, journal, backend, run_id, log)
+            summaries[job.plan.key] = prepared.summary
+            if prepared.summary.stop_reason == "done" and prepared.todo.height:
+                ready.append(prepared)
+            else:
+                idle.append(prepared)
+        if busy and len(busy) == len(jobs):
+            raise busy[0]
+        if ready:
+            lanes: list[Lane] = []
+            try:
+                _run(ready, lanes, backend, chat, settings, log, extra_preflight or [], run_id)
             finally:  # also after a fatal stop: what was paid for is compacted into the table now
-                ledger.close()
-                summary.lost_in_flight += _settle(journal, budget)
-                summary.n_responses, summary.n_failures = journal.finalize()
-            summary.stop_reason = summary.report.stop_reason
-            return summary
-        summary.n_responses, summary.n_failures = journal.finalize()
-    return summary
+                for prepared, lane in zip(ready, lanes, strict=False):
+                    if lane.ledger is not None:
+                        lane.ledger.close()
+                    prepared.summary.report = lane.report
+                    prepared.summary.lost_in_flight += _settle(prepared.journal, prepared.budget)
+                for prepared in ready:
+                    s = prepared.summary
+                    s.n_responses, s.n_failures = prepared.journal.finalize()
+                    if s.report is not None:
+                        s.stop_reason = s.report.stop_reason
+        for prepared in idle:
+            prepared.summary.n_responses, prepared.summary.n_failures = prepared.journal.finalize()
+    return summaries
+
+
+def _prepare(
+    job: DatasetJob,
+    journal: ResponseJournal,
+    backend: InferenceBackend,
+    run_id: str,
+    log: Callable[[str], None],
+) -> _Prepared:
+    """With the dataset's lock held: fold what a crashed run left, charge what it had in flight, and find what is
+    left to send within the budget."""
+    plan = job.plan
+    prompts = pl.read_parquet(job.layout.prompts, columns=["id", "messages"])
+    journal.finalize()  # fold what a crashed run left behind
+    prior = journal.prior_usage()
+    budget = Budget.for_dataset(plan.dataset, prior)
+    lost_before = _settle(journal, budget)  # requests a crashed run had in flight: bought, never stored
+    if lost_before:
+        log(
+            f"{plan.key}: {lost_before:,} requests were in flight when an earlier run died; charged "
+            f"{budget.expected_tokens():,.0f} tokens each to the budget (they were probably billed)"
+        )
+    done = journal.done_ids()
+    skip = set() if plan.retry_permanent_failures else journal.permanent_failure_ids() - done
+    todo = prompts.filter(~pl.col("id").is_in(pl.Series(list(done | skip), dtype=pl.String).implode()))
+    if plan.limit is not None:
+        todo = todo.head(plan.limit)
+    summary = GenerationSummary(
+        key=plan.key,
+        backend=backend.name,
+        n_prompts=prompts.height,
+        already_done=len(done & set(prompts["id"])),
+        skipped_permanent=len(skip),
+        todo=todo.height,
+        prior=prior,
+        report=None,
+        n_responses=len(done),
+        n_failures=0,
+        stop_reason="done",
+        run_id=run_id,
+        lost_in_flight=lost_before,
+    )
+    if todo.height == 0:
+        log(f"{plan.key}: all {prompts.height:,} prompts are answered or permanently failed; nothing to send")
+    elif not budget.can_dispatch():
+        summary.stop_reason = "budget"
+        log(f"{plan.key}: budget reached ({budget.describe()}); {todo.height:,} prompts stay unanswered")
+    else:
+        log(
+            f"{plan.key}: {todo.height:,} of {prompts.height:,} prompts to answer with {backend.name} "
+            f"({len(done):,} answered before; budget {budget.describe()})"
+        )
+    return _Prepared(job, journal, budget, summary, todo)
+
+
+def _busy_summary(job: DatasetJob, backend: InferenceBackend, run_id: str, why: str) -> GenerationSummary:
+    from .budget import CostFit, LengthHistory
+
+    return GenerationSummary(
+        key=job.plan.key,
+        backend=backend.name,
+        n_prompts=0,
+        already_done=0,
+        skipped_permanent=0,
+        todo=0,
+        prior=PriorUsage(0, 0, 0.0, LengthHistory(), CostFit()),
+        report=None,
+        n_responses=0,
+        n_failures=0,
+        stop_reason="busy",
+        run_id=run_id,
+        busy=why,
+    )
 
 
 def _settle(journal: ResponseJournal, budget: Budget) -> int:
@@ -172,18 +252,52 @@ def _settle(journal: ResponseJournal, budget: Budget) -> int:
     return lost.requests
 
 
-async def _run_engine(
+def _run(
+    ready: list[_Prepared],
+    lanes: list[Lane],
     backend: InferenceBackend,
-    writer: JournalWriter,
-    budget: Budget,
-    ledger: DispatchLedger,
-    settings: EngineSettings,
-    todo: pl.DataFrame,
-    plan: GenerationPlan,
     chat: ChatTokenizer,
+    settings: EngineSettings,
     log: Callable[[str], None],
     extra_preflight: list[str],
-) -> EngineReport:
+    run_id: str,
+) -> None:
+    """Build a lane per dataset (appended to `lanes` as they are made, for the caller's cleanup) and run them."""
+    engine = GenerationEngine(backend, settings, log=log if len(ready) > 1 else _prefixed(log, ready[0]))
+    for prepared in ready:
+        job = prepared.job
+        lane = Lane(
+            job.plan.key,
+            (),
+            prepared.todo.height,
+            prepared.budget,
+            JournalWriter(prepared.journal, backend.name, run_id, on_flush=job.on_flush),
+            prepared.journal.ledger(run_id),
+        )
+        lane.it = iter(
+            _requests(
+                prepared.todo,
+                job.plan,
+                chat if backend.wants_prompt_ids else None,
+                lambda pid, kind, msg, lane=lane: engine.record_skipped(lane, pid, kind, msg),
+            )
+        )
+        lanes.append(lane)
+    asyncio.run(_run_engine(engine, lanes, backend, log, extra_preflight))
+
+
+def _prefixed(log: Callable[[str], None], prepared: _Prepared) -> Callable[[str], None]:
+    key = prepared.job.plan.key
+    return lambda m: log(f"{key}: {m}")
+
+
+async def _run_engine(
+    engine: GenerationEngine,
+    lanes: list[Lane],
+    backend: InferenceBackend,
+    log: Callable[[str], None],
+    extra_preflight: list[str],
+) -> None:
     started = time.monotonic()
     problems = list(extra_preflight) + await backend.preflight()
     if problems:
@@ -191,11 +305,8 @@ async def _run_engine(
         raise PreflightError("preflight failed, nothing was sent:\n- " + "\n- ".join(problems))
     try:
         await backend.start()
-        log(f"{plan.key}: {backend.name} ready in {time.monotonic() - started:.1f}s")
-        engine = GenerationEngine(
-            backend, writer, budget, settings, log=lambda m: log(f"{plan.key}: {m}"), ledger=ledger
-        )
-        requests = _requests(todo, plan, chat if backend.wants_prompt_ids else None, engine.record_skipped)
-        return await engine.run(requests, total=todo.height)
+        names = ", ".join(lane.key for lane in lanes)
+        log(f"{names}: {backend.name} ready in {time.monotonic() - started:.1f}s")
+        await engine.run(lanes)
     finally:
         await backend.close()
