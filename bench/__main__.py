@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [engine|limits|storage|tokens|hidden|acceptance] [--quick]`: run benchmarks and print ratio tables."""
+"""`make bench` / `python -m bench [engine|limits|backfill|storage|tokens|hidden|acceptance] [--quick]`: run benchmarks and print ratio tables."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 SUITES = {
     "engine": "bench.engine_throughput",
     "limits": "bench.limits",
+    "backfill": "bench.backfill",
     "storage": "bench.storage",
     "tokens": "bench.tokens_throughput",
     "hidden": "bench.hidden_states_throughput",

@@ -75,6 +75,12 @@ class _State:
         self.answers = 0
         self.done_at: list[float] = []
         self.started_at: float | None = None
+        self.service_s = (
+            0.0  # Σ service time of the answers given: the work an ideal client keeps the cap busy with
+        )
+        self.in_flight_area = 0.0  # ∫ in_flight dt since the first request
+        self.last_accepted_at: float | None = None  # after it, only what is in flight remains
+        self._area_at: float | None = None
         self.fault_rng = random.Random(spec.seed + 7)
 
     def set_limits(self, **limits: Any) -> None:
@@ -113,8 +119,21 @@ class _State:
             latency = (spec.latency_median_s or 1.0) * math.exp(spec.latency_sigma * lat_rng.gauss(0, 1))
         return tokens, latency, finished
 
+    def change_in_flight(self, delta: int) -> None:
+        now = time.monotonic()
+        if self._area_at is not None:
+            self.in_flight_area += self.in_flight * (now - self._area_at)
+        self._area_at = now
+        self.in_flight += delta
+        self.max_seen = max(self.max_seen, self.in_flight)
+
     def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        area = self.in_flight_area + (self.in_flight * (now - self._area_at) if self._area_at else 0.0)
         return {
+            "service_s": self.service_s,
+            "last_accepted_at": self.last_accepted_at,
+            "in_flight_area": area,
             "attempts": self.attempts,
             "accepted": self.accepted,
             "refused": self.refused,
@@ -153,12 +172,12 @@ def _app(state: _State):
                 {"error": {"code": 429, "message": "Rate limit exceeded"}}, status=429, headers=headers
             )
         s.accepted += 1
-        s.in_flight += 1
-        s.max_seen = max(s.max_seen, s.in_flight)
+        s.last_accepted_at = time.monotonic()
+        s.change_in_flight(+1)
         try:
             return await _serve(request, body, text)
         finally:
-            s.in_flight -= 1
+            s.change_in_flight(-1)
 
     async def _serve(request: web.Request, body: dict, text: str) -> web.StreamResponse:
         s, spec = state, state.spec
@@ -197,6 +216,7 @@ def _app(state: _State):
         finish = "stop" if finished else "length"
         if not body.get("stream"):
             await asyncio.sleep(latency)
+            s.service_s += latency
             s.billed_tokens += tokens
             s.answers += 1
             s.done_at.append(time.monotonic())
@@ -234,6 +254,7 @@ def _app(state: _State):
                 return resp
             part = per if i < n - 1 else tokens - per * (n - 1)
             await resp.write(_chunk(rid, {"content": "tok " * part}))
+        s.service_s += latency
         s.billed_tokens += tokens
         s.answers += 1
         s.done_at.append(time.monotonic())

@@ -249,6 +249,13 @@ class Budget:
         self._r[active], self._v[active] = r, v
         self._reserved, self._variance = float(r.sum()), float(v.sum())
 
+    def spent_share(self) -> float:
+        """The larger of the shares of the token and the dollar limit already spent."""
+        share = self.tokens_used / self.token_limit if self.token_limit else 1.0
+        if self.usd_limit:
+            share = max(share, self.usd_used / self.usd_limit)
+        return share
+
     def expected_tokens(self) -> float:
         """The expected length of a new answer (what a request lost in flight is charged)."""
         self._refresh(self.clock())

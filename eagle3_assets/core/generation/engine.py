@@ -184,6 +184,8 @@ class Lane:
 
 
 _DIGITS = re.compile(r"\d+")
+# A lane whose budget blocks dispatch once this share of it is spent sends nothing more (see _dispatch).
+CLOSE_OUT_SHARE = 0.97
 
 
 class GenerationEngine:
@@ -285,10 +287,15 @@ class GenerationEngine:
                     break
                 self._launch(p)
             for lane in self.lanes:
-                if lane.budget_blocked and not lane.in_flight and not lane.budget_stop:
-                    lane.budget_stop = (
-                        True  # nothing in flight and still no room: this lane's budget is spent
-                    )
+                if (
+                    lane.budget_blocked
+                    and not lane.budget_stop
+                    and (not lane.in_flight or lane.budget.spent_share() >= CLOSE_OUT_SHARE)
+                ):
+                    # Nothing in flight and still no room, or the budget committed to what is in flight: no
+                    # trickle of single requests as the last long answers land (they would stretch the run's end
+                    # for a fraction of a percent of its budget).
+                    lane.budget_stop = True
             if all(lane.finished for lane in self.lanes):
                 return  # everything answered, failed or out of budget
             if self._stalled(now):
@@ -394,7 +401,7 @@ class GenerationEngine:
             latency = c.latency_s or (time.monotonic() - dispatched_at)
             c.latency_s = latency
             lane.budget.settle(ticket, c.completion_tokens, c.cost_usd, latency)
-            self.limiter.on_success()
+            self.limiter.on_success(token)
             self._succeed(p, c, dispatched_at)
         finally:
             lane.in_flight -= 1

@@ -10,8 +10,11 @@ Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gr
   request-rate bucket the window sets the rate through Little's law (rate = window / mean latency), and the
   bucket's burst absorbs the random bunching of completions. A separately learned rate would need the latency
   distribution, which is exactly what is unknown until the long answers land.
-- Slow start (+1 per success while the window is full) reaches a 2000 ceiling in a few round trips and dispatches
-  smoothly, so when a limit is crossed only the few requests sent in the refusal's round trip are refused.
+- Slow start (+3 per success while the window is full: ×4 per round trip of an answer, until the first refusal, then
+  +1: ×2) reaches a 2000 ceiling from 64 in under three round trips, and reaches a provider's cap in about two. Dispatch stays clocked by answers, and a
+  refusal comes back within a network round trip, far shorter than an answer's, so when a limit is crossed only the
+  few requests sent in that network round trip are refused. (+1 per success, TCP's doubling, spent four round
+  trips of answers below a 600 cap: seconds of a short benchmark, minutes of a thinking model.)
 - On congestion the window drops to `beta` times what the provider was accepting at that moment (the requests it
   had accepted and still held), at most once per round: refusals of requests sent before the last decrease say
   nothing new. Congestion means more refusals among the last dispatches than the provider's background refusal
@@ -25,7 +28,10 @@ Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gr
   around the last level where refusals happened (high utilisation, few probes), and accelerating beyond it; at
   twice that level it probes exponentially again (slow start), so a limit that rises or goes away is found again
   within seconds.
-- Growth happens only while the window is full: a run held back by its budget or running out of prompts does not
+- Growth happens only while the window is used: an answer grows it when the window was full at some moment of that
+  request's flight (not only at the instant it landed: answers that land together, as with equal service times,
+  each count, where checking fullness at each landing counted only the first of the bunch and left the window
+  creeping up a few slots per round trip). A run held back by its budget or running out of prompts does not
   inflate a window it never tested.
 
 A provider that declares a window for the whole key (`X-RateLimit-Remaining: 0` with `X-RateLimit-Reset`) pauses
@@ -43,6 +49,7 @@ RECENT = 256  # dispatches weighed when a refusal arrives
 BLOCK = 128  # dispatches per block of the background refusal rate
 BLOCKS = 16
 PRIOR_BACKGROUND = 0.15  # assumed background refusal share until three blocks are measured
+SLOW_START_GAIN = 3.0  # window added per answer in slow start: ×(1 + gain) per round trip
 
 
 @dataclass
@@ -96,6 +103,7 @@ class AdaptiveLimit:
         self._open_blocks: dict[int, int] = {}  # block index -> refusals (closed one block late)
         self._area = 0.0  # ∫ in_flight dt since start_accounting
         self._area_at = self._area_start = clock()
+        self._full_at = float("-inf")  # the last dispatch that filled the window
 
     # -- accounting ----------------------------------------------------------------------------------------
     def start_accounting(self, now: float) -> None:
@@ -126,6 +134,8 @@ class AdaptiveLimit:
         self.in_flight += 1
         if self.in_flight > self.stats.max_in_flight:
             self.stats.max_in_flight = self.in_flight
+        if self.in_flight >= self.window:
+            self._full_at = self._area_at  # the clock as of this dispatch (set by _account)
         self.stats.attempts += 1
         seq = self._seq
         self._seq += 1
@@ -139,12 +149,13 @@ class AdaptiveLimit:
         return self.clock(), seq
 
     # -- outcomes ------------------------------------------------------------------------------------------
-    def on_success(self) -> None:
+    def on_success(self, token: tuple[float, int] | None = None) -> None:
+        """An answer; `token` (from on_dispatch) tells when its request went out."""
         self._account()
         self.in_flight -= 1
         self.stats.successes += 1
         if self.adaptive:
-            self._grow()
+            self._grow(token[0] if token else self._area_at)
 
     def on_done(self) -> None:
         """An attempt ended without telling anything about capacity (a fault, a cancellation)."""
@@ -212,13 +223,16 @@ class AdaptiveLimit:
             self.stats.global_pauses += 1
 
     # -- growth --------------------------------------------------------------------------------------------
-    def _grow(self) -> None:
-        now = self.clock()
+    def _grow(self, dispatched_at: float) -> None:
+        now = self._area_at  # the clock as of this answer (set by _account)
         dt, self._last_growth_at = now - self._last_growth_at, now
-        if self.in_flight + 1 < self.window or self.limit >= self.ceiling:
-            return  # not window-limited: an untested window must not grow
+        if self.limit >= self.ceiling:
+            return
+        if self.in_flight + 1 < self.window and self._full_at < dispatched_at:
+            return  # the window was not full during this request's flight: an untested window must not grow
         before = self.limit
-        new = self.limit + 1.0 if self.slow_start else self.limit
+        gain = SLOW_START_GAIN if not self.stats.refused else 1.0  # once refusals appear, probe gently
+        new = self.limit + gain if self.slow_start else self.limit
         if self.stats.decreases:
             self._epoch_elapsed += min(dt, 1.0)
             k = ((1.0 - self.beta) / self.c) ** (1.0 / 3.0)
