@@ -19,13 +19,13 @@ import openai
 
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane, run_loop
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
 
-from .loopback import LoopbackServer
+from .loopback import EVENTS, LoopbackServer
 
 LATENCY_S = 1.0
 WAVES = 5
@@ -41,11 +41,12 @@ def _steady_rate(done_at: list[float], concurrency: int) -> float:
     return (len(xs) - 2 * concurrency) / (hi - lo)
 
 
-async def _engine_client(base_url: str, n: int, concurrency: int, done_at: list[float]) -> int:
+async def _engine_client(
+    base_url: str, n: int, concurrency: int, done_at: list[float], stream: bool = False
+) -> int:
     os.environ.setdefault("BENCH_KEY", "bench")
-    # Not streamed: the same request/response exchange as the openai SDK baseline.
     backend = OpenRouterBackend(
-        OpenRouterConfig(base_url=base_url, api_key_env="BENCH_KEY", model="bench/model", stream=False)
+        OpenRouterConfig(base_url=base_url, api_key_env="BENCH_KEY", model="bench/model", stream=stream)
     )
     inner = backend.complete
 
@@ -89,6 +90,43 @@ async def _openai_client(base_url: str, n: int, concurrency: int, done_at: list[
 
     await asyncio.gather(*(one() for _ in range(n)))
     await client.close()
+    return ok
+
+
+async def _engine_streaming(base_url: str, n: int, concurrency: int, done_at: list[float]) -> int:
+    return await _engine_client(base_url, n, concurrency, done_at, stream=True)
+
+
+async def _minimal_streaming_client(base_url: str, n: int, concurrency: int, done_at: list[float]) -> int:
+    """A minimal streaming client: bare aiohttp, each chunk read as it comes, every event parsed, the content
+    joined; no retries, no bookkeeping."""
+    import aiohttp
+    import orjson
+
+    body = orjson.dumps({"model": "bench/model", "messages": MESSAGES, "max_tokens": 64, "stream": True})
+    ok = 0
+    remaining = iter(range(n))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def worker() -> None:
+            nonlocal ok
+            for _ in remaining:
+                async with session.post(
+                    f"{base_url}/chat/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    buf, parts = b"", []
+                    while chunk := await resp.content.readany():
+                        buf += chunk
+                        *lines, buf = buf.split(b"\n")
+                        for line in lines:
+                            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                                choices = orjson.loads(line[6:]).get("choices") or [{}]
+                                parts.append((choices[0].get("delta") or {}).get("content") or "")
+                    "".join(parts)
+                ok += 1
+                done_at.append(time.perf_counter())
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     return ok
 
 
@@ -155,37 +193,40 @@ def resume_check_seconds(n: int = 100_000) -> float:
 
 def run(quick: bool = False) -> dict:
     levels = [256, 1000] if quick else [256, 1000, 2000]
-    results: dict = {"latency_s": LATENCY_S, "levels": {}}
+    results: dict = {"latency_s": LATENCY_S, "loop": "uvloop (the engine's)", "levels": {}}
     with LoopbackServer(LATENCY_S) as server:
         for c in levels:
             n = c * (3 if quick else WAVES)
-            engine = _measure(_engine_client, server, c, n)
-            baseline = _measure(_openai_client, server, c, n)
-            plain = _measure(_plain_aiohttp_client, server, c, n)
-            ideal = c / LATENCY_S
             results["levels"][c] = {
-                "engine": engine,
-                "openai_semaphore": baseline,
-                "plain_aiohttp": plain,
-                "ideal_rps": ideal,
+                "engine": _measure(_engine_client, server, c, n),
+                "openai_semaphore": _measure(_openai_client, server, c, n),
+                "plain_aiohttp": _measure(_plain_aiohttp_client, server, c, n),
+                "engine_streamed": _measure(_engine_streaming, server, c, n),
+                "minimal_streaming": _measure(_minimal_streaming_client, server, c, n),
+                "ideal_rps": c / LATENCY_S,
             }
     print(
         "requests/s (steady) and client CPU per request; ratios against the ideal (concurrency / latency), the"
     )
-    print("openai SDK + semaphore, and bare aiohttp (the transport's ceiling on this machine)")
+    print(
+        "openai SDK + semaphore, bare aiohttp (the transport's ceiling on this machine), and, streamed "
+        f"({EVENTS} events per answer), a minimal aiohttp streaming client; every client on the same loop"
+    )
     print(
         f"{'conc.':>5} {'engine':>7} {'openai':>7} {'aiohttp':>7} {'ideal':>6} | {'eng/ideal':>9} {'eng/openai':>10} "
-        f"{'eng/aiohttp':>11} | {'cpu ms/req eng':>14} {'openai':>6} {'aiohttp':>7} | {'eng cores cli/srv':>17} "
-        f"{'failed e/o':>10}"
+        f"{'eng/aiohttp':>11} | {'cpu ms/req eng':>14} {'openai':>6} {'aiohttp':>7} | {'streamed eng':>12} "
+        f"{'minimal':>7} {'ratio':>5} {'cpu ms eng/min':>14}"
     )
     for c, r in results["levels"].items():
         e, o, a = r["engine"], r["openai_semaphore"], r["plain_aiohttp"]
+        se, sm = r["engine_streamed"], r["minimal_streaming"]
         print(
             f"{c:>5} {e['steady_rps']:>7.0f} {o['steady_rps']:>7.0f} {a['steady_rps']:>7.0f} {r['ideal_rps']:>6.0f} | "
             f"{e['steady_rps'] / r['ideal_rps']:>9.2f} {e['steady_rps'] / max(o['steady_rps'], 1e-9):>10.2f} "
             f"{e['steady_rps'] / max(a['steady_rps'], 1e-9):>11.2f} | {e['cpu_ms_per_request']:>14.3f} "
-            f"{o['cpu_ms_per_request']:>6.3f} {a['cpu_ms_per_request']:>7.3f} | "
-            f"{e['client_core_share']:>8.2f}/{e['server_core_share']:<8.2f} {e['failed']:>5}/{o['failed']:<4}"
+            f"{o['cpu_ms_per_request']:>6.3f} {a['cpu_ms_per_request']:>7.3f} | {se['steady_rps']:>12.0f} "
+            f"{sm['steady_rps']:>7.0f} {se['steady_rps'] / max(sm['steady_rps'], 1e-9):>5.2f} "
+            f"{se['cpu_ms_per_request']:>6.3f}/{sm['cpu_ms_per_request']:<6.3f}"
         )
     results["resume_finished_100k_s"] = round(resume_check_seconds(), 2)
     print(
@@ -195,8 +236,5 @@ def run(quick: bool = False) -> dict:
 
 
 def _run_loop(coro):
-    if os.environ.get("BENCH_UVLOOP"):
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
+    """Every client on the engine's own loop (uvloop where installed), so the comparison is of the clients."""
+    return run_loop(coro)

@@ -1,4 +1,7 @@
-"""A loopback chat-completions server with a fixed latency, in its own process (so client CPU is measured alone)."""
+"""A loopback chat-completions server with a fixed latency, in its own process (so client CPU is measured alone).
+
+A request with `"stream": true` is answered as server-sent events: `EVENTS` content events spread over the latency
+(one per chunk, as providers send tokens), then the finish event with usage and `[DONE]`."""
 
 from __future__ import annotations
 
@@ -30,13 +33,31 @@ BODY = json.dumps(
 ).encode()
 
 
+EVENTS = 16
+_DELTA = (
+    b'data: {"id":"gen-bench","model":"bench/model","choices":[{"index":0,"delta":{"content":"tok "}}]}\n\n'
+)
+_LAST = (
+    b'data: {"id":"gen-bench","model":"bench/model","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+    b'"usage":{"prompt_tokens":20,"completion_tokens":16,"total_tokens":36}}\n\ndata: [DONE]\n\n'
+)
+
+
 def _serve(latency: float, conn) -> None:
     from aiohttp import web
 
-    async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        await asyncio.sleep(latency)
-        return web.Response(body=BODY, content_type="application/json")
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        if not body.get("stream"):
+            await asyncio.sleep(latency)
+            return web.Response(body=BODY, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(EVENTS):
+            await asyncio.sleep(latency / EVENTS)
+            await resp.write(_DELTA)
+        await resp.write(_LAST)
+        return resp
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "bench/model"}]})

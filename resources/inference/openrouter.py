@@ -23,7 +23,8 @@ from eagle3_assets.core.generation.protocol import (
 )
 from eagle3_assets.core.target.chat import ChatTokenizer
 
-from .http import classify, get_json, make_session, post_json, post_sse, secret_forms
+from .http import classify, dumps, get_json, make_session, post_json, secret_forms
+from .streaming import StreamClient
 
 TokenCounter = Callable[[str], int]
 
@@ -143,37 +144,43 @@ class StreamedAnswer:
         self.request_id: Any = None
 
     def __call__(self, event: dict, headers: Any) -> None:
-        if event.get("error"):
-            raise classify(200, event, headers)  # an error after the stream started (429, 5xx, timeouts)
+        # Called for every event of every stream (tens of thousands a second): the common case (a delta of
+        # content) first, with as few lookups as it takes; the rare fields after.
+        choices = event.get("choices")
+        if choices:
+            choice = choices[0]
+            delta = choice.get("delta")
+            if delta:
+                text = delta.get("content")
+                if text:
+                    self.content.append(text)
+                    self.request.streamed_tokens += (
+                        1  # ≥ one token per non-empty chunk: a floor for the budget
+                    )
+                if len(delta) > 1 or not text:
+                    thought = delta.get("reasoning") or delta.get("reasoning_content")
+                    if thought:
+                        self.reasoning.append(thought)
+                        if not text:
+                            self.request.streamed_tokens += 1
+            if len(choice) > 2:  # more than index and delta: finish_reason, token ids
+                ids = choice.get("token_ids")
+                if isinstance(ids, list):
+                    self.ids = (self.ids or []) + ids
+                if choice.get("finish_reason"):
+                    self.finish = choice["finish_reason"]
+                    self.native_finish = choice.get("native_finish_reason")
         if self.request_id is None:
             self.request_id, self.model, self.provider = (
                 event.get("id"),
                 event.get("model"),
                 event.get("provider"),
             )
+        if event.get("error"):
+            raise classify(200, event, headers)  # an error after the stream started (429, 5xx, timeouts)
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
-        choices = event.get("choices")
-        if not choices:
-            return
-        choice = choices[0]
-        delta = choice.get("delta")
-        if delta:
-            text = delta.get("content")
-            thought = delta.get("reasoning") or delta.get("reasoning_content")
-            if text:
-                self.content.append(text)
-            if thought:
-                self.reasoning.append(thought)
-            if text or thought:
-                self.request.streamed_tokens += 1  # ≥ one token per non-empty chunk: a floor for the budget
-        ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            self.ids = (self.ids or []) + ids
-        if choice.get("finish_reason"):
-            self.finish = choice["finish_reason"]
-            self.native_finish = choice.get("native_finish_reason")
 
     def completion(self, fallback_model: str, count: TokenCounter | None) -> Completion:
         if self.finish is None:
@@ -206,11 +213,8 @@ class OpenRouterBackend:
         # Answers that come without usage are counted with the target tokenizer, never as 0.
         self.count_tokens: TokenCounter | None = chat.count_tokens if chat is not None else None
         self._session: aiohttp.ClientSession | None = None
+        self._streams: StreamClient | None = None  # streamed answers (streaming.py says why not aiohttp)
         self._secrets: tuple[bytes, ...] = ()
-        # Streams may run for many minutes (reasoning); what must not happen is a silent connection.
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=cfg.request_timeout_s, sock_connect=30, sock_read=cfg.stream_idle_timeout_s
-        )
 
     def _headers(self) -> dict[str, str]:
         headers = {
@@ -250,6 +254,15 @@ class OpenRouterBackend:
         if self._session is None:
             self._secrets = secret_forms(os.environ.get(self.cfg.api_key_env))
             self._session = make_session(self.cfg.request_timeout_s, self._headers())
+        if self.cfg.stream and self._streams is None:
+            # Streams may run for many minutes (reasoning); what must not happen is a silent connection.
+            self._streams = StreamClient(
+                self.url,
+                self._headers(),
+                idle_timeout_s=self.cfg.stream_idle_timeout_s,
+                total_timeout_s=self.cfg.request_timeout_s,
+                secrets=self._secrets,
+            )
 
     async def preflight(self) -> list[str]:
         """Key present, endpoint reachable, key accepted, model listed: each failure a one-line fix."""
@@ -300,13 +313,15 @@ class OpenRouterBackend:
         if not self.cfg.stream:
             body = await post_json(self._session, self.url, self._payload(request), self._secrets)
             return parse_chat_completion(body, self.cfg.model, self.count_tokens)
+        assert self._streams is not None
         answer = StreamedAnswer(request)
-        await post_sse(
-            self._session, self.url, self._payload(request), answer, self._secrets, self._stream_timeout
-        )
+        await self._streams.post(dumps(self._payload(request)), answer)
         return answer.completion(self.cfg.model, self.count_tokens)
 
     async def close(self) -> None:
+        if self._streams is not None:
+            await self._streams.close()
+            self._streams = None
         if self._session is not None:
             await self._session.close()
             self._session = None

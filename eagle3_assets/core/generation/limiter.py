@@ -128,7 +128,7 @@ class AdaptiveLimit:
         now = self.clock() if now is None else now
         return self.in_flight < self.window and now >= self.paused_until
 
-    def on_dispatch(self) -> tuple[float, int]:
+    def on_dispatch(self) -> tuple[float, int, int]:
         """Count one attempt in flight; returns its token (pass it back on a refusal)."""
         self._account()
         self.in_flight += 1
@@ -146,10 +146,10 @@ class AdaptiveLimit:
             done = self._open_blocks.pop(block - 2, None)  # a block later: its refusals have come back
             if done is not None:
                 self._blocks.append(done / BLOCK)
-        return self.clock(), seq
+        return self.clock(), seq, self.in_flight - 1
 
     # -- outcomes ------------------------------------------------------------------------------------------
-    def on_success(self, token: tuple[float, int] | None = None) -> None:
+    def on_success(self, token: tuple[float, int, int] | None = None) -> None:
         """An answer; `token` (from on_dispatch) tells when its request went out."""
         self._account()
         self.in_flight -= 1
@@ -162,12 +162,12 @@ class AdaptiveLimit:
         self._account()
         self.in_flight -= 1
 
-    def on_refused(self, token: tuple[float, int]) -> None:
+    def on_refused(self, token: tuple[float, int, int]) -> None:
         """The provider refused this attempt for capacity (429, 503 + Retry-After, in-flight 402)."""
         self._account()
         self.in_flight -= 1
         self.stats.refused += 1
-        dispatched_at, seq = token
+        dispatched_at, seq, held_before = token
         if seq // BLOCK in self._open_blocks:
             self._open_blocks[seq // BLOCK] += 1
         if self._seq - seq <= RECENT and seq >= self._ring_start:
@@ -175,7 +175,10 @@ class AdaptiveLimit:
         if not self.adaptive or dispatched_at < self.last_decrease_at or not self._congested(seq):
             return  # sent before the last decrease (already answered), or within the background rate
         now = self.clock()
-        accepted = self.in_flight  # what the provider held when it said no
+        # What the provider held when it said no: the requests in flight when the refused one went out, no more.
+        # (Those in flight now may include later dispatches whose refusals are still on the way, and answers that
+        # already landed unnoticed: counting them left the window above the cap through several decreases.)
+        accepted = min(self.in_flight, held_before)
         self.w_max = max(1.0, min(self.limit, accepted + 1.0))
         self.limit = max(1.0, self.beta * self.w_max)
         self.slow_start = False

@@ -6,7 +6,6 @@ dataset is the normal case. Only one process may generate for a dataset at a tim
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +19,7 @@ from ..storage.layout import DatasetLayout
 from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
 from .budget import Budget, PriorUsage
-from .engine import EngineReport, EngineSettings, GenerationEngine, Lane
+from .engine import EngineReport, EngineSettings, GenerationEngine, Lane, run_loop
 from .journal import JournalWriter, ResponseJournal
 from .protocol import CompletionRequest, InferenceBackend, Sampling
 
@@ -283,7 +282,7 @@ def _run(
             )
         )
         lanes.append(lane)
-    asyncio.run(_run_engine(engine, lanes, backend, log, extra_preflight))
+    run_loop(_run_engine(engine, lanes, backend, log, extra_preflight))
 
 
 def _prefixed(log: Callable[[str], None], prepared: _Prepared) -> Callable[[str], None]:
