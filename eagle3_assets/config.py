@@ -186,7 +186,29 @@ class ChecksConfig(Strict):
     max_degenerate_share: float = Field(0.2, ge=0, le=1)
 
 
+class VllmExtractionConfig(Strict):
+    """Running vLLM servers that extract hidden states (`eagle3 vllm-serve` prints the command for the target)."""
+
+    # One or more data-parallel replicas (each may span GPUs and nodes with tensor/pipeline parallelism).
+    base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000/v1"], min_length=1)
+    model: str | None = None  # the served model name; null: the server's only model (GET /v1/models)
+    # Where the servers' connector writes (shared_storage_path): the extraction reads and removes the files there,
+    # so this process must see them at the path the server returns (a shared volume mounted at the same path).
+    storage_path: str = "/tmp/eagle3-hidden-states"
+    max_concurrency: int = Field(
+        64, ge=1
+    )  # requests in flight over all replicas (the adaptive window's ceiling)
+    request_timeout_s: float = Field(1800.0, gt=0)
+    file_timeout_s: float = Field(
+        300.0, gt=0
+    )  # a connector file not complete this long after its answer: a fault
+    max_retries: int = Field(4, ge=0)
+
+
 class HiddenStatesConfig(Strict):
+    # transformers: the target in this process (the default; one GPU or device_map); vllm: running vLLM servers.
+    engine: Literal["transformers", "vllm"] = "transformers"
+    vllm: VllmExtractionConfig = Field(default_factory=VllmExtractionConfig)
     aux_layers: list[int] | None = None  # default: [1, L//2-1, L-4]
     shard_bytes: int = Field(2 * 1024**3, ge=1024)
     max_tokens_per_batch: int = Field(16384, ge=16)

@@ -93,7 +93,9 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         ),
         build_tokens_asset(partitions, follow),
         build_report_asset(partitions, follow),
-        build_hidden_states_asset(partitions, follow if cfg.automation.hidden_states else None),
+        build_hidden_states_asset(
+            partitions, follow if cfg.automation.hidden_states else None, cfg.hidden_states.engine
+        ),
         build_acceptance_asset(partitions),
     ]
     training_data = dg.define_asset_job(

@@ -94,12 +94,24 @@ def user_rows(texts: list[str], with_ids: bool = True) -> list[dict]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Start building the training frameworks' environments in the background as soon as a collected test needs
-    them (`@pytest.mark.consumers(...)`): a cold build takes minutes, the rest of the suite runs meanwhile."""
+    them (`@pytest.mark.consumers(...)`), and the session's vLLM server (`@pytest.mark.vllm`): a cold build takes
+    minutes, the rest of the suite runs meanwhile."""
     names = {n for item in items if (m := item.get_closest_marker("consumers")) for n in m.args}
     if names:
         from .consumers import environments
 
         environments.prefetch(sorted(names))
+    if any(item.get_closest_marker("vllm") for item in items):
+        from . import vllm_server
+
+        if vllm_server.skip_reason() is None:
+            vllm_server.start_in_background()  # the build, then the server: minutes the other tests overlap
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from . import vllm_server
+
+    vllm_server.stop()
 
 
 @dataclass

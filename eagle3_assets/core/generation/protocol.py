@@ -45,6 +45,8 @@ class Completion:
     usage_estimated: bool = (
         False  # the server sent no usage: completion_tokens counted with the target tokenizer
     )
+    # What a serving engine computed beside the text (the hidden states of an extraction request); never journalled.
+    payload: Any = None
 
 
 class ErrorKind(StrEnum):

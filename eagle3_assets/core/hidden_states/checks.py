@@ -21,7 +21,22 @@ import pyarrow as pa
 from ..report.validation import Verdict
 from .shards import finished_shards, input_hash
 
-SPOT_COSINE = 0.999  # per-token cosine similarity, stored (bf16) against recomputed (fp32 on CPU)
+# Per-token cosine similarity of the stored states against an fp32 recomputation, by the dtype the extraction
+# computed in. fp32 compute, stored in bf16: the only difference is the final rounding to 8 mantissa bits
+# (unit roundoff u = 2^-9, cosine ≥ 1 - u²/2 per token in theory, ≥ 0.99999 measured), so every token must reach
+# 0.999. Half-precision compute (a bf16 server, a bf16 GPU forward): every layer's output is rounded to 8 bits and two
+# independent paths (other kernels, other summation orders) drift apart by about sqrt(L)·u relative per token; most
+# tokens stay ≥ 0.9999, but the few tokens with massive activations (values of 1e4 on a handful of channels, the
+# first token of every sample) concentrate the error: measured 0.995-0.999 for a bf16 vLLM server against fp32 on
+# SmolLM2 (and 0.9978 even against a bf16 transformers forward). So half precision is held to the median token
+# ≥ 0.999 and every token ≥ 0.99. What the check exists to catch stays far below either bar: a layer off by one
+# scores a median ≤ 0.977 and a worst token ≤ 0.93, another sample's states near 0.
+SPOT_RULES = {  # compute dtype -> (min over tokens, median over tokens), per stored tensor
+    "float32": (0.999, 0.999),
+    "bfloat16": (0.99, 0.999),
+    "float16": (0.99, 0.999),
+}
+SPOT_COSINE = SPOT_RULES["float32"][0]
 FINITE_CHUNK_ROWS = 65_536
 
 
@@ -149,55 +164,71 @@ def consistent(folder: Path, expected: dict[str, str]) -> Verdict:
 
 
 def spot_check(folder: Path, model: Any, sample_ids: list[str]) -> Verdict:
-    """Recompute a few samples with a plain forward (`output_hidden_states`, one sample per forward, no hooks,
+    """Recompute a few samples with a plain fp32 forward (`output_hidden_states`, one sample per forward, no hooks,
     no packing) and compare with what is stored: aux layer i against hidden_states[i + 1], the stored last state
-    through the model's own final norm against hidden_states[L]."""
+    through the model's own final norm against hidden_states[L]; held to the rule of the dtype the extraction
+    computed in (`SPOT_RULES`)."""
     import torch
 
     from .shards import HiddenStatesReader, read_shard_metadata
 
     reader = HiddenStatesReader(folder)
-    worst = 1.0
-    details: dict[str, float] = {}
+    worst, worst_median, failing = 1.0, 1.0, []
+    details: dict[str, list[float]] = {}
     base = getattr(model, "model", model)
     device = base.get_input_embeddings().weight.device
+    compute_dtypes = set()
     for sid in sample_ids:
         stored = reader.sample(sid)
         shard, _ = reader._where[sid]
         meta = read_shard_metadata(folder / shard)
         aux_layers = json.loads(meta["aux_layers"])
+        compute = meta.get("compute_dtype") or "float32"  # shards written before the key: fp32 compute on CPU
+        compute_dtypes.add(compute)
+        floor_min, floor_median = SPOT_RULES.get(compute, SPOT_RULES["bfloat16"])
         ids = stored["input_ids"].to(torch.long)[None].to(device)
         with torch.inference_mode():
             out = base(input_ids=ids, output_hidden_states=True, use_cache=False)
             hs = out.hidden_states
             hidden = hs[0].shape[-1]
             aux = stored["aux_hidden_states"].float().to(device)
-            for k, layer in enumerate(aux_layers):
-                sim = _min_cosine(aux[:, k * hidden : (k + 1) * hidden], hs[layer + 1][0].float())
-                details[f"{sid}:aux{layer}"] = sim
-                worst = min(worst, sim)
+            pairs = [
+                (f"aux{layer}", aux[:, k * hidden : (k + 1) * hidden], hs[layer + 1][0].float())
+                for k, layer in enumerate(aux_layers)
+            ]
             norm = getattr(base, "norm", None) or (lambda x: x)
             last = norm(stored["last_hidden_state"].to(device, dtype=hs[-1].dtype)).float()
-            sim = _min_cosine(last, hs[-1][0].float())
-            details[f"{sid}:last"] = sim
-            worst = min(worst, sim)
+            pairs.append(("last", last, hs[-1][0].float()))
+            for name, got, want in pairs:
+                low, median = _cosines(got, want)
+                details[f"{sid}:{name}"] = [round(low, 6), round(median, 6)]
+                worst, worst_median = min(worst, low), min(worst_median, median)
+                if low < floor_min or median < floor_median:
+                    failing.append(f"{sid}:{name}")
+    rules = {d: SPOT_RULES.get(d, SPOT_RULES["bfloat16"]) for d in sorted(compute_dtypes)}
     return Verdict(
-        bool(sample_ids) and worst >= SPOT_COSINE,
+        bool(sample_ids) and not failing,
         {
             "samples": len(sample_ids),
             "min_token_cosine": round(worst, 6),
-            "threshold": SPOT_COSINE,
-            "per_tensor": json.dumps({k: round(v, 6) for k, v in details.items()}),
+            "min_median_token_cosine": round(worst_median, 6),
+            "compute_dtype": ", ".join(sorted(compute_dtypes)),
+            "rule": json.dumps({d: {"every_token": a, "median_token": b} for d, (a, b) in rules.items()}),
+            "threshold": min(a for a, _ in rules.values()) if rules else SPOT_COSINE,
+            "failing": json.dumps(failing[:10]),
+            "per_tensor_min_median": json.dumps(details),
         },
     )
 
 
-def _min_cosine(a: Any, b: Any) -> float:
+def _cosines(a: Any, b: Any) -> tuple[float, float]:
+    """(min, median) per-token cosine; (-1, -1) when the shapes differ."""
     import torch
 
     if a.shape != b.shape:
-        return -1.0
-    return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
+        return -1.0, -1.0
+    c = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    return float(c.min()), float(c.median())
 
 
 def spot_sample_ids(index: pl.DataFrame, n: int = 3) -> list[str]:

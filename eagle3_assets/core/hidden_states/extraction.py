@@ -1,12 +1,15 @@
 """The hidden-states job of one dataset: plan what is left, extract shards (one or many per process), index.
 
 Split so that Dagster can fan the shards out over many GPU pods: `prepare` runs once, `extract` runs per unit of
-work (any subset of the planned shards), `finish` rebuilds the index from the shards on disk.
+work (any subset of the planned shards), `finish` rebuilds the index from the shards on disk. Two engines behind
+`extract` (`hidden_states.engine`): the target in this process (transformers), or running vLLM servers
+(`served.py`; the caller passes their backend), both writing the same shards.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,9 +19,12 @@ from typing import Any
 import polars as pl
 
 from ...config import HiddenStatesConfig, TargetConfig
+from ..generation.engine import EngineSettings
+from ..generation.protocol import InferenceBackend
 from ..storage.files import write_json
 from ..storage.layout import EXTRACTION_PLAN, HIDDEN_STATES_INDEX, DatasetLayout
 from ..target.loading import pick_device, resolve, shared_model
+from .served import extract_served
 from .shards import (
     ExtractionStats,
     HiddenStateCapture,
@@ -33,8 +39,13 @@ from .shards import (
     plan_work,
     row_budget,
     save_final_norm,
+    save_final_norm_from_checkpoint,
     write_index,
 )
+
+
+class ExtractionIncomplete(RuntimeError):
+    """Some samples failed after their retries; the shards that completed are stored and are not redone."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,7 @@ def load_target_model(settings: ExtractionSettings) -> Any:
 
 
 def model_config(settings: ExtractionSettings) -> dict[str, Any]:
-    """num_layers and hidden_size from config.json, without loading weights (planning needs only sizes)."""
+    """num_layers, hidden_size and context from config.json, without loading weights (planning needs only sizes)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(
@@ -73,7 +84,11 @@ def model_config(settings: ExtractionSettings) -> dict[str, Any]:
         revision=settings.target.revision,
     )
     text = getattr(cfg, "text_config", None) or cfg
-    return {"num_layers": int(text.num_hidden_layers), "hidden_size": int(text.hidden_size)}
+    return {
+        "num_layers": int(text.num_hidden_layers),
+        "hidden_size": int(text.hidden_size),
+        "max_position_embeddings": int(getattr(text, "max_position_embeddings", 0) or 1 << 30),
+    }
 
 
 def expected_metadata(settings: ExtractionSettings, num_layers: int | None = None) -> dict[str, str]:
@@ -90,6 +105,31 @@ def expected_metadata(settings: ExtractionSettings, num_layers: int | None = Non
         "dtype": settings.store_dtype,
         "num_layers": str(num_layers),
     }
+
+
+def why_target_cannot_run_here(settings: ExtractionSettings) -> str | None:
+    """None when the target can be loaded in this process for the spot check's independent forward; else why not
+    (a served target of a trillion parameters does not fit the machine that checks its states)."""
+    from .shards import _local_checkpoint
+
+    root = _local_checkpoint(settings.model_ref, settings.target.revision)
+    if root is None:
+        return f"no local copy of {settings.target.model}'s checkpoint on this machine"
+    size = sum(p.stat().st_size for p in root.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in root.glob("*.bin")
+    )
+    device = pick_device(settings.hidden.device)
+    if device.startswith("cuda"):
+        import torch
+
+        room = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        where = f"{torch.cuda.device_count()} GPU(s)"
+    else:
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        where = "free host memory"
+    if size * 1.2 > room:  # weights in their stored dtype, plus activations and the framework's own
+        return f"the checkpoint ({size / 1e9:,.0f} GB) does not fit this machine's {where} ({room / 1e9:,.0f} GB)"
+    return None
 
 
 def skipped_samples(layout: DatasetLayout) -> dict[str, str]:
@@ -136,14 +176,20 @@ def extract(
     settings: ExtractionSettings,
     shard_names: list[str] | None = None,
     log: Callable[[str], None] = print,
+    served: InferenceBackend | None = None,
 ) -> ExtractionStats:
-    """Extract the planned shards (all, or the named ones) that are not on disk yet."""
+    """Extract the planned shards (all, or the named ones) that are not on disk yet; with engine vllm, through
+    `served` (the servers' backend)."""
     folder = layout.hidden_states_dir
     plans = [p for p in planned_shards(layout) if shard_names is None or p.name in shard_names]
     plans = [p for p in plans if not (folder / p.name).exists()]  # finished by an earlier attempt
     stats = ExtractionStats()
     if not plans:
         return stats
+    if settings.hidden.engine == "vllm":
+        if served is None:
+            raise ValueError("hidden_states.engine is vllm: pass the servers' backend (resources.vllm)")
+        return _extract_served(layout, settings, plans, served, log)
     device = pick_device(settings.hidden.device)
     model = load_target_model(settings)
     num_layers = model.config.get_text_config().num_hidden_layers
@@ -166,6 +212,8 @@ def extract(
         "layer_convention": "outputs of decoder layers (0-based); last_hidden_state is before the final norm",
         "hidden_size": str(model.config.get_text_config().hidden_size),
         "packing": "packed" if packed else "one sample per forward (the model ignores packed boundaries)",
+        "engine": "transformers",
+        "compute_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
     save_final_norm(model, folder)
     samples = load_samples(layout.tokens, {i for p in plans for i in p.ids})
@@ -191,6 +239,68 @@ def extract(
     return stats
 
 
+def _extract_served(
+    layout: DatasetLayout,
+    settings: ExtractionSettings,
+    plans: list[ShardPlan],
+    backend: InferenceBackend,
+    log: Callable[[str], None],
+) -> ExtractionStats:
+    folder = layout.hidden_states_dir
+    sizes = model_config(settings)
+    num_layers = sizes["num_layers"]
+    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
+    cfg = settings.hidden.vllm
+    metadata = {
+        **expected_metadata(settings, num_layers),
+        "aux_layers": json.dumps(aux),
+        "last_layer": str(num_layers - 1),
+        "layer_convention": "outputs of decoder layers (0-based); last_hidden_state is before the final norm",
+        "hidden_size": str(sizes["hidden_size"]),
+        "packing": "one sample per request (served)",
+        "engine": "vllm",
+    }
+    if not save_final_norm_from_checkpoint(settings.model_ref, folder, settings.target.revision):
+        log(
+            f"{layout.key}: the target's final norm is not readable here (no local checkpoint of "
+            f"{settings.target.model}); exports that store post-norm last states will ask for it"
+        )
+    samples = load_samples(layout.tokens, {i for p in plans for i in p.ids})
+    plans = [ShardPlan(p.name, p.ids, sum(len(samples[i].input_ids) for i in p.ids)) for p in plans]
+    engine = EngineSettings(
+        max_concurrency=cfg.max_concurrency,
+        initial_concurrency=min(64, cfg.max_concurrency),
+        max_retries=cfg.max_retries,
+        backoff_max_s=30.0,
+        stall_timeout_s=cfg.request_timeout_s,
+    )
+    log(
+        f"{layout.key}: extracting {sum(p.n_tokens for p in plans):,} tokens in {len(plans)} shards through "
+        f"{len(cfg.base_urls)} vLLM server(s), up to {cfg.max_concurrency} requests in flight"
+    )
+    result = extract_served(
+        backend, plans, samples, folder, settings.store_dtype, metadata, len(aux), engine, log
+    )
+    if result.too_long:
+        plan = json.loads(layout.extraction_plan.read_text())
+        plan["skipped"] = {**plan.get("skipped", {}), **result.too_long}
+        write_json(plan, layout.extraction_plan)
+    stats = result.stats
+    log(
+        f"{layout.key}: {stats.samples:,} samples ({stats.tokens:,} tokens) in {len(stats.shards)} shards, "
+        f"{stats.tokens / max(stats.forward_s, 1e-9):,.0f} tok/s; {len(result.too_long)} refused as too long, "
+        f"{len(result.failed)} failed"
+    )
+    if result.failed:
+        examples = "; ".join(f"{k}: {v}" for k, v in list(result.failed.items())[:3])
+        raise ExtractionIncomplete(
+            f"{len(result.failed)} samples failed after their retries ({examples}); the "
+            f"{len(stats.shards)} shards that completed are stored, the {len(result.unfinished_shards)} others are "
+            "extracted again by the next materialisation"
+        )
+    return stats
+
+
 _PACKING: dict[int, tuple[bool, float]] = {}
 
 
@@ -207,11 +317,14 @@ def finish(layout: DatasetLayout) -> pl.DataFrame:
 
 
 def extract_dataset(
-    layout: DatasetLayout, settings: ExtractionSettings, log: Callable[[str], None] = print
+    layout: DatasetLayout,
+    settings: ExtractionSettings,
+    log: Callable[[str], None] = print,
+    served: InferenceBackend | None = None,
 ) -> tuple[WorkPlan, ExtractionStats, pl.DataFrame]:
     """All three steps in one process (CLI, tests, a single-GPU machine)."""
     work = prepare(layout, settings, log)
-    stats = extract(layout, settings, None, log)
+    stats = extract(layout, settings, None, log, served)
     return work, stats, finish(layout)
 
 

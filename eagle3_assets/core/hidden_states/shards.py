@@ -300,9 +300,13 @@ class ShardWriter:
                 self._error = e
 
     def submit(self, job: Callable[[], None]) -> None:
+        self.raise_error()
+        self._jobs.put(job)
+
+    def raise_error(self) -> None:
+        """A job that failed surfaces here (and on every later submit and close)."""
         if self._error:
             raise self._error
-        self._jobs.put(job)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -343,29 +347,10 @@ def extract_shard(
         stats.forward_s += time.perf_counter() - t0
         writer.submit(lambda a=aux, b=last: to_host(a, b))
 
-    lengths = np.array([len(s.input_ids) for s in ordered], dtype=np.int64)
-    cu = np.concatenate([[0], np.cumsum(lengths)])
-    meta = dict(metadata)
-    meta["format"] = FORMAT
-    meta["samples"] = json.dumps([[s.id, len(s.input_ids), s.hash] for s in ordered])
     path = folder / plan.name
 
     def save() -> None:
-        from safetensors.torch import save_file
-
-        tensors = {
-            "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in ordered]).astype(np.int32)),
-            "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in ordered]).astype(np.int8)),
-            "aux_hidden_states": torch.cat(aux_parts).contiguous(),
-            "last_hidden_state": torch.cat(last_parts).contiguous(),
-            "cu_seqlens": torch.from_numpy(cu),
-        }
-        rows = {k: int(t.shape[0]) for k, t in tensors.items() if k != "cu_seqlens"}
-        if set(rows.values()) != {int(cu[-1])}:
-            raise RuntimeError(
-                f"shard {plan.name} is inconsistent ({rows}, {int(cu[-1])} tokens); not written"
-            )
-        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        write_shard(path, ordered, torch.cat(aux_parts), torch.cat(last_parts), metadata)
 
     writer.submit(save)
     if own_writer:
@@ -373,6 +358,30 @@ def extract_shard(
         stats.bytes_written = path.stat().st_size
     stats.shards.append(plan.name)
     return stats
+
+
+def write_shard(path: Path, ordered: Sequence[Sample], aux: Any, last: Any, metadata: dict[str, str]) -> None:
+    """One shard file, atomically: the samples' ids and masks beside their states (rows in sample order), with the
+    extraction's metadata and the sample list (id, length, content hash) that planning and the checks read."""
+    import torch
+    from safetensors.torch import save_file
+
+    lengths = np.array([len(s.input_ids) for s in ordered], dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    meta = dict(metadata)
+    meta["format"] = FORMAT
+    meta["samples"] = json.dumps([[s.id, len(s.input_ids), s.hash] for s in ordered])
+    tensors = {
+        "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in ordered]).astype(np.int32)),
+        "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in ordered]).astype(np.int8)),
+        "aux_hidden_states": aux.contiguous(),
+        "last_hidden_state": last.contiguous(),
+        "cu_seqlens": torch.from_numpy(cu),
+    }
+    rows = {k: int(t.shape[0]) for k, t in tensors.items() if k != "cu_seqlens"}
+    if set(rows.values()) != {int(cu[-1])}:
+        raise RuntimeError(f"shard {path.name} is inconsistent ({rows}, {int(cu[-1])} tokens); not written")
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 PACKING_COSINE = 0.999
@@ -431,6 +440,54 @@ def save_final_norm(model: Any, folder: Path) -> None:
             {"weight": weight}, str(tmp), metadata={"kind": type(norm).__name__, "eps": str(eps)}
         ),
     )
+
+
+def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str | None = None) -> bool:
+    """The final norm read from the target's checkpoint files, without loading the model (a served target may be
+    far larger than this process); False when no local copy of the checkpoint is found."""
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    root = _local_checkpoint(model_ref, revision)
+    if root is None:
+        return False
+    config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
+    text = config.get("text_config") or config
+    eps = float(text.get("rms_norm_eps", text.get("layer_norm_eps", 1e-6)))
+    kind = "RMSNorm" if "rms_norm_eps" in text else "LayerNorm"
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        names = json.loads(index.read_text())["weight_map"]
+    elif (root / "model.safetensors").exists():
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            names = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        return False
+    # The decoder's final norm: `model.norm.weight`, under a wrapper's prefix for multimodal targets
+    # (`language_model.model.norm.weight`); never a layer's own norm.
+    keys = sorted((k for k in names if re.search(r"(^|\.)model\.norm\.weight$", k)), key=len)
+    if not keys or not (root / names[keys[0]]).exists():
+        return False
+    with safe_open(str(root / names[keys[0]]), framework="pt") as f:
+        weight = f.get_tensor(keys[0]).float().contiguous()
+    atomic_write(
+        folder / FINAL_NORM,
+        lambda tmp: save_file({"weight": weight}, str(tmp), metadata={"kind": kind, "eps": str(eps)}),
+    )
+    return True
+
+
+def _local_checkpoint(model_ref: str, revision: str | None) -> Path | None:
+    if Path(model_ref).is_dir():
+        return Path(model_ref)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_ref, revision=revision, local_files_only=True))
+    except Exception:
+        return None
 
 
 # -- reading one sample -------------------------------------------------------------------------------------

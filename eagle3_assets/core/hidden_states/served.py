@@ -1,0 +1,179 @@
+"""Extraction through a serving engine (vLLM's `extract_hidden_states`): the same shards, index and checks as the
+in-process path, from states that running servers computed.
+
+A target beyond one GPU (the seed's 1T-parameter MoE) cannot run in this process; a serving engine spreads it with
+tensor and pipeline parallelism across GPUs and nodes, and replicas scale it out. Each sample is one request (its
+`input_ids` as the prompt, one generated token); the server writes the prompt's states to a file that the backend
+reads, checks and removes, and hands over as the answer's payload. The requests ride the generation engine (its
+adaptive window, retries, error classes), one lane for the planned shards. Answers land in any order; a shard is
+written (atomically, by the shard writer thread) as soon as all of its samples are in, so a killed run loses only
+the shards still assembling, and a resumed run plans exactly those again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..generation.engine import EngineSettings, GenerationEngine, Lane, run_loop
+from ..generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceBackend
+from .shards import ExtractionStats, Sample, ShardPlan, ShardWriter, write_shard
+
+
+class NoBudget:
+    """Extraction is paid for by the hour, not by the token: the engine's budget gate stays open."""
+
+    def open(self, request: Any = None) -> None:
+        return None
+
+    def settle(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def can_dispatch(self) -> bool:
+        return True
+
+    def spent_share(self) -> float:
+        return 0.0
+
+    def describe(self) -> str:
+        return "none (extraction)"
+
+
+@dataclass
+class ServedResult:
+    stats: ExtractionStats
+    too_long: dict[str, str] = field(default_factory=dict)  # id -> the server's reason (context length)
+    failed: dict[str, str] = field(
+        default_factory=dict
+    )  # id -> last error (retryable: planned again next run)
+    unfinished_shards: list[str] = field(default_factory=list)
+
+
+class ShardAssembler:
+    """The lane's sink: collects each sample's states and writes a shard once all of its samples are in (a sample
+    the server refuses as too long leaves its shard; any other failure leaves the shard unwritten)."""
+
+    def __init__(
+        self,
+        plans: list[ShardPlan],
+        samples: dict[str, Sample],
+        folder: Path,
+        store_dtype: str,
+        metadata: dict[str, str],
+        n_aux: int,
+        writer: ShardWriter,
+    ):
+        self.plans = {p.name: p for p in plans}
+        self.samples = samples
+        self.folder = folder
+        self.store_dtype = store_dtype
+        self.metadata = metadata
+        self.n_aux = n_aux
+        self.writer = writer
+        self.shard_of = {sid: p.name for p in plans for sid in p.ids}
+        self.missing = {p.name: set(p.ids) for p in plans}
+        self.arrived: dict[str, dict[str, Any]] = {p.name: {} for p in plans}
+        self.result = ServedResult(ExtractionStats())
+        self.compute_dtype: str | None = None
+        self.pending = 0  # the engine's writer protocol: nothing buffered here that a flush would write
+
+    def add_completion(self, request_id: str, c: Completion) -> None:
+        states = c.payload
+        shard = self.shard_of[request_id]
+        self.arrived[shard][request_id] = states
+        self.compute_dtype = self.compute_dtype or str(states.dtype).removeprefix("torch.")
+        self._landed(request_id)
+
+    def add_failure(
+        self, request_id: str, kind: str, message: str, attempts: int, permanent: bool, status: int | None
+    ) -> None:
+        if kind == ErrorKind.CONTEXT_LENGTH.value and permanent:
+            self.result.too_long[request_id] = f"the server refused it as too long: {message[:300]}"
+            self._landed(request_id)
+        else:
+            self.result.failed[request_id] = f"{kind}: {message[:300]}"
+
+    async def flush(self) -> None:
+        self.writer.raise_error()  # a shard that cannot be written stops the run (the engine's journal rule)
+
+    def _landed(self, sid: str) -> None:
+        shard = self.shard_of[sid]
+        missing = self.missing[shard]
+        missing.discard(sid)
+        if missing:
+            return
+        parts = self.arrived.pop(shard)
+        del self.missing[shard]
+        plan = self.plans[shard]
+        ordered = [self.samples[i] for i in plan.ids if i in parts]
+        if not ordered:
+            return
+        states = [parts[s.id] for s in ordered]
+        meta = {**self.metadata, "compute_dtype": self.compute_dtype or ""}
+        stats = self.result.stats
+        stats.samples += len(ordered)
+        stats.tokens += sum(len(s.input_ids) for s in ordered)
+        stats.forwards += len(ordered)
+        stats.shards.append(shard)
+        n_aux, dtype, path = self.n_aux, self.store_dtype, self.folder / shard
+        self.writer.submit(lambda: _save(path, ordered, states, n_aux, dtype, meta))
+
+    def unfinished(self) -> list[str]:
+        return sorted(self.missing)
+
+
+def _save(path: Path, ordered: list[Sample], states: list[Any], n_aux: int, dtype: str, meta: dict) -> None:
+    """In the writer thread: [T, n_aux + 1, H] per sample -> the shard's aux [T, n_aux·H] and last [T, H]."""
+    import torch
+
+    to = getattr(torch, dtype)
+    hs = torch.cat(states).to(to)
+    aux = hs[:, :n_aux].reshape(hs.shape[0], -1)
+    write_shard(path, ordered, aux, hs[:, n_aux], meta)
+
+
+def requests_for(plans: list[ShardPlan], samples: dict[str, Sample]) -> Iterator[CompletionRequest]:
+    """Samples in plan order (shard by shard): shards complete roughly in turn, so few are assembling at once."""
+    for plan in plans:
+        for sid in plan.ids:
+            ids = samples[sid].input_ids
+            yield CompletionRequest(id=sid, messages=[], max_tokens=1, prompt_ids=ids.tolist())
+
+
+def extract_served(
+    backend: InferenceBackend,
+    plans: list[ShardPlan],
+    samples: dict[str, Sample],
+    folder: Path,
+    store_dtype: str,
+    metadata: dict[str, str],
+    n_aux: int,
+    engine: EngineSettings,
+    log: Callable[[str], None] = print,
+) -> ServedResult:
+    """Send every planned sample through `backend` and write the shards as they complete."""
+    writer = ShardWriter()
+    assembler = ShardAssembler(plans, samples, folder, store_dtype, metadata, n_aux, writer)
+    total = sum(len(p.ids) for p in plans)
+    started = time.monotonic()
+
+    async def go() -> None:
+        await backend.start()
+        try:
+            lane = Lane("hidden_states", requests_for(plans, samples), total, NoBudget(), assembler)  # type: ignore[arg-type]
+            await GenerationEngine(backend, engine, log).run([lane])
+        finally:
+            await backend.close()
+
+    try:
+        run_loop(go())
+    finally:
+        writer.close()  # every completed shard is on disk (or the error surfaces) before this returns
+    result = assembler.result
+    result.stats.forward_s = time.monotonic() - started
+    result.stats.bytes_written = sum((folder / n).stat().st_size for n in result.stats.shards)
+    result.unfinished_shards = assembler.unfinished()
+    return result

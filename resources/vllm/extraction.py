@@ -1,0 +1,296 @@
+"""The extraction backend for vLLM servers running `extract_hidden_states` with a hidden-states connector.
+
+One request per sample: `/v1/completions` with the sample's ids as the prompt, one generated token,
+`return_token_ids` (the server's `prompt_token_ids` must equal what was sent: a server that re-tokenized or cut the
+prompt would store states for other tokens) and `kv_transfer_params.save_hidden_states` (the project's connector
+writes only for requests that ask). The answer names a safetensors file (`hidden_states` [T, n_ids, H],
+`token_ids` [T]) that is complete once its `.lock` can be locked shared. The backend waits for that, reads it,
+checks it, removes it (a 10M-token partition must not leave terabytes behind) and returns the states as the
+answer's payload. A file that is missing, late, truncated or holds other ids is a retried fault, never a sample.
+
+Replicas: `base_urls` are data-parallel servers; each request goes to the one with the fewest requests in flight.
+Request ids carry the partition (`e3.<partition>.<sample hash>`), so files whose answers never arrived (a cut
+connection) are removed when the run ends, and those a killed run left behind when the next one starts
+(`sweep_orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from eagle3_assets.config import VllmExtractionConfig
+from eagle3_assets.core.generation.protocol import (
+    Completion,
+    CompletionRequest,
+    ErrorKind,
+    InferenceError,
+    describe,
+)
+
+from ..inference.http import get_json, make_session, post_json
+
+OPT_IN = "save_hidden_states"  # the connector's switch (plugin/eagle3_hidden_states_connector.py)
+
+
+def request_prefix(partition: str) -> str:
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in partition)
+    return f"e3.{safe}."
+
+
+class VllmHiddenStates:
+    name = "vllm"
+    wants_prompt_ids = True
+
+    def __init__(self, cfg: VllmExtractionConfig, partition: str, n_layer_ids: int):
+        self.cfg = cfg
+        self.bases = [u.rstrip("/") for u in cfg.base_urls]
+        self.model = cfg.model or ""
+        self.prefix = request_prefix(partition)
+        self.n_layer_ids = n_layer_ids  # aux layers + the last one: what each file must hold per token
+        self._in_flight = dict.fromkeys(self.bases, 0)
+        self._session: aiohttp.ClientSession | None = None
+        self._started_wall = time.time()
+        self._swept: set[str] = set()
+        self.files_read = 0
+        self.file_bytes = 0
+        self.file_wait_s = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._started_wall = time.time()
+        self._sweep_once(
+            Path(self.cfg.storage_path)
+        )  # what a killed earlier run left, where this process sees it
+        if self._session is None:
+            self._session = make_session(self.cfg.request_timeout_s)
+        if not self.model:
+            problems = await self.preflight()
+            if problems:
+                raise InferenceError(ErrorKind.BAD_REQUEST, "; ".join(problems))
+
+    async def preflight(self) -> list[str]:
+        """Every replica answers /v1/models and serves the same model (the configured one, if named)."""
+        problems: list[str] = []
+        served: set[str] = set()
+        async with make_session(30) as session:
+            for base in self.bases:
+                try:
+                    status, body = await get_json(session, f"{base}/models")
+                except Exception as e:
+                    problems.append(
+                        f"cannot reach vLLM at {base} ({type(e).__name__}: {e}); start it (`eagle3 vllm-serve` "
+                        "prints the command) or fix hidden_states.vllm.base_urls"
+                    )
+                    continue
+                ids = [m.get("id") for m in (body or {}).get("data", []) if isinstance(m, dict)]
+                if status != 200 or not ids:
+                    problems.append(
+                        f"{base}/models answered HTTP {status} with no model; is this a vLLM server?"
+                    )
+                    continue
+                if self.cfg.model and self.cfg.model not in ids:
+                    problems.append(f"{base} serves {ids}, not hidden_states.vllm.model {self.cfg.model!r}")
+                served.update(ids)
+        if not problems and not self.cfg.model:
+            if len(served) != 1:
+                problems.append(f"the servers serve {sorted(served)}: name one in hidden_states.vllm.model")
+            else:
+                self.model = served.pop()
+        return problems
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        # Answers that never reached us (a connection cut after the server wrote the file) left files: nothing of
+        # this partition is in flight once the run ends (one run per partition at a time), so all of them go.
+        for folder in {*self._swept, self.cfg.storage_path}:
+            sweep_orphans(Path(folder), self.prefix, time.time() + 1)
+
+    # -- one sample -----------------------------------------------------------------------------------------
+    def _pick(self) -> str:
+        return min(self.bases, key=lambda b: self._in_flight[b])
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        assert self._session is not None, "start() was not called"
+        ids = request.prompt_ids or []
+        base = self._pick()
+        tag = hashlib.blake2b(request.id.encode(), digest_size=8).hexdigest()
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "request_id": f"{self.prefix}{tag}.{uuid.uuid4().hex[:8]}",
+            "kv_transfer_params": {OPT_IN: True},
+        }
+        self._in_flight[base] += 1
+        started = time.monotonic()
+        try:
+            body = await post_json(self._session, f"{base}/completions", payload)
+        finally:
+            self._in_flight[base] -= 1
+        latency = time.monotonic() - started
+        got = body.get("prompt_token_ids")
+        if got is None and body.get("choices"):
+            got = body["choices"][0].get("prompt_token_ids")
+        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise InferenceError(
+                ErrorKind.SERVER,
+                f"{base} returned no kv_transfer_params.hidden_states_path: is it started with the "
+                f"extract_hidden_states method and the eagle3 connector? ({describe(body, 200)})",
+                status=200,
+            )
+        if got != ids:
+            _remove(path)
+            raise InferenceError(
+                ErrorKind.SERVER,
+                f"the server's prompt_token_ids differ from the {len(ids)} ids sent "
+                f"({'none returned' if got is None else f'{len(got)} ids'}); not stored",
+                status=200,
+            )
+        self._sweep_once(Path(path).parent)
+        t0 = time.monotonic()
+        states = await self._read(path, ids)
+        self.file_wait_s += time.monotonic() - t0
+        usage = body.get("usage") or {}
+        return Completion(
+            content="",
+            finish_reason="stop",
+            prompt_tokens=int(usage.get("prompt_tokens") or len(ids)),
+            completion_tokens=int(usage.get("completion_tokens") or 1),
+            model=self.model,
+            provider=base,
+            request_id=str(body.get("id")) if body.get("id") else None,
+            latency_s=latency,
+            payload=states,
+        )
+
+    async def _read(self, path: str, ids: list[int]) -> Any:
+        """Wait until the writer releases the file's lock, then load and check it (in a thread), then remove it."""
+        deadline = time.monotonic() + self.cfg.file_timeout_s
+        lock = path + ".lock"
+        delay = 0.002
+        while True:
+            state = await asyncio.to_thread(_try_shared_lock, lock)
+            if state == "locked":
+                break
+            if state == "missing" and os.path.exists(path):
+                break  # a connector without the lock protocol: the file is there
+            if time.monotonic() > deadline:
+                _remove(path)
+                raise InferenceError(
+                    ErrorKind.SERVER,
+                    f"the hidden-states file {path} was not complete {self.cfg.file_timeout_s:.0f} s after the "
+                    f"answer ({'no lock file' if state == 'missing' else 'still being written'}); is "
+                    "hidden_states.vllm.storage_path the server's shared_storage_path, on a volume this process "
+                    "sees at the same path?",
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        try:
+            states, size = await asyncio.to_thread(_load_checked, path, ids, self.n_layer_ids)
+        finally:
+            _remove(path)
+        self.files_read += 1
+        self.file_bytes += size
+        return states
+
+    def _sweep_once(self, folder: Path) -> None:
+        """Files of this partition that a killed earlier run left behind (their request ids carry the
+        partition), removed the first time this run sees the folder."""
+        key = str(folder)
+        if key in self._swept:
+            return
+        self._swept.add(key)
+        sweep_orphans(folder, self.prefix, self._started_wall)
+
+
+def sweep_orphans(folder: Path, prefix: str, before: float) -> int:
+    """Remove this partition's connector files (and locks) last written before `before` (seconds since epoch)."""
+    removed = 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(f"cmpl-{prefix}"):
+            continue
+        try:
+            if entry.stat().st_mtime < before:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def leftover_files(folder: Path, prefix: str) -> int:
+    """Connector files of this partition still on disk (0 after a finished run)."""
+    try:
+        return sum(1 for e in os.scandir(folder) if e.name.startswith(f"cmpl-{prefix}"))
+    except OSError:
+        return 0
+
+
+def _try_shared_lock(lock: str) -> str:
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return "missing"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return "locked"
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return "busy"
+        raise
+    finally:
+        os.close(fd)  # the lock only said the write finished; nothing rewrites a finished file
+
+
+def _load_checked(path: str, ids: list[int], n_layer_ids: int) -> tuple[Any, int]:
+    from safetensors.torch import load_file
+
+    try:
+        size = os.path.getsize(path)
+        data = load_file(path, device="cpu")
+    except FileNotFoundError:
+        raise InferenceError(ErrorKind.SERVER, f"the hidden-states file {path} does not exist") from None
+    except Exception as e:  # truncated or not safetensors
+        raise InferenceError(
+            ErrorKind.SERVER, f"the hidden-states file {path} is unreadable ({type(e).__name__}: {e})"
+        ) from None
+    states, token_ids = data.get("hidden_states"), data.get("token_ids")
+    if states is None or token_ids is None:
+        raise InferenceError(
+            ErrorKind.SERVER, f"{path} holds {sorted(data)}, not hidden_states and token_ids"
+        )
+    if token_ids.tolist() != ids:
+        raise InferenceError(ErrorKind.SERVER, f"{path} holds the states of other token ids; not stored")
+    if states.ndim != 3 or states.shape[0] != len(ids) or states.shape[1] != n_layer_ids:
+        raise InferenceError(
+            ErrorKind.SERVER,
+            f"{path} has hidden_states of shape {list(states.shape)}, expected [{len(ids)}, {n_layer_ids}, H]: "
+            "the server's eagle_aux_hidden_state_layer_ids differ from hidden_states.aux_layers",
+        )
+    return states, size
+
+
+def _remove(path: str) -> None:
+    for p in (path, path + ".lock"):
+        with contextlib.suppress(OSError):
+            os.unlink(p)

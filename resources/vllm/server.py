@@ -1,0 +1,123 @@
+"""The exact vLLM server command for the configured target: one server (or one replica of many) that generates
+answers with their token ids and extracts the auxiliary hidden states EAGLE-3 trains on.
+
+What is easy to get wrong and is therefore computed here, never typed by hand:
+- vLLM counts `eagle_aux_hidden_state_layer_ids` as `output_hidden_states` indices (0 = the embeddings), so this
+  project's aux layers (0-based decoder outputs) are shifted by one, and the last layer's output before the final
+  norm is id L;
+- the connector: the project's (`plugin/eagle3_hidden_states_connector.py`, opt-in writes, runs on CPU) loaded
+  through `kv_connector_module_path`, with the folder it writes to (which the extraction must be able to read:
+  the same path on a shared volume);
+- `--max-model-len` one more than the longest sample extracted (`hidden_states.max_seq_len`): the request
+  generates one token after the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
+CONNECTOR_MODULE = "eagle3_hidden_states_connector"
+CONNECTOR_CLASS = "Eagle3HiddenStatesConnector"
+
+
+def vllm_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
+    """This project's aux layers (decoder outputs, 0-based) in vLLM's convention, then the last layer (id L)."""
+    return [a + 1 for a in aux_layers] + [num_layers]
+
+
+@dataclass
+class ServeSpec:
+    model: str  # a folder or a hub id, as the server loads it
+    aux_layers: list[int]
+    num_layers: int
+    storage_path: str  # where the connector writes (shared with the extraction)
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    nnodes: int = 1  # a server spread over nodes (multiprocessing backend): the same command on every node
+    node_rank: int = 0  # ranks above 0 run headless (no API server), joining rank 0 at master_addr
+    master_addr: str | None = None
+    trust_remote_code: bool = False
+    revision: str | None = None
+    enforce_eager: bool = False
+    cpu: bool = False  # vLLM's CPU build (tests, laptops)
+    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return vllm_layer_ids(self.aux_layers, self.num_layers)
+
+    def speculative_config(self) -> dict:
+        return {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
+        }
+
+    def kv_transfer_config(self) -> dict:
+        return {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": self.storage_path},
+        }
+
+    def argv(self, python: str = "python") -> list[str]:
+        """The server command (the console script `vllm serve` is the same server where it works; the CPU
+        build's does not, its distribution being named `vllm-cpu`)."""
+        args = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--speculative-config", json.dumps(self.speculative_config(), separators=(",", ":")),
+            "--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":")),
+        ]  # fmt: skip
+        if self.served_model_name:
+            args += ["--served-model-name", self.served_model_name]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size > 1:
+            args += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.data_parallel_size > 1:
+            args += ["--data-parallel-size", str(self.data_parallel_size)]
+        if self.nnodes > 1:
+            args += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank)]
+            if self.master_addr:
+                args += ["--master-addr", self.master_addr]
+            if self.node_rank > 0:
+                args.append("--headless")
+        if self.trust_remote_code:
+            args.append("--trust-remote-code")
+        if self.revision:
+            args += ["--revision", self.revision]
+        if self.enforce_eager or self.cpu:
+            args.append("--enforce-eager")  # CPU: ready in ~1.5 min instead of ~3 with torch.compile
+        return args + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """What the server's environment needs beside the caller's: the connector on the import path."""
+        path = os.environ.get("PYTHONPATH", "")
+        env = {"PYTHONPATH": f"{PLUGIN_DIR}{os.pathsep}{path}" if path else str(PLUGIN_DIR)}
+        if self.cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        return env
+
+    def shell(self, python: str = "python") -> str:
+        """One copy-pasteable line: environment, then the command."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env().items())
+        return f"{env} {shlex.join(self.argv(python))}"

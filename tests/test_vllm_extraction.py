@@ -1,0 +1,478 @@
+"""Hidden states through a real vLLM server (the pinned CPU build, fp32, on loopback; tests/vllm_server.py): equal to
+the transformers path, checked and exported like it, resumable after a kill, robust to a server that dies and to
+connector files that are missing, cut or wrong; and the same server generates the answers whose ids the tokens
+stage compares with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import polars as pl
+import pytest
+import torch
+import yaml
+from aiohttp import web
+
+from eagle3_assets.config import HiddenStatesConfig, VllmExtractionConfig
+from eagle3_assets.core.hidden_states import checks as rules
+from eagle3_assets.core.hidden_states.export import FORMATS, export
+from eagle3_assets.core.hidden_states.extraction import (
+    ExtractionSettings,
+    expected_metadata,
+    extract_dataset,
+    skipped_samples,
+)
+from eagle3_assets.core.hidden_states.shards import HiddenStatesReader
+from eagle3_assets.core.target.loading import load_model
+from resources.vllm.extraction import VllmHiddenStates, leftover_files, request_prefix
+
+from . import vllm_server
+from .conftest import REPO, make_project
+from .test_hidden_states import write_tokens
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def server() -> vllm_server.VllmServer:
+    reason = vllm_server.skip_reason()
+    if reason:
+        pytest.skip(f"vLLM's CPU build cannot run on this machine: {reason}")
+    return vllm_server.server()
+
+
+@pytest.fixture(scope="module")
+def reference_model(smollm2_dir):
+    return load_model(str(smollm2_dir), device="cpu")
+
+
+def served_settings(base_url: str, storage: Path, **hidden) -> ExtractionSettings:
+    vllm = VllmExtractionConfig(
+        base_urls=[base_url],
+        storage_path=str(storage),
+        max_retries=hidden.pop("max_retries", 4),
+        file_timeout_s=hidden.pop("file_timeout_s", 60.0),
+    )
+    return ExtractionSettings(hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, **hidden))
+
+
+def backend(settings: ExtractionSettings, key: str) -> VllmHiddenStates:
+    return VllmHiddenStates(settings.hidden.vllm, key, 4)
+
+
+def min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
+
+
+def test_extraction_through_vllm_equals_the_transformers_path_and_passes_every_check(
+    server, chat, tmp_path, reference_model
+):
+    served_layout = write_tokens(chat, tmp_path / "served", repeat=2)
+    local_layout = write_tokens(chat, tmp_path / "local", repeat=2)
+    settings = served_settings(server.base_url, server.storage, dtype="float32", shard_bytes=1_500_000)
+    logs: list[str] = []
+    work, stats, index = extract_dataset(served_layout, settings, logs.append, backend(settings, "B1"))
+    assert len(work.todo) > 1 and index.height == 16 == stats.samples
+    extract_dataset(
+        local_layout, ExtractionSettings(hidden=HiddenStatesConfig(dtype="float32")), lambda m: None
+    )
+
+    served, local = (
+        HiddenStatesReader(served_layout.hidden_states_dir),
+        HiddenStatesReader(local_layout.hidden_states_dir),
+    )
+    assert sorted(served.ids()) == sorted(local.ids())
+    worst = 1.0
+    for sid in served.ids():
+        a, b = served.sample(sid), local.sample(sid)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for key in ("aux_hidden_states", "last_hidden_state"):
+            parts = a[key].shape[1] // 576
+            for k in range(parts):
+                sl = slice(k * 576, (k + 1) * 576)
+                worst = min(worst, min_cosine(a[key][:, sl], b[key][:, sl]))
+    assert worst >= 0.99999, worst
+
+    folder = served_layout.hidden_states_dir
+    tokens = pl.read_parquet(served_layout.tokens)
+    meta = json.loads(json.dumps(rules.consistent(folder, expected_metadata(settings)).metadata))
+    assert rules.coverage(tokens, index, skipped_samples(served_layout)).passed
+    assert rules.ids_match(folder, tokens).passed
+    assert rules.finite(folder).passed
+    assert rules.consistent(folder, expected_metadata(settings)).passed, meta
+    spot = rules.spot_check(folder, reference_model, rules.spot_sample_ids(index))
+    assert spot.passed, spot.metadata
+    for fmt in FORMATS:
+        assert export(folder, tmp_path / "exports" / fmt, fmt, log=lambda m: None) == 16
+    assert leftover_files(server.storage, request_prefix("B1")) == 0  # every connector file read and removed
+    assert any("tok/s" in m for m in logs)
+
+
+def _project(root: Path, server, **hidden) -> Path:
+    path = make_project(
+        root,
+        {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
+        hidden_states={
+            "engine": "vllm",
+            "dtype": "float32",
+            "vllm": {
+                "base_urls": [server.base_url],
+                "storage_path": str(server.storage),
+                **hidden.pop("vllm", {}),
+            },
+            **hidden,
+        },
+    )
+    return path
+
+
+def test_a_killed_extraction_resumes_per_shard_with_nothing_lost_and_no_files_left(server, chat, tmp_path):
+    path = _project(tmp_path, server, shard_bytes=200_000, vllm={"max_concurrency": 2})
+    layout = write_tokens(chat, tmp_path / "data", "B1", repeat=4)  # 32 samples, a few per shard
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle3_assets.cli",
+        "--config",
+        str(path),
+        "hidden-states",
+        "--dataset",
+        "B1",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    folder = layout.hidden_states_dir
+    deadline = time.monotonic() + 300
+    while len(list(folder.glob("shard-*.safetensors"))) < 2:
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.safetensors")}
+    assert len(kept) >= 2
+
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    index = pl.read_parquet(layout.hidden_states_index)
+    assert sorted(index["id"].to_list()) == sorted(pl.read_parquet(layout.tokens)["id"].to_list())
+    assert index["id"].n_unique() == index.height  # nothing stored twice
+    for name, mtime in kept.items():  # the first run's shards were kept, not redone
+        assert (folder / name).stat().st_mtime_ns == mtime
+    assert leftover_files(server.storage, request_prefix("B1")) == 0  # the killed run's files were swept
+
+
+class FlakyProxy:
+    """A reverse proxy in front of the real server that misbehaves as servers and volumes do: it dies (drops every
+    connection and refuses new ones for a while) after `die_after` answers, and spoils the connector files of the
+    answers it is told to (removed, cut in half, or rewritten with other token ids)."""
+
+    def __init__(self, upstream: str, die_after: int | None = None, spoil: list[str] | None = None):
+        self.upstream = upstream.rstrip("/")
+        self.die_after = die_after
+        self.spoil = list(spoil or [])
+        self.answered = 0
+        self.deaths = 0
+        self.port = vllm_server._free_port()
+        self.loop = asyncio.new_event_loop()
+        self._site: web.TCPSite | None = None
+        self._runner: web.AppRunner | None = None
+        self._transports: set = set()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._open(), self.loop).result()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def _open(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/v1/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await self._site.start()
+
+    async def _die(self) -> None:
+        self.deaths += 1
+        for t in list(self._transports):
+            t.abort()
+        await self._runner.cleanup()
+        await asyncio.sleep(1.5)
+        await self._open()
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        self._transports.add(request.transport)
+        body = await request.read()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.request(
+                request.method,
+                f"{self.upstream}/{request.match_info['tail']}",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            ) as r,
+        ):
+            raw, status = await r.read(), r.status
+        if request.path.endswith("/completions") and status == 200:
+            self.answered += 1
+            if self.die_after is not None and self.answered == self.die_after:
+                asyncio.get_running_loop().create_task(self._die())
+                await asyncio.sleep(10)  # cut off by the death above, never answered
+            if self.spoil:
+                await asyncio.to_thread(self._spoil, self.spoil.pop(0), json.loads(raw))
+        return web.Response(body=raw, status=status, content_type="application/json")
+
+    @staticmethod
+    def _spoil(how: str, answer: dict) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = answer["kv_transfer_params"]["hidden_states_path"]
+        lock = path + ".lock"
+        import fcntl
+
+        with open(lock) as lf:
+            fcntl.flock(lf, fcntl.LOCK_SH)  # the server's write is finished
+        if how == "missing":
+            os.unlink(path)
+            os.unlink(lock)
+        elif how == "cut":
+            data = Path(path).read_bytes()
+            Path(path).write_bytes(data[: len(data) // 2])
+        elif how == "other_ids":
+            t = load_file(path)
+            t["token_ids"] = t["token_ids"].flip(0)
+            save_file(t, path)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_server_that_dies_mid_shard_and_spoiled_files_are_retried_faults(
+    server, chat, tmp_path, reference_model
+):
+    layout = write_tokens(chat, tmp_path, repeat=2)
+    proxy = FlakyProxy(server.base_url, die_after=5, spoil=["missing", "cut", "other_ids"])
+    try:
+        settings = served_settings(proxy.base_url, server.storage, dtype="float32", file_timeout_s=2.0)
+        logs: list[str] = []
+        _, stats, index = extract_dataset(layout, settings, logs.append, backend(settings, "B1"))
+    finally:
+        proxy.close()
+    assert proxy.deaths == 1
+    assert index.height == 16 and stats.samples == 16  # nothing lost
+    final = next(m for m in logs if m.startswith("finished"))
+    assert "connection" in final and "server" in final, final  # the death and the spoiled files, each retried
+    folder = layout.hidden_states_dir
+    tokens = pl.read_parquet(layout.tokens)
+    assert rules.ids_match(folder, tokens).passed  # no spoiled file became a sample
+    spot = rules.spot_check(folder, reference_model, sorted(HiddenStatesReader(folder).ids()))
+    assert spot.passed, spot.metadata
+    assert leftover_files(server.storage, request_prefix("B1")) == 0
+
+
+def test_a_sample_longer_than_the_server_context_is_recorded_as_too_long(server, chat, tmp_path):
+    layout = write_tokens(chat, tmp_path, n=3)
+    tokens = pl.read_parquet(layout.tokens)
+    long_ids = (tokens["input_ids"][0].to_list() * 200)[:2100]  # the server's context is 2048
+    tokens = pl.concat(
+        [
+            tokens,
+            pl.DataFrame(
+                {"id": ["long"], "input_ids": [long_ids], "loss_mask": [[1] * len(long_ids)]},
+                schema=tokens.schema,
+            ),
+        ]
+    )
+    tokens.write_parquet(layout.tokens)
+    settings = served_settings(server.base_url, server.storage, dtype="float32")
+    _, _, index = extract_dataset(layout, settings, lambda m: None, backend(settings, "B1"))
+    assert index.height == 3
+    skipped = skipped_samples(layout)
+    assert list(skipped) == ["long"] and "too long" in skipped["long"]
+    assert rules.coverage(tokens, index, skipped).passed
+
+
+def test_the_same_server_generates_and_its_ids_are_the_tokens_references(server, tmp_path):
+    import dagster as dg
+
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import build_definitions
+
+    questions = [
+        "Name a prime number.",
+        "What colour is the sky?",
+        "Say hi.",
+        "Count to three.",
+        "What is 2+2?",
+    ]
+    path = make_project(
+        tmp_path,
+        {
+            "B1": {
+                "rows": [
+                    {"id": f"q{i}", "messages": [{"role": "user", "content": q}]}
+                    for i, q in enumerate(questions)
+                ],
+                "max_tokens": 24,
+            }
+        },
+        backend="openrouter",
+        backends={
+            "openrouter": {
+                "base_url": server.base_url,
+                "model": vllm_server.SERVED_NAME,
+                "reasoning": None,
+                "extra_body": {"return_token_ids": True},
+            }
+        },
+    )
+    cfg = yaml.safe_load(path.read_text())
+    cfg["sampling"] = {"temperature": 0.0}
+    path.write_text(yaml.safe_dump(cfg))
+    defs = build_definitions(load_config(path), str(path))
+    job = defs.resolve_implicit_global_asset_job_def()
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(
+            partition_key="B1",
+            instance=instance,
+            asset_selection=[dg.AssetKey(k) for k in ("prompts", "responses", "tokens")],
+            raise_on_error=False,
+        )
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    tokens = pl.read_parquet(tmp_path / "data" / "B1" / "tokens.parquet")
+    assert tokens.height == len(questions)
+    assert tokens["reference_match"].null_count() == 0  # every row has the server's ids to compare with
+    assert tokens["reference_match"].all(), tokens.filter(~pl.col("reference_match"))["mismatch"].to_list()
+
+
+@pytest.fixture(scope="module")
+def bf16_server() -> vllm_server.VllmServer:
+    reason = vllm_server.skip_reason()
+    if reason:
+        pytest.skip(f"vLLM's CPU build cannot run on this machine: {reason}")
+    return vllm_server.server("bfloat16")
+
+
+def test_a_bf16_server_passes_the_spot_check_and_a_layer_off_by_one_fails_it(
+    bf16_server, chat, tmp_path, reference_model
+):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    layout = write_tokens(chat, tmp_path)
+    settings = served_settings(bf16_server.base_url, bf16_server.storage)  # stored as bf16, computed in bf16
+    _, _, index = extract_dataset(layout, settings, lambda m: None, backend(settings, "B1"))
+    folder = layout.hidden_states_dir
+    ids = sorted(HiddenStatesReader(folder).ids())
+    spot = rules.spot_check(folder, reference_model, ids)
+    assert spot.passed, spot.metadata
+    assert spot.metadata["compute_dtype"] == "bfloat16"
+    assert rules.consistent(folder, expected_metadata(settings)).passed
+
+    # A server started with this project's layer ids unshifted stores each aux layer one below what the shard says.
+    for shard in folder.glob("shard-*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            meta = dict(f.metadata())
+        meta["aux_layers"] = json.dumps([a + 1 for a in json.loads(meta["aux_layers"])])
+        save_file(tensors, str(shard), metadata=meta)
+    shifted = rules.spot_check(folder, reference_model, ids)
+    assert not shifted.passed
+    assert shifted.metadata["min_median_token_cosine"] < 0.99, shifted.metadata
+
+
+def test_through_dagster_one_served_step_extracts_every_shard_and_the_five_checks_pass(
+    server, chat, tmp_path
+):
+    import dagster as dg
+
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import HIDDEN_STATES_JOB, build_definitions
+
+    path = _project(tmp_path, server, shard_bytes=300_000)
+    write_tokens(chat, tmp_path / "data", repeat=2)
+    defs = build_definitions(load_config(path), str(path))
+    with dg.instance_for_test() as instance:
+        result = defs.resolve_job_def(HIDDEN_STATES_JOB).execute_in_process(
+            partition_key="B1", instance=instance
+        )
+        assert result.success, [e.message for e in result.all_events if e.is_failure]
+    steps = {e.step_key for e in result.all_events if e.event_type_value == "STEP_SUCCESS"}
+    assert [s for s in steps if "extract_hidden_states_served" in s] == [
+        "hidden_states.extract_hidden_states_served[all]"
+    ]
+    assert not [s for s in steps if "extract_hidden_state_shard" in s]
+    md = result.asset_materializations_for_node("hidden_states")[-1].metadata
+    assert md["samples"].value == 16 and md["shards"].value >= 2
+    checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert len(checks) == 5 and all(c.passed for c in checks.values()), {
+        k: c.metadata for k, c in checks.items() if not c.passed
+    }
+    assert checks["hidden_states_spot_check"].metadata["compute_dtype"].value == "float32"
+
+
+def test_vllm_serve_prints_the_server_command_for_the_configured_target(tmp_path):
+    path = make_project(
+        tmp_path,
+        {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
+        hidden_states={"engine": "vllm", "vllm": {"storage_path": "/shared/hs", "model": "t"}},
+    )
+    args = [
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.0.0.1",
+        "--dtype",
+        "bfloat16",
+        "--",
+        "--gpu-memory-utilization",
+        "0.9",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(path), "vllm-serve", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip().splitlines()[-1]
+    assert '"eagle_aux_hidden_state_layer_ids":[2,15,27,30]' in line  # ours [1, 14, 26] + 1, then L = 30
+    assert (
+        '"kv_connector":"Eagle3HiddenStatesConnector"' in line
+        and '"shared_storage_path":"/shared/hs"' in line
+    )
+    assert "resources/vllm/plugin" in line.split()[0]  # the connector's folder on the server's import path
+    for flag in (
+        "--tensor-parallel-size 8",
+        "--pipeline-parallel-size 2",
+        "--nnodes 2 --node-rank 1",
+        "--master-addr 10.0.0.1",
+        "--headless",
+        "--dtype bfloat16",
+        "--served-model-name t",
+        "--max-model-len 8192",
+        "--gpu-memory-utilization 0.9",
+    ):
+        assert flag in line, flag
