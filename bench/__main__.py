@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [engine|limits|backfill|storage|tokens|hidden|acceptance] [--quick]`: run benchmarks and print ratio tables."""
+"""`make bench` / `python -m bench [engine|limits|backfill|storage|tokens|hidden|vllm|acceptance] [--quick]`: run benchmarks and print ratio tables."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ SUITES = {
     "storage": "bench.storage",
     "tokens": "bench.tokens_throughput",
     "hidden": "bench.hidden_states_throughput",
+    "vllm": "bench.vllm_hidden_states",
     "acceptance": "bench.acceptance",
 }
 RESULTS = Path(__file__).resolve().parent / "results"

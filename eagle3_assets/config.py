@@ -160,6 +160,9 @@ class DatasetConfig(Strict):
     budget_tokens: int = Field(10_000_000, ge=0)
     budget_usd: float | None = Field(None, ge=0)
     max_tokens: int = Field(4096, ge=1)
+    # last: the target answers the final turn (earlier assistant turns stay the source's); all: every assistant
+    # turn, in order, each request carrying the target's own earlier answers (a row per turn, `<id>#t<k>`).
+    turns: Literal["last", "all"] = "last"
     fields: InstructionFields = Field(default_factory=InstructionFields)
     system_prompt: str | None = None
     sampling: SamplingConfig | None = None

@@ -36,6 +36,7 @@ from eagle3_assets.core.hidden_states.extraction import (
 from eagle3_assets.core.hidden_states.shards import HiddenStatesReader
 from eagle3_assets.core.target.loading import load_model
 from resources.vllm.extraction import VllmHiddenStates, leftover_files, request_prefix
+from resources.vllm.server import free_port
 
 from . import vllm_server
 from .conftest import REPO, make_project
@@ -185,7 +186,7 @@ class FlakyProxy:
         self.spoil = list(spoil or [])
         self.answered = 0
         self.deaths = 0
-        self.port = vllm_server._free_port()
+        self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self._site: web.TCPSite | None = None
         self._runner: web.AppRunner | None = None
@@ -376,7 +377,7 @@ def test_a_bf16_server_passes_the_spot_check_and_a_layer_off_by_one_fails_it(
 
     layout = write_tokens(chat, tmp_path)
     settings = served_settings(bf16_server.base_url, bf16_server.storage)  # stored as bf16, computed in bf16
-    _, _, index = extract_dataset(layout, settings, lambda m: None, backend(settings, "B1"))
+    extract_dataset(layout, settings, lambda m: None, backend(settings, "B1"))
     folder = layout.hidden_states_dir
     ids = sorted(HiddenStatesReader(folder).ids())
     spot = rules.spot_check(folder, reference_model, ids)
@@ -476,3 +477,26 @@ def test_vllm_serve_prints_the_server_command_for_the_configured_target(tmp_path
         "--gpu-memory-utilization 0.9",
     ):
         assert flag in line, flag
+
+
+def test_the_k8s_vllm_deployment_is_the_command_for_the_k8s_config():
+    from eagle3_assets.core.hidden_states.shards import default_aux_layers
+    from resources.vllm.server import ServeSpec
+
+    cfg = yaml.safe_load((REPO / "deploy" / "k8s" / "eagle3.k8s.yaml").read_text())
+    docs = list(yaml.safe_load_all((REPO / "deploy" / "k8s" / "vllm.yaml").read_text()))
+    container = docs[0]["spec"]["template"]["spec"]["containers"][0]
+    args = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if "=" in a)
+    kimi_layers = 61  # Kimi-K2.5's text model
+    spec = ServeSpec(
+        model=cfg["target"]["model"],
+        aux_layers=default_aux_layers(kimi_layers),
+        num_layers=kimi_layers,
+        storage_path=cfg["hidden_states"]["vllm"]["storage_path"],
+    )
+    assert json.loads(args["speculative-config"]) == spec.speculative_config()
+    assert json.loads(args["kv-transfer-config"]) == spec.kv_transfer_config()
+    assert args["served-model-name"] == cfg["hidden_states"]["vllm"]["model"]
+    assert int(args["max-model-len"]) == cfg["hidden_states"]["max_seq_len"] + 1
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert cfg["storage"]["root"] in mounts and spec.storage_path.startswith(cfg["storage"]["root"])

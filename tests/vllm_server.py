@@ -6,43 +6,26 @@ need it wait for it. The server is started with `resources.vllm.server.ServeSpec
 vllm-serve --cpu` prints. fp32, so its states can be compared exactly with a transformers forward; a bf16 one
 beside it for the spot check's half-precision rule.
 
-While developing, `EAGLE3_TEST_VLLM_FLOAT32=<base_url>,<storage path>` (and `_BFLOAT16`) point the session at servers you started
-yourself with the same command (saves their start-up on every run); CI never sets them.
+While developing, `EAGLE3_TEST_VLLM_FLOAT32=<base_url>,<storage path>` (and `_BFLOAT16`) point the session at
+servers you started yourself with the same command (saves their start-up on every run); CI never sets them.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
 import threading
-import time
-import urllib.request
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 from resources.side_env import clean_env
 from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python
-from resources.vllm.server import ServeSpec
+from resources.vllm.server import RunningServer, ServeSpec, free_port, launch
 
 SERVED_NAME = "smollm2"
 START_TIMEOUT_S = 600
-
-
-@dataclass
-class VllmServer:
-    base_url: str  # .../v1
-    storage: Path  # the connector's shared_storage_path
-    spec: ServeSpec
-    process: subprocess.Popen
-    log: Path
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-
+VllmServer = RunningServer
 DTYPES = ("float32", "bfloat16")
 _futures: dict[str, Future] = {}
 _lock = threading.Lock()
@@ -78,20 +61,8 @@ def server(dtype: str = "float32") -> VllmServer:
 
 def stop() -> None:
     for future in _futures.values():
-        if not future.done() or future.exception() is not None:
-            continue
-        proc = future.result().process
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        if future.done() and future.exception() is None:
+            future.result().stop()
 
 
 def _start(dtype: str) -> VllmServer:
@@ -108,7 +79,7 @@ def _start(dtype: str) -> VllmServer:
     model = builtin_dir("smollm2")
     root = Path(tempfile.mkdtemp(prefix=f"eagle3-vllm-{dtype}-"))
     storage = root / "hidden-states"
-    port = _free_port()
+    port = free_port()
     spec = ServeSpec(
         model=str(model),
         aux_layers=[1, 14, 26],
@@ -120,52 +91,4 @@ def _start(dtype: str) -> VllmServer:
         max_model_len=2048,
         cpu=True,
     )
-    log = root / "server.log"
-    env = {**clean_env(), **spec.env()}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            spec.argv(str(python)),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=root,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"vLLM exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
-            )
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2) as r:
-                if r.status == 200:
-                    server = VllmServer(url, storage, spec, proc, log)
-                    _warm_up(server)
-                    return server
-        except OSError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(
-        f"vLLM did not start in {START_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-4000:]}"
-    )
-
-
-def _warm_up(server: VllmServer) -> None:
-    """The first request after start takes ~20 s on CPU; spend it here, not in a test's budget."""
-    import json
-
-    body = json.dumps({"model": SERVED_NAME, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
-    req = urllib.request.Request(f"{server.base_url}/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        r.read()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
+    return launch(spec, str(python), root / "server.log", clean_env(), START_TIMEOUT_S)

@@ -261,9 +261,12 @@ class _Connection(asyncio.Protocol):
             version, status = lines[0].split(b" ", 2)[:2]
             self.status = int(status)
         except ValueError:
-            self.head_ready.set_exception(  # type: ignore[union-attr]
-                InferenceError(ErrorKind.MALFORMED, f"bad status line {describe(lines[0].decode('latin-1'))}")
-            )
+            if not self.head_ready.done():  # type: ignore[union-attr]
+                self.head_ready.set_exception(  # type: ignore[union-attr]
+                    InferenceError(
+                        ErrorKind.MALFORMED, f"bad status line {describe(lines[0].decode('latin-1'))}"
+                    )
+                )
             return
         headers = _Headers()
         for line in lines[1:]:
@@ -275,7 +278,8 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = version == b"HTTP/1.1" and "close" not in connection
         length = headers.get("content-length")
         self.length = int(length) if length and length.isdigit() and not self.chunked else None
-        self.head_ready.set_result(None)  # type: ignore[union-attr]
+        if not self.head_ready.done():  # type: ignore[union-attr]  # the caller may have been cancelled meanwhile
+            self.head_ready.set_result(None)  # type: ignore[union-attr]
 
 
 class StreamClient:
@@ -470,7 +474,7 @@ class StreamClient:
         except BaseException as e:  # a classified error event, malformed framing or JSON, a bug
             self._fail(conn, e)
             return
-        if s.ended:
+        if s.ended and not s.finished.done():
             s.finished.set_result(None)
 
     def _fail(self, conn: _Connection, error: BaseException) -> None:

@@ -17,6 +17,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
+import subprocess
+import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,3 +125,72 @@ class ServeSpec:
         """One copy-pasteable line: environment, then the command."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env().items())
         return f"{env} {shlex.join(self.argv(python))}"
+
+
+@dataclass
+class RunningServer:
+    """A server this process started (tests, benchmarks): its URL, connector folder, process and log."""
+
+    base_url: str  # .../v1
+    storage: Path
+    spec: ServeSpec
+    process: subprocess.Popen
+    log: Path
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    spec: ServeSpec, python: str, log: Path, env: dict[str, str], timeout_s: float = 600
+) -> RunningServer:
+    """Start the server, wait until it answers /v1/models, and spend its first (slow) request on a warm-up."""
+    Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            spec.argv(python),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**env, **spec.env()},
+            cwd=log.parent,
+            start_new_session=True,
+        )
+    url = f"http://{spec.host}:{spec.port}/v1"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"vLLM exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+            )
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=2) as r:
+                if r.status == 200:
+                    models = json.loads(r.read())["data"]
+                    _warm_up(url, models[0]["id"])
+                    return RunningServer(url, Path(spec.storage_path), spec, proc, log)
+        except OSError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vLLM did not start in {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def _warm_up(url: str, model: str) -> None:
+    """The first request after start takes ~20 s on CPU (kernels, caches)."""
+    body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"{url}/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()

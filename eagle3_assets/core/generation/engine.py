@@ -28,7 +28,8 @@ answer of the key, and it is exact only where it sees all of them at once; a cro
 through a file or a database on every dispatch and still lag, and eight run processes cost eight interpreter,
 Dagster and tokenizer starts on the machine that also drives the requests. In one loop, while one dataset's last long
 answers are in flight (or its budget is closing in), the other datasets' prompts take the free slots. Lanes are
-served round robin, each within its own budget; a lane whose budget is reached stops alone.
+served round robin, each within its own budget; a lane whose budget is reached stops alone. A lane may be a set of
+chains (`turns: all`): each answer can release the next request of its chain, which goes ahead of new prompts.
 """
 
 from __future__ import annotations
@@ -172,9 +173,13 @@ class Lane:
         budget: Budget,
         writer: JournalWriter,
         ledger: DispatchLedger | None = None,
+        follow: Callable[[CompletionRequest, Completion], CompletionRequest | None] | None = None,
     ):
         self.key = key
         self.it: Iterator[CompletionRequest] = iter(requests)
+        # A chain's next request once an answer lands (the next turn of a conversation, `conversations.Chains`).
+        self.follow = follow
+        self.followups: deque[_Pending] = deque()
         self.budget = budget
         self.writer = writer
         self.ledger = ledger
@@ -190,7 +195,11 @@ class Lane:
     def finished(self) -> bool:
         """Nothing left to send or wait for, or stopped by its budget."""
         return self.budget_stop or (
-            self.exhausted and self.held is None and not self.retries and not self.in_flight
+            self.exhausted
+            and self.held is None
+            and not self.retries
+            and not self.followups
+            and not self.in_flight
         )
 
 
@@ -350,6 +359,9 @@ class GenerationEngine:
     def _candidate(self, lane: Lane, now: float) -> _Pending | None:
         if lane.retries and lane.retries[0][0] <= now:
             return heapq.heappop(lane.retries)[2]
+        if lane.followups:  # a conversation's next turn before a new conversation: chains finish, none starve
+            lane.report.sent += 1
+            return lane.followups.popleft()
         if lane.held is not None:
             p, lane.held = lane.held, None
             return p
@@ -431,6 +443,11 @@ class GenerationEngine:
     def _succeed(self, p: _Pending, c: Completion, dispatched_at: float) -> None:
         r = p.lane.report
         p.lane.writer.add_completion(p.request.id, c)
+        if p.lane.follow is not None:
+            nxt = p.lane.follow(p.request, c)
+            if nxt is not None:
+                p.lane.followups.append(_Pending(nxt, p.lane))
+                r.total += 1
         r.succeeded += 1
         r.prompt_tokens += c.prompt_tokens
         r.completion_tokens += c.completion_tokens

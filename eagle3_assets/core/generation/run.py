@@ -19,6 +19,7 @@ from ..storage.layout import DatasetLayout
 from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
 from .budget import Budget, PriorUsage
+from .conversations import Chain, Chains, TurnAnswer, assistant_slots, split_turn_id
 from .engine import EngineReport, EngineSettings, GenerationEngine, Lane, run_loop
 from .journal import JournalWriter, ResponseJournal
 from .protocol import CompletionRequest, InferenceBackend, Sampling
@@ -113,6 +114,9 @@ class _Prepared:
     budget: Budget
     summary: GenerationSummary
     todo: pl.DataFrame
+    chains: list[Chain] | None = (
+        None  # turns: all: the conversations with a turn left, with their stored answers
+    )
 
 
 def generate_datasets(
@@ -192,9 +196,15 @@ def _prepare(
         )
     done = journal.done_ids()
     skip = set() if plan.retry_permanent_failures else journal.permanent_failure_ids() - done
-    todo = prompts.filter(~pl.col("id").is_in(pl.Series(list(done | skip), dtype=pl.String).implode()))
+    chains = None
+    if plan.dataset.turns == "all":
+        todo, chains, done, skip = _open_chains(prompts, journal, done, skip)
+    else:
+        todo = prompts.filter(~pl.col("id").is_in(pl.Series(list(done | skip), dtype=pl.String).implode()))
     if plan.limit is not None:
         todo = todo.head(plan.limit)
+        if chains is not None:
+            chains = chains[: plan.limit]
     summary = GenerationSummary(
         key=plan.key,
         backend=backend.name,
@@ -220,7 +230,56 @@ def _prepare(
             f"{plan.key}: {todo.height:,} of {prompts.height:,} prompts to answer with {backend.name} "
             f"({len(done):,} answered before; budget {budget.describe()})"
         )
-    return _Prepared(job, journal, budget, summary, todo)
+    return _Prepared(job, journal, budget, summary, todo, chains)
+
+
+def _open_chains(
+    prompts: pl.DataFrame, journal: ResponseJournal, done: set[str], skip: set[str]
+) -> tuple[pl.DataFrame, list[Chain], set[str], set[str]]:
+    """turns: all. A conversation is done when every turn is stored, ended when a turn failed for good (later
+    turns would depend on it); any other continues after its last stored turn, with the stored answers as its
+    history. Returns the conversations left, their chains, and done/skip as conversation ids."""
+    stored: dict[str, set[int]] = {}
+    for rid in done:
+        parsed = split_turn_id(rid)
+        if parsed is not None:
+            stored.setdefault(parsed[0], set()).add(parsed[1])
+    failed = {p[0] for rid in skip if (p := split_turn_id(rid)) is not None}
+    answers = _stored_answers(journal, {c for c, ks in stored.items() if ks})
+    chains: list[Chain] = []
+    done_convs: set[str] = set()
+    keep: list[bool] = []
+    for cid, messages in zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True):
+        n = len(assistant_slots(messages))
+        have = stored.get(cid, set())
+        k = 0
+        while k + 1 in have:
+            k += 1
+        if k >= n:
+            done_convs.add(cid)
+        if k >= n or cid in failed:
+            keep.append(False)
+            continue
+        chain = Chain(cid, messages, [answers[(cid, j)] for j in range(1, k + 1)])
+        chains.append(chain)
+        keep.append(True)
+    todo = prompts.filter(pl.Series(keep, dtype=pl.Boolean))
+    return todo, chains, done_convs, failed - done_convs
+
+
+def _stored_answers(journal: ResponseJournal, conversations: set[str]) -> dict[tuple[str, int], TurnAnswer]:
+    """The stored answers of these conversations' turns (the history their next turns are sent with)."""
+    if not conversations:
+        return {}
+    rows = (
+        journal.responses.scan(["id", "content", "reasoning"]).unique(subset=["id"], keep="first").collect()
+    )
+    out = {}
+    for rid, content, reasoning in rows.iter_rows():
+        parsed = split_turn_id(rid)
+        if parsed is not None and parsed[0] in conversations:
+            out[parsed] = TurnAnswer(content or "", reasoning)
+    return out
 
 
 def _busy_summary(job: DatasetJob, backend: InferenceBackend, run_id: str, why: str) -> GenerationSummary:
@@ -273,16 +332,31 @@ def _run(
             JournalWriter(prepared.journal, backend.name, run_id, on_flush=job.on_flush),
             prepared.journal.ledger(run_id),
         )
-        lane.it = iter(
-            _requests(
-                prepared.todo,
-                job.plan,
-                chat if backend.wants_prompt_ids else None,
-                lambda pid, kind, msg, lane=lane: engine.record_skipped(lane, pid, kind, msg),
+        skip = lambda pid, kind, msg, lane=lane: engine.record_skipped(lane, pid, kind, msg)  # noqa: E731
+        if prepared.chains is not None:
+            chains = Chains(
+                prepared.chains,
+                job.plan.dataset.max_tokens,
+                job.plan.sampling,
+                _render_one(chat) if backend.wants_prompt_ids else None,
+                skip,
             )
-        )
+            lane.follow = chains.follow
+            lane.it = chains.first_requests()
+        else:
+            lane.it = iter(
+                _requests(prepared.todo, job.plan, chat if backend.wants_prompt_ids else None, skip)
+            )
         lanes.append(lane)
     run_loop(_run_engine(engine, lanes, backend, log, extra_preflight))
+
+
+def _render_one(chat: ChatTokenizer) -> Callable[[list[dict]], list[int] | Exception]:
+    def render(messages: list[dict]) -> list[int] | Exception:
+        out = chat.prompt_ids([messages])[0]
+        return out if isinstance(out, Exception) else list(out)
+
+    return render
 
 
 def _prefixed(log: Callable[[str], None], prepared: _Prepared) -> Callable[[str], None]:

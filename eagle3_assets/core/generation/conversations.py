@@ -1,0 +1,135 @@
+"""`turns: all`: every assistant turn of a conversation answered by the target, in order, as a chain.
+
+A conversation's assistant slots are where its source has an assistant turn, and after its last user turn. Turn k's
+request carries the source's system, user and tool messages before slot k and, in place of the source's assistant
+texts, the target's own answers to turns 1..k-1 (with their `reasoning`, which the chat template renders as its
+`reasoning_content` or drops, as it does when the model serves). Each turn is stored as its own
+response row, `<conversation id>#t<k>`; the next turn is sent as soon as the previous answer lands, so thousands of
+conversations advance side by side in the engine's window without waiting for each other. A resumed run continues
+each conversation after its last stored turn; a turn that fails for good ends its conversation's regeneration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from .protocol import Completion, CompletionRequest, Sampling
+
+TURN_SEP = "#t"
+
+
+def turn_id(conversation: str, k: int) -> str:
+    return f"{conversation}{TURN_SEP}{k}"
+
+
+def split_turn_id(rid: str) -> tuple[str, int] | None:
+    """(conversation id, turn) of a turn row's id; None for a row of `turns: last`."""
+    head, sep, tail = rid.rpartition(TURN_SEP)
+    if not sep or not tail.isdigit() or not head:
+        return None
+    return head, int(tail)
+
+
+def assistant_slots(messages: list[dict]) -> list[int]:
+    """Indices where an assistant turn goes: each source assistant turn, then after the last message (a prompt ends
+    with a user turn; its answer is the final slot)."""
+    return [i for i, m in enumerate(messages) if m.get("role") == "assistant"] + [len(messages)]
+
+
+@dataclass(frozen=True)
+class TurnAnswer:
+    content: str
+    reasoning: str | None = None
+
+    def message(self) -> dict:
+        msg = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            msg["reasoning"] = self.reasoning
+        return msg
+
+
+def turn_messages(messages: list[dict], k: int, answers: list[TurnAnswer]) -> list[dict]:
+    """The request of turn k (1-based): the source before slot k, the target's answers in the earlier slots."""
+    slots = assistant_slots(messages)
+    if not 1 <= k <= len(slots) or len(answers) < k - 1:
+        raise ValueError(f"turn {k} of a conversation with {len(slots)} turns and {len(answers)} answers")
+    out: list[dict] = []
+    j = 0
+    for i, m in enumerate(messages[: slots[k - 1]]):
+        if i in slots[: k - 1]:
+            out.append(answers[j].message())
+            j += 1
+        else:
+            out.append(m)
+    return out
+
+
+@dataclass
+class Chain:
+    """One conversation in flight: its source messages and the target's answers so far."""
+
+    id: str
+    messages: list[dict]
+    answers: list[TurnAnswer] = field(default_factory=list)
+
+    @property
+    def n_turns(self) -> int:
+        return len(assistant_slots(self.messages))
+
+    @property
+    def next_turn(self) -> int | None:
+        k = len(self.answers) + 1
+        return k if k <= self.n_turns else None
+
+
+class Chains:
+    """The lane's follow-up source: first requests for every conversation with a turn left, then, as each answer
+    lands, that conversation's next turn (rendered to ids here when the backend takes ids)."""
+
+    def __init__(
+        self,
+        chains: list[Chain],
+        max_tokens: int,
+        sampling: Sampling,
+        render: Callable[[list[dict]], list[int] | Exception] | None,
+        skip: Callable[[str, str, str], None],
+    ):
+        self.chains = {c.id: c for c in chains}
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.render = render
+        self.skip = skip  # (turn id, kind, message): a turn the template refuses ends its conversation
+
+    def first_requests(self) -> Iterator[CompletionRequest]:
+        for chain in list(self.chains.values()):  # answers landing meanwhile remove finished chains
+            request = self._request(chain)
+            if request is not None:
+                yield request
+
+    def follow(self, request: CompletionRequest, completion: Completion) -> CompletionRequest | None:
+        """The answer to `request` landed: the conversation's next turn, or None when it is complete."""
+        parsed = split_turn_id(request.id)
+        if parsed is None or parsed[0] not in self.chains:
+            return None
+        chain = self.chains[parsed[0]]
+        chain.answers.append(TurnAnswer(completion.content or "", completion.reasoning))
+        if chain.next_turn is None:
+            del self.chains[chain.id]
+            return None
+        return self._request(chain)
+
+    def _request(self, chain: Chain) -> CompletionRequest | None:
+        k = chain.next_turn
+        if k is None:
+            return None
+        msgs = turn_messages(chain.messages, k, chain.answers)
+        prompt_ids = None
+        if self.render is not None:
+            rendered = self.render(msgs)
+            if isinstance(rendered, Exception):
+                self.skip(turn_id(chain.id, k), "template", f"turn {k}: {rendered}")
+                self.chains.pop(chain.id, None)
+                return None
+            prompt_ids = rendered
+        return CompletionRequest(turn_id(chain.id, k), msgs, self.max_tokens, self.sampling, prompt_ids)

@@ -1,0 +1,218 @@
+"""turns: all: every assistant turn is the target's own, answered in order as a chain, resumable mid-conversation."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import time
+
+import dagster as dg
+import polars as pl
+import pytest
+
+from eagle3_assets.core.generation.conversations import (
+    TurnAnswer,
+    assistant_slots,
+    split_turn_id,
+    turn_id,
+    turn_messages,
+)
+from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
+
+from .conftest import REPO, make_project
+from .fake_servers import FakeOpenRouter
+from .test_resume import KEY_ENV, env_for, materialize_cmd
+
+
+def sharegpt(cid: str, n_turns: int, trailing_user: bool = False) -> dict:
+    """A ShareGPT conversation with `n_turns` assistant turns (answered by 'source' texts the target must never see)."""
+    conv = [{"from": "system", "value": "You are terse."}]
+    for k in range(1, n_turns + 1):
+        conv.append({"from": "human", "value": f"{cid} question {k}"})
+        conv.append({"from": "gpt", "value": f"SOURCE ANSWER {cid} {k}"})
+    if trailing_user:
+        conv.append({"from": "human", "value": f"{cid} question {n_turns + 1}"})
+    return {"id": cid, "conversations": conv}
+
+
+ROWS = [sharegpt(f"c{i}", 3 + i % 3) for i in range(12)]  # 3, 4 or 5 assistant turns each
+N_TURNS = sum(3 + i % 3 for i in range(12))
+
+
+def test_turn_requests_carry_the_targets_earlier_answers_never_the_sources():
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "source a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "source a2"},
+        {"role": "user", "content": "u3"},
+    ]
+    assert assistant_slots(msgs) == [2, 4, 6]
+    assert turn_messages(msgs, 1, []) == msgs[:2]
+    answers = [TurnAnswer("mine 1", "why 1"), TurnAnswer("mine 2")]
+    assert turn_messages(msgs, 3, answers) == [
+        msgs[0],
+        msgs[1],
+        {"role": "assistant", "content": "mine 1", "reasoning": "why 1"},
+        msgs[3],
+        {"role": "assistant", "content": "mine 2"},
+        msgs[5],
+    ]
+    assert split_turn_id(turn_id("a#t9", 3)) == ("a#t9", 3)  # ids that look like turn ids stay intact
+    assert split_turn_id("plain") is None
+    with pytest.raises(ValueError):
+        turn_messages(msgs, 3, answers[:1])
+
+
+def _project(tmp_path, server=None, rows=ROWS, checks=None, **ds):
+    top = {"checks": checks} if checks else {}
+    if server is not None:
+        top = {
+            "backend": "openrouter",
+            **top,
+            "backends": {
+                "openrouter": {"base_url": server.base_url, "api_key_env": KEY_ENV, "max_concurrency": 8}
+            },
+        }
+    return make_project(
+        tmp_path,
+        {"B1": {"rows": rows, "format": "sharegpt", "turns": "all", "max_tokens": 16, **ds}},
+        **top,
+    )
+
+
+def _materialize(path, select=("prompts", "responses")):
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import build_definitions
+
+    defs = build_definitions(load_config(path), str(path))
+    job = defs.resolve_implicit_global_asset_job_def()
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(
+            partition_key="B1",
+            instance=instance,
+            asset_selection=[dg.AssetKey(k) for k in select],
+            raise_on_error=False,
+        )
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    return result
+
+
+def test_an_openai_compatible_server_answers_every_turn_with_the_targets_own_history(tmp_path, monkeypatch):
+    key = "k-" + secrets.token_hex(8)
+    monkeypatch.setenv(KEY_ENV, key)
+    with FakeOpenRouter(key=key) as server:
+        _materialize(_project(tmp_path, server))
+        hits = list(server.hits)
+    responses = pl.read_parquet(tmp_path / "data" / "B1" / "responses" / "*.parquet")
+    assert responses.height == N_TURNS == responses["id"].n_unique()
+    ids = set(responses["id"].to_list())
+    for i in range(12):
+        assert {turn_id(f"c{i}", k) for k in range(1, 4 + i % 3)} == {
+            x for x in ids if x.startswith(f"c{i}#")
+        }
+    assert len(hits) == N_TURNS  # each turn sent once
+    for h in hits:
+        msgs = h.body["messages"]
+        assert not any("SOURCE ANSWER" in m["content"] for m in msgs)  # never another model's words
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        assistants = [m["content"] for m in msgs if m["role"] == "assistant"]
+        assert assistants == [f"Answer to: {u}" for u in users[:-1]]  # the target's own earlier answers
+        assert msgs[0] == {"role": "system", "content": "You are terse."}
+
+
+def test_the_embedded_model_regenerates_every_turn_and_each_turn_is_a_token_row_as_the_model_saw_it(
+    tmp_path, smol_tok
+):
+    rows = [sharegpt("a", 3), sharegpt("b", 4, trailing_user=True)]
+    _materialize(_project(tmp_path, rows=rows, max_tokens=6), ("prompts", "responses", "tokens"))
+    responses = pl.read_parquet(tmp_path / "data" / "B1" / "responses" / "*.parquet")
+    ids = sorted([turn_id("a", k) for k in (1, 2, 3)] + [turn_id("b", k) for k in (1, 2, 3, 4, 5)])
+    assert sorted(responses["id"].to_list()) == ids  # a trailing user turn is answered too
+    assert responses["output_ids"].null_count() == 0 and (responses["completion_tokens"] > 0).all()
+
+    tokens = pl.read_parquet(tmp_path / "data" / "B1" / "tokens.parquet")
+    assert sorted(tokens["id"].to_list()) == ids  # a row per turn, its id naming the turn
+    assert tokens["reference_match"].all()  # each turn's ids equal what the model produced
+    prompts = pl.read_parquet(tmp_path / "data" / "B1" / "prompts.parquet")
+    source = dict(zip(prompts["id"], prompts["messages"].to_list(), strict=True))
+    answers = {r["id"]: TurnAnswer(r["content"]) for r in responses.iter_rows(named=True)}
+    for row in tokens.iter_rows(named=True):
+        cid, k = split_turn_id(row["id"])
+        history = [answers[turn_id(cid, j)] for j in range(1, k)]
+        msgs = turn_messages(source[cid], k, history)
+        # The template's own rendering of what the model was asked, then exactly the ids it produced.
+        seen = smol_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        want = smol_tok.encode(seen, add_special_tokens=False)
+        ids_row, mask = row["input_ids"], row["loss_mask"]
+        assert ids_row[: len(want)] == want
+        produced = responses.filter(pl.col("id") == row["id"])["output_ids"].item().to_list()
+        assert ids_row[len(want) :][: len(produced)] == produced
+        assert sum(mask[: len(want)]) == 0 and all(mask[len(want) : len(want) + len(produced)])  # this turn only
+
+
+def test_a_kill_mid_conversation_resumes_each_conversation_after_its_last_stored_turn(tmp_path):
+    key = "k-" + secrets.token_hex(8)
+    rows = [sharegpt(f"k{i}", 4) for i in range(40)]
+    with FakeOpenRouter(key=key, latency=0.3) as server:
+        config = _project(tmp_path, server, rows=rows)
+        env = env_for(config, tmp_path / "dagster_home", key)
+        responses_dir = tmp_path / "data" / "B1" / "responses"
+        proc = subprocess.Popen(
+            materialize_cmd(), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(list(responses_dir.glob("part-*.parquet"))) < 2:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        stored = JournalTable(responses_dir, RESPONSE_SCHEMA).keys()
+        assert 0 < len(stored) < 160
+        mid = {split_turn_id(s)[0] for s in stored if split_turn_id(s)[1] < 4}
+        assert mid, "no conversation was cut in the middle"
+        before = len(server.hits)
+        done = subprocess.run(
+            materialize_cmd(), cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        after = server.hits[before:]
+    final = pl.read_parquet(responses_dir / "*.parquet")
+    assert final.height == 160 == final["id"].n_unique()
+    # The resumed run sent no stored turn again: turn k of a conversation is the request whose history holds k-1
+    # answers, so (conversation, k) identifies it.
+    resent = {(h.body["messages"][1]["content"].split()[0], sum(m["role"] == "assistant" for m in h.body["messages"]) + 1)
+              for h in after}  # fmt: skip
+    assert not resent & {split_turn_id(s) for s in stored}
+    # and each cut conversation went on from its stored answers
+    for h in after:
+        msgs = h.body["messages"]
+        assert [m["content"] for m in msgs if m["role"] == "assistant"] == [
+            f"Answer to: {m['content']}" for m in msgs if m["role"] == "user"
+        ][:-1]
+
+
+def test_a_turn_that_fails_for_good_ends_its_conversation_with_a_failure_row_naming_the_turn(
+    tmp_path, monkeypatch
+):
+    key = "k-" + secrets.token_hex(8)
+    monkeypatch.setenv(KEY_ENV, key)
+    bad = sharegpt("bad", 4)
+    bad["conversations"][3]["value"] = "bad question 2 [[400]]"  # the second user turn is refused for good
+    with FakeOpenRouter(key=key) as server:
+        rows = [bad, sharegpt("ok", 3)]
+        checks = {"max_failure_share": 0.6}  # one conversation of two ends early, on purpose
+        _materialize(_project(tmp_path, server, rows=rows, checks=checks))
+        _materialize(_project(tmp_path, server, rows=rows, checks=checks))  # the second run sends nothing more
+        hits = len(server.hits)
+    responses = pl.read_parquet(tmp_path / "data" / "B1" / "responses" / "*.parquet")
+    assert sorted(responses["id"].to_list()) == sorted(
+        [turn_id("bad", 1)] + [turn_id("ok", k) for k in (1, 2, 3)]
+    )
+    failures = pl.read_parquet(tmp_path / "data" / "B1" / "failures" / "*.parquet")
+    assert failures.filter(pl.col("permanent"))["id"].to_list() == [turn_id("bad", 2)]
+    assert hits == 5  # bad: turns 1 and 2 (refused), never 3 or 4; ok: three turns; nothing in the second run
