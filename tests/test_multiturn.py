@@ -151,7 +151,9 @@ def test_the_embedded_model_regenerates_every_turn_and_each_turn_is_a_token_row_
         assert ids_row[: len(want)] == want
         produced = responses.filter(pl.col("id") == row["id"])["output_ids"].item().to_list()
         assert ids_row[len(want) :][: len(produced)] == produced
-        assert sum(mask[: len(want)]) == 0 and all(mask[len(want) : len(want) + len(produced)])  # this turn only
+        assert sum(mask[: len(want)]) == 0 and all(
+            mask[len(want) : len(want) + len(produced)]
+        )  # this turn only
 
 
 def test_a_kill_mid_conversation_resumes_each_conversation_after_its_last_stored_turn(tmp_path):
@@ -207,7 +209,9 @@ def test_a_turn_that_fails_for_good_ends_its_conversation_with_a_failure_row_nam
         rows = [bad, sharegpt("ok", 3)]
         checks = {"max_failure_share": 0.6}  # one conversation of two ends early, on purpose
         _materialize(_project(tmp_path, server, rows=rows, checks=checks))
-        _materialize(_project(tmp_path, server, rows=rows, checks=checks))  # the second run sends nothing more
+        _materialize(
+            _project(tmp_path, server, rows=rows, checks=checks)
+        )  # the second run sends nothing more
         hits = len(server.hits)
     responses = pl.read_parquet(tmp_path / "data" / "B1" / "responses" / "*.parquet")
     assert sorted(responses["id"].to_list()) == sorted(
