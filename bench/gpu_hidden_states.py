@@ -9,7 +9,12 @@ What it does, on `cuda` (or `--device cpu` for a dry run of the script itself):
    forward per sample (bf16 tolerance) with the attention implementation the pipeline picks (flash-attention 2 when
    installed, else sdpa);
 3. measures a bare forward over the packed rows against the full extraction (hooks, device-to-host copies,
-   safetensors shard written atomically) on the same samples; prints and saves tokens/s, overhead and bytes/token.
+   safetensors shard written atomically) on the same samples; prints and saves tokens/s, overhead and bytes/token;
+4. where a vLLM is installed (`--vllm-python`, default: this interpreter if it imports vllm): the same shapes
+   through a vLLM server started with the exact `eagle3 vllm-serve` command (extract_hidden_states + the project's
+   connector), a bare vLLM prefill of the same ids against the served extraction (tokens/s, overhead, bytes per
+   token, connector files left), beside the transformers path's tokens/s. `--device cpu --vllm-python <the CPU
+   build's python>` is the dry run of this part.
 
 Needs torch, transformers, safetensors, numpy and polars (the extraction module writes Parquet indexes); on a
 machine without internet carry polars as wheels (see the device tool's notes).
@@ -171,6 +176,56 @@ def measure(name: str, shape: dict, device: str, n_tokens: int, budget: int) -> 
     return r
 
 
+def vllm_python(arg: str | None) -> str | None:
+    import importlib.util
+
+    if arg:
+        return arg
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def measure_vllm(name: str, shape: dict, device: str, n_tokens: int, python: str, work: Path) -> dict:
+    """The shape served by vLLM: SmolLM2's real checkpoint, or random bf16 weights saved with SmolLM2's tokenizer
+    (ids stay inside its vocabulary)."""
+    import shutil
+
+    import polars as pl
+
+    from bench.vllm_hidden_states import measure_served
+    from eagle3_assets.core.storage.layout import DatasetLayout
+    from eagle3_assets.core.target.loading import builtin_dir
+
+    smol = builtin_dir("smollm2")
+    folder = smol
+    if name != "smollm2-135m":
+        import torch
+
+        folder = work / name
+        model, _ = build_model(shape, "cpu")
+        model.to(torch.bfloat16).save_pretrained(folder)
+        del model
+        for f in smol.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "generation_config.json":
+                shutil.copy(f, folder / f.name)
+    data = samples(n_tokens, min(shape["vocab_size"], 49152), 128, 1024 if device == "cpu" else 4096)
+    rows = DatasetLayout(work / f"rows-{name}", "B1").ensure()
+    pl.DataFrame(
+        {
+            "id": list(data),
+            "input_ids": pl.Series([d.input_ids.tolist() for d in data.values()], dtype=pl.List(pl.Int32)),
+            "loss_mask": pl.Series([d.loss_mask.tolist() for d in data.values()], dtype=pl.List(pl.Int8)),
+        }
+    ).write_parquet(rows.tokens)
+    extra = [] if device == "cpu" else ["--gpu-memory-utilization", "0.85"]
+    r = measure_served(
+        str(folder), shape["num_hidden_layers"], rows, python, work / f"vllm-{name}", "bfloat16",
+        cpu=device == "cpu", max_model_len=8192, extra_args=extra,
+    )  # fmt: skip
+    r["model"] = name
+    print(json.dumps(r), flush=True)
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -178,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument(
+        "--vllm-python", default=None, help="a python that imports vllm (default: this one, if it does)"
+    )
     args = p.parse_args(argv)
     if args.device.startswith("cuda"):
         print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -200,10 +258,32 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['extraction_tok_s']:,.0f} tok/s ({100 * r['overhead']:+.1f}%), {r['bytes_per_token']:,.0f} B/token "
             f"vs 8·H {r['ideal_bytes_per_token']:,}"
         )
+    served: list[dict] = []
+    python = vllm_python(args.vllm_python)
+    if python is None:
+        print("vLLM: not installed here (pass --vllm-python); the served path was not measured")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, n_tokens, _ in plan:
+                if args.device == "cpu" and name == "llama-8b":
+                    continue
+                if args.quick and name == "llama-8b":
+                    continue  # saving 16 GB of random weights for the server takes a minute of the quick run
+                served.append(measure_vllm(name, SHAPES[name], args.device, n_tokens, python, Path(tmp)))
+        local = {r["model"]: r["extraction_tok_s"] for r in results}
+        for r in served:
+            ratio = r["served_tok_s"] / local[r["model"]] if r["model"] in local else float("nan")
+            print(
+                f"{r['model']:>14} through vLLM: {r['served_tok_s']:,.0f} tok/s ({ratio:.2f}x the transformers path), "
+                f"bare prefill {r['bare_prefill_tok_s']:,.0f} tok/s ({100 * r['over_bare']:+.1f}%), connector files "
+                f"{r['connector_bytes_per_token']:,.0f} B/token, {r['files_left']} left behind"
+            )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_hidden_states.json").write_text(json.dumps(results, indent=2))
-    return 0 if ok else 1
+        (Path(args.out) / "gpu_hidden_states.json").write_text(
+            json.dumps({"transformers": results, "vllm": served}, indent=2)
+        )
+    return 0 if ok and all(r["files_left"] == 0 for r in served) else 1
 
 
 if __name__ == "__main__":

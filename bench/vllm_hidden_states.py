@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import polars as pl
 
-from eagle3_assets.config import HiddenStatesConfig, VllmExtractionConfig
+from eagle3_assets.config import HiddenStatesConfig, TargetConfig, VllmExtractionConfig
 from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.loading import builtin_dir
@@ -51,13 +51,65 @@ async def bare_prefill(base_url: str, model: str, rows: list[list[int]], concurr
         return time.perf_counter() - t0
 
 
-def served(base_url: str, storage: Path, layout: DatasetLayout) -> tuple[float, VllmHiddenStates, int]:
+def served(
+    base_url: str, storage: Path, layout: DatasetLayout, model: str
+) -> tuple[float, VllmHiddenStates, int]:
     cfg = VllmExtractionConfig(base_urls=[base_url], storage_path=str(storage), max_concurrency=CONCURRENCY)
-    settings = ExtractionSettings(hidden=HiddenStatesConfig(engine="vllm", vllm=cfg))
+    settings = ExtractionSettings(
+        target=TargetConfig(model=model, tokenizer=model), hidden=HiddenStatesConfig(engine="vllm", vllm=cfg)
+    )
     backend = VllmHiddenStates(cfg, layout.key, 4)
     t0 = time.perf_counter()
     _, stats, _ = extract_dataset(layout, settings, lambda m: None, backend)
     return time.perf_counter() - t0, backend, stats.bytes_written
+
+
+def measure_served(
+    model: str,
+    num_layers: int,
+    rows: DatasetLayout,
+    python: str,
+    work: Path,
+    dtype: str = "bfloat16",
+    cpu: bool = False,
+    max_model_len: int = 2048,
+    extra_args: list[str] | None = None,
+) -> dict:
+    """One server for `model` (the exact `eagle3 vllm-serve` command), then on `rows`' samples: a bare prefill,
+    the served extraction, a bare prefill again (the better of the two is the baseline)."""
+    from eagle3_assets.core.hidden_states.shards import default_aux_layers
+
+    work.mkdir(parents=True, exist_ok=True)
+    storage = work / "connector"
+    spec = ServeSpec(
+        model=model, aux_layers=default_aux_layers(num_layers), num_layers=num_layers, storage_path=str(storage),
+        served_model_name="target", port=free_port(), dtype=dtype, max_model_len=max_model_len, cpu=cpu,
+        extra_args=list(extra_args or []),
+    )  # fmt: skip
+    ids = pl.read_parquet(rows.tokens)["input_ids"].to_list()
+    tokens = sum(len(r) for r in ids)
+    started = time.perf_counter()
+    server = launch(spec, python, work / "server.log", clean_env())
+    start_s = time.perf_counter() - started
+    try:
+        bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
+        layout = DatasetLayout(work / "served", rows.key).ensure()
+        layout.tokens.write_bytes(rows.tokens.read_bytes())
+        served_s, backend, shard_bytes = served(server.base_url, storage, layout, model)
+        bare_again = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
+    finally:
+        server.stop()
+    bare = min(bare_s, bare_again)  # the better of two, before and after: no warm-up or drift in its favour
+    return {
+        "start_s": start_s,
+        "served_tok_s": tokens / served_s,
+        "bare_prefill_tok_s": tokens / bare,
+        "over_bare": served_s / bare - 1,
+        "connector_bytes_per_token": backend.file_bytes / tokens,
+        "shard_bytes_per_token": shard_bytes / tokens,
+        "file_wait_s_per_sample": backend.file_wait_s / max(backend.files_read, 1),
+        "files_left": leftover_files(storage, request_prefix(rows.key)),
+    }
 
 
 def run(quick: bool = False) -> dict:
@@ -84,43 +136,14 @@ def run(quick: bool = False) -> dict:
     print(f"transformers (fp32 compute, bf16 stored)  {tokens / local_s:8.0f} tok/s")
 
     for dtype in ("float32", "bfloat16"):
-        storage = root / f"hs-{dtype}"
-        spec = ServeSpec(
-            model=str(model), aux_layers=[1, 14, 26], num_layers=30, storage_path=str(storage),
-            served_model_name="smollm2", port=free_port(), dtype=dtype, max_model_len=2048, cpu=True,
-        )  # fmt: skip
-        started = time.perf_counter()
-        server = launch(spec, python, root / f"server-{dtype}.log", clean_env())
-        start_s = time.perf_counter() - started
-        try:
-            bare_s = asyncio.run(bare_prefill(server.base_url, "smollm2", rows, CONCURRENCY))
-            layout = DatasetLayout(root / f"served-{dtype}", "B1").ensure()
-            layout.tokens.write_bytes(src.tokens.read_bytes())
-            served_s, backend, shard_bytes = served(server.base_url, storage, layout)
-            bare_again = asyncio.run(bare_prefill(server.base_url, "smollm2", rows, CONCURRENCY))
-        finally:
-            server.stop()
-        bare = min(
-            bare_s, bare_again
-        )  # the better of two, before and after: no warm-up or drift in its favour
-        left = leftover_files(storage, request_prefix("B1"))
-        r = {
-            "start_s": start_s,
-            "served_tok_s": tokens / served_s,
-            "bare_prefill_tok_s": tokens / bare,
-            "over_bare": served_s / bare - 1,
-            "vs_transformers": (tokens / served_s) / (tokens / local_s),
-            "connector_bytes_per_token": backend.files_read and backend.file_bytes / tokens,
-            "shard_bytes_per_token": shard_bytes / tokens,
-            "file_wait_s_per_sample": backend.file_wait_s / max(backend.files_read, 1),
-            "files_left": left,
-        }
+        r = measure_served(str(model), 30, src, python, root / dtype, dtype=dtype, cpu=True)
+        r["vs_transformers"] = r["served_tok_s"] / (tokens / local_s)
         out[dtype] = r
         print(
             f"vLLM {dtype:9s} served {r['served_tok_s']:7.0f} tok/s = {r['vs_transformers']:.2f}x transformers; "
             f"bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is {100 * r['over_bare']:+.1f}% over it; "
             f"connector files {r['connector_bytes_per_token']:,.0f} B/token, shards {r['shard_bytes_per_token']:,.0f} "
-            f"B/token; left behind {left}; server ready in {start_s:.0f} s"
+            f"B/token; left behind {r['files_left']}; server ready in {r['start_s']:.0f} s"
         )
     out["transformers_shard_bytes_per_token"] = local_stats.bytes_written / tokens
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -128,7 +129,9 @@ def test_the_embedded_model_regenerates_every_turn_and_each_turn_is_a_token_row_
     tmp_path, smol_tok
 ):
     rows = [sharegpt("a", 3), sharegpt("b", 4, trailing_user=True)]
-    _materialize(_project(tmp_path, rows=rows, max_tokens=6), ("prompts", "responses", "tokens"))
+    _materialize(
+        _project(tmp_path, rows=rows, max_tokens=6), ("prompts", "responses", "tokens", "validation_report")
+    )
     responses = pl.read_parquet(tmp_path / "data" / "B1" / "responses" / "*.parquet")
     ids = sorted([turn_id("a", k) for k in (1, 2, 3)] + [turn_id("b", k) for k in (1, 2, 3, 4, 5)])
     assert sorted(responses["id"].to_list()) == ids  # a trailing user turn is answered too
@@ -154,6 +157,15 @@ def test_the_embedded_model_regenerates_every_turn_and_each_turn_is_a_token_row_
         assert sum(mask[: len(want)]) == 0 and all(
             mask[len(want) : len(want) + len(produced)]
         )  # this turn only
+
+    report = json.loads((tmp_path / "data" / "B1" / "report.json").read_text())
+    assert report["turns"] == {
+        "total": 8,
+        "answered": 8,
+        "conversations_answered": 2,
+        "conversations_complete": 2,
+    }
+    assert report["coverage"] == 1.0 and report["n_responses"] == 8
 
 
 def test_a_kill_mid_conversation_resumes_each_conversation_after_its_last_stored_turn(tmp_path):
@@ -220,3 +232,53 @@ def test_a_turn_that_fails_for_good_ends_its_conversation_with_a_failure_row_nam
     failures = pl.read_parquet(tmp_path / "data" / "B1" / "failures" / "*.parquet")
     assert failures.filter(pl.col("permanent"))["id"].to_list() == [turn_id("bad", 2)]
     assert hits == 5  # bad: turns 1 and 2 (refused), never 3 or 4; ok: three turns; nothing in the second run
+
+
+@pytest.fixture(scope="module")
+def thinking_chats(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from eagle3_assets.core.target.chat import ChatTokenizer
+
+    from .kimi_standin import build_kimi_standin
+    from .tokenizer_families import FAMILIES
+
+    kimi = AutoTokenizer.from_pretrained(
+        build_kimi_standin(tmp_path_factory.mktemp("kimi")), trust_remote_code=True
+    )
+    return {"qwen3": ChatTokenizer(FAMILIES["qwen3"]()), "kimi": ChatTokenizer(kimi)}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "kimi"])
+def test_templates_that_drop_earlier_reasoning_get_a_row_per_turn_equal_to_their_own_rendering(
+    family, thinking_chats
+):
+    """Qwen3 and Kimi K2.5 drop earlier turns' reasoning from the history: turn k's row is the template's own
+    rendering of what the model saw when it wrote turn k (earlier reasoning gone), then turn k as written (its
+    reasoning kept), loss on turn k only."""
+    from eagle3_assets.core.target.chat import Answer
+
+    chat = thinking_chats[family]
+    source = [
+        {"role": "user", "content": "First question?"},
+        {"role": "assistant", "content": "source 1"},
+        {"role": "user", "content": "Second question?"},
+        {"role": "assistant", "content": "source 2"},
+        {"role": "user", "content": "Third question?"},
+    ]
+    answers = [TurnAnswer(f"Answer {k}.", f"Thinking {k}.") for k in (1, 2, 3)]
+    for k in (1, 2, 3):
+        msgs = turn_messages(source, k, answers[: k - 1])
+        res = chat.tokenize([(msgs, Answer(answers[k - 1].content, answers[k - 1].reasoning, True))])[0]
+        history = [
+            {"role": m["role"], "content": m["content"], **({"reasoning_content": m["reasoning"]} if m.get("reasoning") else {})}
+            for m in msgs
+        ]  # fmt: skip
+        seen = chat.render(history, True)
+        assert chat.encoder.decode(res.input_ids[: res.answer_start].tolist()) == seen
+        for j in range(1, k):
+            assert f"Thinking {j}." not in seen  # the template dropped the earlier reasoning
+            assert f"Answer {j}." in seen  # but kept the target's own earlier answers
+        written = chat.encoder.decode(res.answer_ids.tolist())
+        assert f"Thinking {k}." in written and f"Answer {k}." in written and written.endswith(chat.eot_token)
+        assert res.loss_mask[: res.answer_start].sum() == 0 and res.loss_mask[res.answer_start :].all()

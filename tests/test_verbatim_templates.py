@@ -194,14 +194,29 @@ def test_skipping_the_render_changes_no_id_mask_or_error(family, smol_tok):
     assert sum(isinstance(x, TemplateError) for x in a[:-2]) == 0
 
 
-def test_a_refused_template_still_catches_the_rows_it_changes():
-    """The other side: a trimming template is not proven, and its padded rows still become errors."""
-    chat = ChatTokenizer(FAMILIES["llama3"]())
+def test_a_trimming_template_rebuilds_the_rows_it_rewrites_as_the_model_saw_them():
+    """Llama-3 trims every message: the prompt side is what the template renders (what the model saw), the answer
+    what the model wrote, ending where the template ends a turn. Only what cannot be rebuilt is refused."""
+    tok = FAMILIES["llama3"]()
+    chat = ChatTokenizer(tok)
     assert chat.verbatim_problem is not None
-    out = chat.tokenize(
-        [
-            ([{"role": "user", "content": " padded "}], Answer("ok")),
-            ([{"role": "user", "content": "q"}], Answer("a")),
-        ]
-    )
-    assert isinstance(out[0], TemplateError) and not isinstance(out[1], TemplateError)
+    convs = _conversations()
+    out = chat.tokenize(convs)
+    refused = [i for i, x in enumerate(out[:-2]) if isinstance(x, TemplateError)]
+    # Every hostile text is rebuilt (9 of these 24 rows were refused before) but where the answer itself carries
+    # reasoning: where the model's thinking ended cannot be told once the template rewrote it.
+    assert refused and all(convs[i][1].reasoning for i in refused)
+    assert len(refused) < 9
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    for (messages, answer), res in zip(convs[:-2], out[:-2], strict=True):
+        if isinstance(res, TemplateError):
+            continue
+        seen = chat.render(chat._messages(*chat._shape(messages, None), lambda i, f, m=messages: (
+            m[i]["content"] if f == "c" else m[i].get("reasoning") or "")), True)  # fmt: skip
+        assert tok.decode(res.input_ids[: res.answer_start].tolist()) == seen  # the template's own rendering
+        assert res.loss_mask[: res.answer_start].sum() == 0 and res.loss_mask[res.answer_start :].all()
+        tail = res.answer_ids.tolist()
+        assert answer.content in tok.decode(tail)  # untrimmed: the model's own text, as written
+        assert (tail[-1] == eot) is answer.finished
+    padded = chat.tokenize([([{"role": "user", "content": " padded "}], Answer("  ok  "))])[0]
+    assert tok.decode(padded.answer_ids.tolist()) == "  ok  <|eot_id|>"

@@ -500,3 +500,21 @@ def test_the_k8s_vllm_deployment_is_the_command_for_the_k8s_config():
     assert int(args["max-model-len"]) == cfg["hidden_states"]["max_seq_len"] + 1
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert cfg["storage"]["root"] in mounts and spec.storage_path.startswith(cfg["storage"]["root"])
+
+
+def test_data_parallel_replicas_share_the_samples(server, chat, tmp_path):
+    """base_urls names several servers: each request goes to the replica with the fewest in flight."""
+    layout = write_tokens(chat, tmp_path, repeat=2)
+    replicas = [FlakyProxy(server.base_url), FlakyProxy(server.base_url)]
+    try:
+        vllm = VllmExtractionConfig(
+            base_urls=[r.base_url for r in replicas], storage_path=str(server.storage), max_concurrency=8
+        )
+        settings = ExtractionSettings(hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, dtype="float32"))
+        _, stats, index = extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(vllm, "B1", 4))
+    finally:
+        for r in replicas:
+            r.close()
+    assert index.height == 16 == stats.samples
+    answered = [r.answered for r in replicas]
+    assert sum(answered) == 16 and min(answered) >= 4, answered

@@ -9,6 +9,8 @@ checks it, removes it (a 10M-token partition must not leave terabytes behind) an
 answer's payload. A file that is missing, late, truncated or holds other ids is a retried fault, never a sample.
 
 Replicas: `base_urls` are data-parallel servers; each request goes to the one with the fewest requests in flight.
+`max_concurrency` bounds the requests at the servers; the engine keeps up to twice as many going, so that waiting
+for a file (the server writes it after it answers) never leaves a server slot idle.
 Request ids carry the partition (`e3.<partition>.<sample hash>`), so files whose answers never arrived (a cut
 connection) are removed when the run ends, and those a killed run left behind when the next one starts
 (`sweep_orphans`).
@@ -60,6 +62,7 @@ class VllmHiddenStates:
         self.n_layer_ids = n_layer_ids  # aux layers + the last one: what each file must hold per token
         self._in_flight = dict.fromkeys(self.bases, 0)
         self._session: aiohttp.ClientSession | None = None
+        self._slots = asyncio.Semaphore(cfg.max_concurrency)
         self._started_wall = time.time()
         self._swept: set[str] = set()
         self.files_read = 0
@@ -125,7 +128,6 @@ class VllmHiddenStates:
     async def complete(self, request: CompletionRequest) -> Completion:
         assert self._session is not None, "start() was not called"
         ids = request.prompt_ids or []
-        base = self._pick()
         tag = hashlib.blake2b(request.id.encode(), digest_size=8).hexdigest()
         payload: dict[str, Any] = {
             "model": self.model,
@@ -136,12 +138,14 @@ class VllmHiddenStates:
             "request_id": f"{self.prefix}{tag}.{uuid.uuid4().hex[:8]}",
             "kv_transfer_params": {OPT_IN: True},
         }
-        self._in_flight[base] += 1
         started = time.monotonic()
-        try:
-            body = await post_json(self._session, f"{base}/completions", payload)
-        finally:
-            self._in_flight[base] -= 1
+        async with self._slots:  # at the servers: max_concurrency; waiting for files does not hold a slot
+            base = self._pick()
+            self._in_flight[base] += 1
+            try:
+                body = await post_json(self._session, f"{base}/completions", payload)
+            finally:
+                self._in_flight[base] -= 1
         latency = time.monotonic() - started
         got = body.get("prompt_token_ids")
         if got is None and body.get("choices"):
@@ -200,7 +204,7 @@ class VllmHiddenStates:
                     "sees at the same path?",
                 )
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.01)
         try:
             states, size = await asyncio.to_thread(_load_checked, path, ids, self.n_layer_ids)
         finally:

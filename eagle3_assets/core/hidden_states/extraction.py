@@ -267,9 +267,9 @@ def _extract_served(
         )
     samples = load_samples(layout.tokens, {i for p in plans for i in p.ids})
     plans = [ShardPlan(p.name, p.ids, sum(len(samples[i].input_ids) for i in p.ids)) for p in plans]
-    engine = EngineSettings(
-        max_concurrency=cfg.max_concurrency,
-        initial_concurrency=min(64, cfg.max_concurrency),
+    engine = EngineSettings(  # twice the servers' slots: requests waiting for their files hold no server slot
+        max_concurrency=2 * cfg.max_concurrency,
+        initial_concurrency=2 * cfg.max_concurrency,
         max_retries=cfg.max_retries,
         backoff_max_s=30.0,
         stall_timeout_s=cfg.request_timeout_s,

@@ -17,6 +17,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from ...config import DatasetConfig
+from ..generation.conversations import assistant_slots, split_turn_id
 from ..storage.files import write_json, write_text
 from ..storage.layout import DatasetLayout
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
@@ -147,6 +148,7 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> dict[str, Any
         count("answer_degenerate"),
         count("answer_has_reasoning"),
     )
+    turns = _turn_counts(layout, responses["id"].to_list()) if dataset.turns == "all" else None
     completion_tokens = int(responses["completion_tokens"].fill_null(0).sum())
     costs = responses["cost_usd"].drop_nulls()
     cost = float(costs.sum()) if costs.len() else None
@@ -159,7 +161,11 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> dict[str, Any
         "n_responses": n_resp,
         "n_failures": failures.height,
         "failure_kinds": dict(Counter(failures["error_kind"].to_list()).most_common()),
-        "coverage": n_resp / n_prompts if n_prompts else 0.0,
+        # turns: all: answered turns over the conversations' turns (a response row is a turn)
+        "coverage": (n_resp / turns["total"] if turns["total"] else 0.0)
+        if turns
+        else (n_resp / n_prompts if n_prompts else 0.0),
+        "turns": turns,
         "budget_tokens": budget_tokens,
         "budget_usd": budget_usd,
         "completion_tokens": completion_tokens,
@@ -219,6 +225,26 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> dict[str, Any
     return report
 
 
+def _turn_counts(layout: DatasetLayout, response_ids: list[str]) -> dict[str, int]:
+    """turns: all: how many turns the conversations have, how many are answered, in how many conversations."""
+    prompts = _read(layout.prompts, ["id", "messages"])
+    n_slots = (
+        {
+            i: len(assistant_slots(m))
+            for i, m in zip(prompts["id"], prompts["messages"].to_list(), strict=True)
+        }
+        if prompts is not None
+        else {}
+    )
+    per_conv: Counter = Counter(p[0] for rid in response_ids if (p := split_turn_id(rid)) and p[0] in n_slots)
+    return {
+        "total": sum(n_slots.values()),
+        "answered": sum(per_conv.values()),
+        "conversations_answered": len(per_conv),
+        "conversations_complete": sum(1 for c, n in per_conv.items() if n >= n_slots[c]),
+    }
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     rate = r["reference_match_rate"]
     rate_text = f"{100 * rate:.2f}% of {r['n_reference']}" if rate is not None else "n/a (no reference ids)"
@@ -238,7 +264,17 @@ def render_markdown(r: dict[str, Any]) -> str:
         "| measure | value |",
         "| --- | --- |",
         f"| prompts | {r['n_prompts']:,} ({r['n_quarantined']} quarantined source rows) |",
-        f"| responses | {r['n_responses']:,} ({100 * r['coverage']:.1f}% of prompts) |",
+        f"| responses | {r['n_responses']:,} ({100 * r['coverage']:.1f}% of "
+        + ("turns" if r.get("turns") else "prompts")
+        + ") |",
+        *(
+            [
+                f"| turns (every assistant turn regenerated) | {t['answered']:,} of {t['total']:,} answered, in "
+                f"{t['conversations_answered']:,} conversations ({t['conversations_complete']:,} complete) |"
+            ]
+            if (t := r.get("turns"))
+            else []
+        ),
         f"| failures | {r['n_failures']:,} {r['failure_kinds'] or ''} |",
         f"| completion tokens | {r['completion_tokens']:,} of budget {r['budget_tokens']:,}"
         + (f" ({100 * budget_share:.2f}%)" if budget_share is not None else "")

@@ -467,6 +467,40 @@ class ChatTokenizer:
                     )
         return bad
 
+    def _rebuild(
+        self, entry: tuple[_Plan, list[str]], rows: list[tuple[int, tuple, tuple, list[str], bool]], row: int
+    ) -> tuple[_Plan, list[str]] | None:
+        """A conversation whose text the template rewrites (Llama-3 trims every message): the prompt is what the
+        template renders for it (what the model saw, encoded from the real rendering), the answer what the model
+        wrote, ending where the template ends a turn (the plan's generated turn, filled with the texts as they
+        are). None where that cannot be done: a text is not a string, or the template fails on the row."""
+        plan, values = entry
+        _, roles, reasoning, _, prompt_only = next(r for r in rows if r[0] == row)
+        if (
+            prompt_only
+            or not plan.pieces
+            or not plan.pieces[-1][1]
+            or not all(type(v) is str for v in values)
+        ):
+            return None
+        if reasoning[-1]:
+            # A template that rewrites thinking text (Qwen3 strips its newlines): where the model's own thinking
+            # ended cannot be told from the parsed reasoning.
+            return None
+        answer = plan.pieces[-1][0]
+        fixed = [self.encoder.decode(list(p)) for kind, p in answer if kind == FIXED]
+        if not any(kind == FILL for kind, _ in answer) or any(_OPEN in t or _CLOSE in t for t in fixed):
+            return None  # the template rewrites the answer's own text (e.g. upper-cases it): not what was written
+        n = len(roles) - 1
+        msgs = self._messages(roles[:n], reasoning[:n], lambda i, f: values[2 * i + (f == "r")])
+        try:
+            seen = self.render(msgs, True)
+        except Exception:
+            return None
+        # Encoded as a server encodes the prompt it rendered (special tokens parsed): what the model saw.
+        prompt = tuple(self.tok(seen, add_special_tokens=False)["input_ids"])
+        return _Plan(((((FIXED, prompt),), False), plan.pieces[-1]), plan.fills), values
+
     def tokenize(
         self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool = False
     ) -> list[TokenizedConversation | TemplateError]:
@@ -494,7 +528,13 @@ class ChatTokenizer:
             planned.append((plan, values))
             to_verify.append((row, roles, reasoning, values, answer is None))
         for row, err in self._verify(to_verify).items():
-            planned[row] = err
+            entry = planned[row]
+            rebuilt = (
+                None
+                if train_all or isinstance(entry, TemplateError)
+                else self._rebuild(entry, to_verify, row)
+            )
+            planned[row] = rebuilt or err
         texts: list[str] = []
         at_start: list[bool] = []
         for entry in planned:

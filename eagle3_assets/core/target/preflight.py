@@ -80,10 +80,17 @@ def exactness(chat: ChatTokenizer) -> tuple[list[str], list[str]]:
                 f"({chat.encoder.decode(ours[at : at + 3])!r} vs {chat.encoder.decode(truth[at : at + 3])!r})"
             )
     padded = [{"role": "user", "content": "  padded question \n"}]
-    if isinstance(chat.tokenize([(padded, Answer(" padded answer\n", None, True))])[0], TemplateError):
+    padded_answer = Answer(" padded answer\n", None, True)
+    rendered = chat.render([*padded, {"role": "assistant", "content": padded_answer.content}], False)
+    if isinstance(chat.tokenize([(padded, padded_answer)])[0], TemplateError):
         warnings.append(
-            "the chat template rewrites message text (it trims or strips whitespace): conversations whose "
-            "messages start or end with whitespace cannot be rebuilt and go to tokens_errors.parquet"
+            "the chat template rewrites message text (it trims or strips whitespace) and such rows cannot be "
+            "rebuilt: conversations whose messages start or end with whitespace go to tokens_errors.parquet"
+        )
+    elif "  padded question \n" not in rendered:
+        warnings.append(
+            "the chat template rewrites message text (it trims or strips whitespace): such conversations are "
+            "rebuilt as the model saw them (the template's rendering of the prompt, the answer as written)"
         )
     history = [
         {"role": "user", "content": "First?"},
