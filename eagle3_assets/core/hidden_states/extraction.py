@@ -35,6 +35,7 @@ from .shards import (
     default_aux_layers,
     extract_shard,
     load_samples,
+    local_checkpoint,
     packing_is_exact,
     plan_work,
     row_budget,
@@ -110,9 +111,7 @@ def expected_metadata(settings: ExtractionSettings, num_layers: int | None = Non
 def why_target_cannot_run_here(settings: ExtractionSettings) -> str | None:
     """None when the target can be loaded in this process for the spot check's independent forward; else why not
     (a served target of a trillion parameters does not fit the machine that checks its states)."""
-    from .shards import _local_checkpoint
-
-    root = _local_checkpoint(settings.model_ref, settings.target.revision)
+    root = local_checkpoint(settings.model_ref, settings.target.revision)
     if root is None:
         return f"no local copy of {settings.target.model}'s checkpoint on this machine"
     size = sum(p.stat().st_size for p in root.glob("*.safetensors")) or sum(

@@ -450,7 +450,7 @@ def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    root = _local_checkpoint(model_ref, revision)
+    root = local_checkpoint(model_ref, revision)
     if root is None:
         return False
     config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
@@ -479,7 +479,8 @@ def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str 
     return True
 
 
-def _local_checkpoint(model_ref: str, revision: str | None) -> Path | None:
+def local_checkpoint(model_ref: str, revision: str | None) -> Path | None:
+    """The target's checkpoint folder on this machine (a local folder, or the hub cache), never downloading."""
     if Path(model_ref).is_dir():
         return Path(model_ref)
     try:
