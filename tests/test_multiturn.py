@@ -68,14 +68,19 @@ def test_turn_requests_carry_the_targets_earlier_answers_never_the_sources():
         turn_messages(msgs, 3, answers[:1])
 
 
-def _project(tmp_path, server=None, rows=ROWS, checks=None, **ds):
+def _project(tmp_path, server=None, rows=ROWS, checks=None, openrouter=None, **ds):
     top = {"checks": checks} if checks else {}
     if server is not None:
         top = {
             "backend": "openrouter",
             **top,
             "backends": {
-                "openrouter": {"base_url": server.base_url, "api_key_env": KEY_ENV, "max_concurrency": 8}
+                "openrouter": {
+                    "base_url": server.base_url,
+                    "api_key_env": KEY_ENV,
+                    "max_concurrency": 8,
+                    **(openrouter or {}),
+                }
             },
         }
     return make_project(
@@ -282,3 +287,53 @@ def test_templates_that_drop_earlier_reasoning_get_a_row_per_turn_equal_to_their
         written = chat.encoder.decode(res.answer_ids.tolist())
         assert f"Thinking {k}." in written and f"Answer {k}." in written and written.endswith(chat.eot_token)
         assert res.loss_mask[: res.answer_start].sum() == 0 and res.loss_mask[res.answer_start :].all()
+
+
+def test_a_template_that_keeps_the_history_verbatim_gives_one_row_per_conversation(
+    tmp_path, monkeypatch, smol_tok
+):
+    """ChatML (SmolLM2) renders every earlier turn in the final conversation as it was while being written: one row
+    per conversation, named by its last turn, equal to the template's own rendering, loss on every target turn."""
+    import numpy as np
+
+    key = "k-" + secrets.token_hex(8)
+    monkeypatch.setenv(KEY_ENV, key)
+    rows = [sharegpt("v1", 3), sharegpt("v2", 4)]
+    with FakeOpenRouter(key=key) as server:  # every answer finishes (stop), without reasoning
+        path = _project(tmp_path, server, rows=rows, openrouter={"reasoning": None})
+        _materialize(path, ("prompts", "responses", "tokens", "validation_report"))
+    tokens = pl.read_parquet(tmp_path / "data" / "B1" / "tokens.parquet")
+    assert sorted(tokens["id"].to_list()) == [turn_id("v1", 3), turn_id("v2", 4)]
+    prompts = pl.read_parquet(tmp_path / "data" / "B1" / "prompts.parquet")
+    source = dict(zip(prompts["id"], prompts["messages"].to_list(), strict=True))
+    for row in tokens.iter_rows(named=True):
+        cid, last = split_turn_id(row["id"])
+        users = [m["content"] for m in source[cid] if m["role"] == "user"]
+        answers = [TurnAnswer(f"Answer to: {u}") for u in users]
+        msgs = [*turn_messages(source[cid], last, answers[: last - 1]), answers[last - 1].message()]
+        want = smol_tok.encode(smol_tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)
+        got = row["input_ids"]
+        assert got == want[: len(got)] and len(want) - len(got) <= 1  # the template's own rendering
+        mask = np.asarray(row["loss_mask"])
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+        spans = list(zip(edges[::2], edges[1::2], strict=True))
+        assert [smol_tok.decode(got[a:b]) for a, b in spans] == [
+            f"{a.content}<|im_end|>" for a in answers[:last]
+        ]
+    report = json.loads((tmp_path / "data" / "B1" / "report.json").read_text())
+    assert report["turns"]["answered"] == 7 and report["n_tokens_rows"] == 2
+
+
+def test_reasoning_the_history_does_not_show_gives_a_row_per_turn(tmp_path, monkeypatch):
+    """SmolLM2's template has no reasoning field: an earlier turn's reasoning is never shown to the model again, so
+    that turn as written is not in the final conversation, and each turn gets its own row."""
+    key = "k-" + secrets.token_hex(8)
+    monkeypatch.setenv(KEY_ENV, key)
+    with FakeOpenRouter(key=key) as server:  # answers with reasoning
+        _materialize(_project(tmp_path, server, rows=[sharegpt("r", 3)]), ("prompts", "responses", "tokens"))
+        history = [h.body["messages"] for h in server.hits]
+    tokens = pl.read_parquet(tmp_path / "data" / "B1" / "tokens.parquet")
+    assert sorted(tokens["id"].to_list()) == [turn_id("r", k) for k in (1, 2, 3)]
+    assert all(
+        "reasoning" not in m for msgs in history for m in msgs
+    )  # not sent: the template would not show it

@@ -202,6 +202,14 @@ class StreamedAnswer:
         )
 
 
+def _wire(message: dict[str, Any]) -> dict[str, Any]:
+    """An earlier answer's reasoning under both names servers read: `reasoning` (OpenRouter) and
+    `reasoning_content` (what Kimi's and Qwen3's templates render, as vLLM and SGLang pass it)."""
+    if message.get("reasoning") and "reasoning_content" not in message:
+        return {**message, "reasoning_content": message["reasoning"]}
+    return message
+
+
 class OpenRouterBackend:
     name = "openrouter"
     wants_prompt_ids = False
@@ -231,7 +239,7 @@ class OpenRouterBackend:
         s = request.sampling
         body: dict[str, Any] = {
             "model": self.cfg.model,
-            "messages": request.messages,
+            "messages": [_wire(m) for m in request.messages],
             "max_tokens": request.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,

@@ -2,8 +2,8 @@
 
 A conversation's assistant slots are where its source has an assistant turn, and after its last user turn. Turn k's
 request carries the source's system, user and tool messages before slot k and, in place of the source's assistant
-texts, the target's own answers to turns 1..k-1 (with their `reasoning`, which the chat template renders as its
-`reasoning_content` or drops, as it does when the model serves). Each turn is stored as its own
+texts, the target's own answers to turns 1..k-1, with their reasoning where the chat template has a field for it
+(it then keeps or drops it, as it does when the model serves; sent as `reasoning` and `reasoning_content`). Each turn is stored as its own
 response row, `<conversation id>#t<k>`; the next turn is sent as soon as the previous answer lands, so thousands of
 conversations advance side by side in the engine's window without waiting for each other. A resumed run continues
 each conversation after its last stored turn; a turn that fails for good ends its conversation's regeneration.
@@ -42,15 +42,18 @@ class TurnAnswer:
     content: str
     reasoning: str | None = None
 
-    def message(self) -> dict:
+    def message(self, keep_reasoning: bool = True) -> dict:
         msg = {"role": "assistant", "content": self.content}
-        if self.reasoning:
+        if self.reasoning and keep_reasoning:
             msg["reasoning"] = self.reasoning
         return msg
 
 
-def turn_messages(messages: list[dict], k: int, answers: list[TurnAnswer]) -> list[dict]:
-    """The request of turn k (1-based): the source before slot k, the target's answers in the earlier slots."""
+def turn_messages(
+    messages: list[dict], k: int, answers: list[TurnAnswer], keep_reasoning: bool = True
+) -> list[dict]:
+    """The request of turn k (1-based): the source before slot k, the target's answers in the earlier slots (with
+    their reasoning where the template has a field for it; a template without one never shows it to the model)."""
     slots = assistant_slots(messages)
     if not 1 <= k <= len(slots) or len(answers) < k - 1:
         raise ValueError(f"turn {k} of a conversation with {len(slots)} turns and {len(answers)} answers")
@@ -58,7 +61,7 @@ def turn_messages(messages: list[dict], k: int, answers: list[TurnAnswer]) -> li
     j = 0
     for i, m in enumerate(messages[: slots[k - 1]]):
         if i in slots[: k - 1]:
-            out.append(answers[j].message())
+            out.append(answers[j].message(keep_reasoning))
             j += 1
         else:
             out.append(m)
@@ -94,7 +97,9 @@ class Chains:
         sampling: Sampling,
         render: Callable[[list[dict]], list[int] | Exception] | None,
         skip: Callable[[str, str, str], None],
+        keep_reasoning: bool = True,
     ):
+        self.keep_reasoning = keep_reasoning  # the template renders earlier turns' reasoning (a field for it)
         self.chains = {c.id: c for c in chains}
         self.max_tokens = max_tokens
         self.sampling = sampling
@@ -123,7 +128,7 @@ class Chains:
         k = chain.next_turn
         if k is None:
             return None
-        msgs = turn_messages(chain.messages, k, chain.answers)
+        msgs = turn_messages(chain.messages, k, chain.answers, self.keep_reasoning)
         prompt_ids = None
         if self.render is not None:
             rendered = self.render(msgs)

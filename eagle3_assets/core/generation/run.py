@@ -340,6 +340,7 @@ def _run(
                 job.plan.sampling,
                 _render_one(chat) if backend.wants_prompt_ids else None,
                 skip,
+                keep_reasoning=chat.template_has_reasoning,
             )
             lane.follow = chains.follow
             lane.it = chains.first_requests()

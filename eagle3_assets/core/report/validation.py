@@ -8,6 +8,7 @@ from typing import Any
 
 import polars as pl
 
+from ..generation.conversations import split_turn_id, turn_id
 from .summary import wilson_interval
 
 
@@ -33,8 +34,14 @@ def token_coverage(
     response_ids: set[str], token_ids: set[str], error_ids: set[str], max_error_share: float
 ) -> Verdict:
     """Every answered prompt has a token row or a recorded reason why not (tokens_errors), and the errors stay
-    under the threshold: a partition whose every row failed templating must not pass with an empty table."""
-    missing = response_ids - token_ids - error_ids
+    under the threshold: a partition whose every row failed templating must not pass with an empty table. A
+    conversation row of `turns: all` (`<id>#t<K>`, every turn trained) covers its turns 1..K."""
+    covered = set(token_ids)
+    for rid in token_ids:
+        parsed = split_turn_id(rid)
+        if parsed is not None:
+            covered.update(turn_id(parsed[0], k) for k in range(1, parsed[1]))
+    missing = response_ids - covered - error_ids
     n = len(response_ids)
     share = len(error_ids & response_ids) / n if n else 0.0
     return Verdict(

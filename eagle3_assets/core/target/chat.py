@@ -501,6 +501,24 @@ class ChatTokenizer:
         prompt = tuple(self.tok(seen, add_special_tokens=False)["input_ids"])
         return _Plan(((((FIXED, prompt),), False), plan.pieces[-1]), plan.fills), values
 
+    def keeps_history(self, messages: Sequence[dict[str, Any]], answer: Answer) -> bool:
+        """Whether every assistant turn of this conversation renders in the final conversation exactly as it did
+        when it was the turn being written (the template keeps the history verbatim: ChatML does; Kimi K2.5 and
+        Qwen3 drop earlier reasoning), for a template proven to write texts verbatim. Then one row with every
+        assistant turn trained equals what the model saw at each turn."""
+        if self.verbatim_problem is not None:
+            return False
+        try:
+            roles, reasoning = self._shape(messages, answer)
+            last = len(roles) - 1
+            nonempty = tuple(
+                k for k, v in (((last, "c"), answer.content), ((last, "r"), answer.reasoning)) if v
+            )
+            self._plan(roles, reasoning, (answer.finished, nonempty), True)
+        except Exception:
+            return False
+        return True
+
     def tokenize(
         self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool = False
     ) -> list[TokenizedConversation | TemplateError]:

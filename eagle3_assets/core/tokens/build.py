@@ -44,6 +44,8 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
         pl.col("reasoning").fill_null("\x00"),
         pl.col("finish_reason").fill_null(""),
         pl.col("output_ids").cast(pl.List(pl.String)).list.join(",").fill_null("-"),
+        pl.col("all_turns").cast(pl.String).fill_null("false"),
+        pl.col("history_refs").list.eval(pl.element().struct.json_encode()).list.join("|").fill_null("-"),
         pl.lit(f"{fingerprint}|polars {pl.__version__}"),
     ]
     return rows.with_columns(pl.concat_str(parts, separator="\x1f").hash(seed=7).alias("row_key"))
@@ -99,7 +101,10 @@ def build_tokens(
     train_all, prefer_reference = settings.train_all_assistant_turns, settings.prefer_reference_ids
     batch_size = settings.batch_size
     fingerprint = f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}"
-    prompts = with_turn_prompts(pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout)
+    prompts = with_turn_prompts(pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat)
+    # A conversation row is named by its last stored turn: a top-up that adds a turn renames it, so the old row
+    # must go (a full pass drops rows whose id is no longer current; an append would keep both).
+    merged_turns = bool(prompts["all_turns"].any())
     old_tokens = scan_with_keys(layout.tokens, TOKENS_SCHEMA)
     old_errors = scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
     old_keys = old_tokens.select("id", "row_key").collect()
@@ -121,6 +126,7 @@ def build_tokens(
         and last["fingerprint"] == fingerprint
         and last["prompts"] == state["prompts"]
         and set(last["parts"]) <= set(state["parts"])
+        and not merged_turns
     )
 
     def todo_chunks() -> Iterator[pl.DataFrame]:

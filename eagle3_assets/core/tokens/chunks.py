@@ -10,6 +10,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -149,6 +150,10 @@ def tokenize_chunk(
         for c in ("id", "messages", "content", "reasoning", "finish_reason", "output_ids")
     }
     rows["row_key"] = chunk["row_key"].to_list() if "row_key" in chunk.columns else [None] * chunk.height
+    all_turns = chunk["all_turns"].to_list() if "all_turns" in chunk.columns else [False] * chunk.height
+    history_refs = (
+        chunk["history_refs"].to_list() if "history_refs" in chunk.columns else [None] * chunk.height
+    )
     stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
     summary = TokensSummary()
     out: dict[str, list] = {
@@ -163,16 +168,19 @@ def tokenize_chunk(
         (m, Answer(c or "", r, fin))
         for m, c, r, fin in zip(rows["messages"], rows["content"], rows["reasoning"], finished, strict=True)
     ]
-    results = chat.tokenize(convs, train_all=train_all)
+    results = _tokenize_rows(chat, convs, [train_all or bool(a) for a in all_turns])
     features = [answer_features(a.content, a.reasoning) for _, a in convs]
-    for pid, res, ref, fin, fr, key, feats in zip(
-        rows["id"], results, rows["output_ids"], finished, reasons, rows["row_key"], features, strict=True
-    ):
+    for pid, res, ref, fin, fr, key, feats, history in zip(
+        rows["id"], results, rows["output_ids"], finished, reasons, rows["row_key"], features, history_refs,
+        strict=True,
+    ):  # fmt: skip
         if isinstance(res, TemplateError):
             errors.append({"id": pid, "reason": str(res), "row_key": key, **feats})
             summary.errors[str(res)[:80]] += 1
             continue
         input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
+        if history:
+            cmp = _with_history(cmp, res, history, chat, stop_ids)
         out["id"].append(pid)
         arrays.append(input_ids)
         masks.append(mask)
@@ -214,6 +222,47 @@ def tokenize_chunk(
         }
     )
     return df, errors, summary
+
+
+def _tokenize_rows(
+    chat: ChatTokenizer, convs: list[tuple[Any, Answer]], train_all: list[bool]
+) -> list[TokenizedConversation | TemplateError]:
+    """One tokenize call per training mode (a conversation row of `turns: all` trains every turn)."""
+    out: list[Any] = [None] * len(convs)
+    for mode in (False, True):
+        idx = [i for i, t in enumerate(train_all) if t is mode]
+        if idx:
+            for i, res in zip(idx, chat.tokenize([convs[i] for i in idx], train_all=mode), strict=True):
+                out[i] = res
+    return out
+
+
+def _with_history(
+    last: Comparison | None,
+    res: TokenizedConversation,
+    history: list[dict],
+    chat: ChatTokenizer,
+    stop_ids: set[int],
+) -> Comparison | None:
+    """A conversation row's earlier turns against the ids the model produced for each: the k-th trained span of
+    the row is turn k. The row matches when every turn with reference ids does; the first that does not says why."""
+    spans = _trained_spans(res.loss_mask)
+    verdicts = []
+    for (a, b), h in zip(spans[: len(history)], history, strict=False):
+        if h["output_ids"] is None:
+            continue
+        reference = normalise_reference(list(h["output_ids"]), h["finished"], chat.eot_id, stop_ids)
+        verdicts.append(compare(res.input_ids[a:b], reference, chat.encoder.decode, h["finished"]))
+    if last is not None:
+        verdicts.append(last)
+    if not verdicts:
+        return None
+    return next((v for v in verdicts if not v.match), verdicts[-1])
+
+
+def _trained_spans(mask: np.ndarray) -> list[tuple[int, int]]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def _resolve_row(

@@ -1,9 +1,16 @@
-"""The prompts of `turns: all` rows: turn k of a conversation as the model saw it when it wrote that turn.
+"""The prompts of `turns: all` rows: each regenerated turn as the model saw it when it wrote that turn.
 
-A regenerated conversation is stored as one response row per turn (`<id>#t<k>`). Its prompt is the source before
-slot k with the target's own answers (and their reasoning) in the earlier slots: exactly the request that was sent,
-rebuilt from the stored answers, so each turn's row renders what the model saw, loss on that turn only. Templates
-that drop earlier turns' reasoning from the history (Kimi K2.5, Qwen3) render it that way by themselves.
+A regenerated conversation is stored as one response row per turn (`<id>#t<k>`). Turn k's prompt is the source
+before slot k with the target's own answers (and their reasoning) in the earlier slots: exactly the request that
+was sent, rebuilt from the stored answers.
+
+Two shapes of token rows, decided per conversation by the template itself (`ChatTokenizer.keeps_history`):
+- the template keeps the history verbatim (ChatML) and every earlier turn finished: each earlier turn renders in
+  the final conversation exactly as it did while it was written, so **one row per conversation** (named by its last
+  stored turn, `<id>#t<K>`) trains every turn, loss on each, and each earlier turn's reference ids are compared with
+  its own span;
+- the template rewrites history (Kimi K2.5 and Qwen3 drop earlier turns' reasoning; a template not proven to write
+  texts verbatim is treated so): **one row per turn**, rendered as the model saw it, loss on that turn only.
 """
 
 from __future__ import annotations
@@ -13,46 +20,91 @@ import polars as pl
 from ..generation.conversations import TurnAnswer, split_turn_id, turn_id, turn_messages
 from ..storage.layout import DatasetLayout
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
+from ..target.chat import Answer, ChatTokenizer
 
 MESSAGE = pl.Struct({"role": pl.String, "content": pl.String, "reasoning": pl.String})
+# An earlier turn of a conversation row: the ids the model produced for it and whether it finished.
+HISTORY_REF = pl.Struct({"output_ids": pl.List(pl.Int64), "finished": pl.Boolean})
+TURN_COLUMNS = {"all_turns": pl.Boolean, "history_refs": pl.List(HISTORY_REF)}
 
 
-def with_turn_prompts(prompts: pl.DataFrame, layout: DatasetLayout) -> pl.DataFrame:
-    """`prompts` (id, messages), plus a row per stored turn of a regenerated conversation whose earlier turns are
-    all stored (a turn is rebuilt from its predecessors' answers)."""
+def with_turn_prompts(
+    prompts: pl.DataFrame, layout: DatasetLayout, chat: ChatTokenizer | None = None
+) -> pl.DataFrame:
+    """`prompts` (id, messages) plus the rows of regenerated conversations (a turn is rebuilt from its
+    predecessors' answers, so only the stored turns 1..K without a gap count), with `all_turns` (train every
+    assistant turn of the row) and `history_refs` (the earlier turns' produced ids, for a conversation row)."""
+    base = prompts.select(
+        "id", pl.col("messages").list.eval(pl.element().struct.with_fields(reasoning=pl.lit(None, pl.String)))
+    ).with_columns(
+        pl.lit(False).alias("all_turns"),
+        pl.lit(None, dtype=TURN_COLUMNS["history_refs"]).alias("history_refs"),
+    )
     table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
     if not table.files():
-        return prompts
+        return base
     ids = set(prompts["id"].to_list())
-    stored = table.scan(["id", "content", "reasoning"]).unique(subset=["id"], keep="first").collect()
-    turns: dict[str, dict[int, TurnAnswer]] = {}
-    for rid, content, reasoning in stored.iter_rows():
+    stored = (
+        table.scan(["id", "content", "reasoning", "finish_reason", "output_ids"])
+        .unique(subset=["id"], keep="first")
+        .collect()
+    )
+    turns: dict[str, dict[int, tuple]] = {}
+    for rid, content, reasoning, finish, out_ids in stored.iter_rows():
         if rid in ids:
             continue
         parsed = split_turn_id(rid)
         if parsed is not None and parsed[0] in ids:
-            turns.setdefault(parsed[0], {})[parsed[1]] = TurnAnswer(content or "", reasoning)
-    if not turns:
-        return prompts
-    source = dict(
-        zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True)
-    )  # only conversations with turns are looked at
-    rows_id: list[str] = []
-    rows_msgs: list[list[dict]] = []
-    for cid, answers in turns.items():
-        k = 1
-        while k in answers:
-            history = [answers[j] for j in range(1, k)]
-            msgs = turn_messages(source[cid], k, history)
-            rows_id.append(turn_id(cid, k))
-            rows_msgs.append(
-                [{"role": m["role"], "content": m["content"], "reasoning": m.get("reasoning")} for m in msgs]
+            turns.setdefault(parsed[0], {})[parsed[1]] = (
+                TurnAnswer(content or "", reasoning),
+                finish,
+                out_ids,
             )
-            k += 1
+    if not turns:
+        return base
+    source = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
+    keep = chat.template_has_reasoning if chat is not None else True
+    out_id: list[str] = []
+    out_msgs: list[list[dict]] = []
+    out_all: list[bool] = []
+    out_refs: list[list[dict] | None] = []
+
+    def add(rid: str, msgs: list[dict], all_turns: bool, refs: list[dict] | None) -> None:
+        out_id.append(rid)
+        out_msgs.append(
+            [{"role": m["role"], "content": m["content"], "reasoning": m.get("reasoning")} for m in msgs]
+        )
+        out_all.append(all_turns)
+        out_refs.append(refs)
+
+    for cid, got in turns.items():
+        last = 0
+        while last + 1 in got:
+            last += 1
+        if not last:
+            continue
+        answers = [got[k][0] for k in range(1, last + 1)]
+        final = turn_messages(source[cid], last, answers[:-1], keep)
+        finished = got[last][1] == "stop"
+        # An earlier turn cut by max_tokens renders closed in the history (the template ends every turn): the row
+        # would train an end-of-turn the model never wrote there. Such conversations get a row per turn.
+        mergeable = all(got[k][1] == "stop" for k in range(1, last))
+        # Reasoning the model wrote in an earlier turn that the history does not show: that turn as written is
+        # not in the final conversation.
+        mergeable = mergeable and (keep or not any(a.reasoning for a in answers[:-1]))
+        if (
+            last > 1
+            and mergeable
+            and chat is not None
+            and chat.keeps_history(final, Answer(answers[-1].content, answers[-1].reasoning, finished))
+        ):
+            refs = [{"output_ids": got[k][2], "finished": got[k][1] == "stop"} for k in range(1, last)]
+            add(turn_id(cid, last), final, True, refs)
+            continue
+        for k in range(1, last + 1):
+            add(turn_id(cid, k), turn_messages(source[cid], k, answers[: k - 1], keep), False, None)
     turn_rows = pl.DataFrame(
-        {"id": rows_id, "messages": rows_msgs}, schema={"id": pl.String, "messages": pl.List(MESSAGE)}
-    )
-    base = prompts.select(
-        "id", pl.col("messages").list.eval(pl.element().struct.with_fields(reasoning=pl.lit(None, pl.String)))
+        {"id": out_id, "messages": out_msgs, "all_turns": out_all, "history_refs": out_refs},
+        schema={"id": pl.String, "messages": pl.List(MESSAGE), **TURN_COLUMNS},
     )
     return pl.concat([base, turn_rows])
