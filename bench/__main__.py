@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [engine|limits|backfill|storage|tokens|hidden|vllm|acceptance] [--quick]`: run benchmarks and print ratio tables."""
+"""`make bench` / `python -m bench [engine|limits|backfill|multiturn|storage|tokens|hidden|vllm|acceptance] [--quick]`: run benchmarks and print ratio tables."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ SUITES = {
     "engine": "bench.engine_throughput",
     "limits": "bench.limits",
     "backfill": "bench.backfill",
+    "multiturn": "bench.multiturn",
     "storage": "bench.storage",
     "tokens": "bench.tokens_throughput",
     "hidden": "bench.hidden_states_throughput",
