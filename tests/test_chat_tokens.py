@@ -105,3 +105,25 @@ def test_surrounding_whitespace_and_tabs_are_kept(chat, smol_tok):
     assert res.input_ids.tolist() == hf_ids(smol_tok, msgs, True) + smol_tok(
         "\tanswer with tab  ", add_special_tokens=False
     )["input_ids"] + [2]
+
+
+def test_a_split_the_model_chose_is_told_apart_from_a_rebuild_defect(chat, smol_tok):
+    """Small models sometimes emit a non-canonical split of their own text ("ong" + "s" where the tokenizer writes
+    "ongs"). The row keeps the model's ids; the comparison calls it the model's split, explained, only when the
+    rebuild equals the tokenizer's own encoding of the text (an independent path). The other way round, a rebuild
+    that is not the tokenizer's encoding, stays a rebuild defect that the blocking check counts."""
+    import numpy as np
+
+    from eagle3_assets.core.tokens.chunks import _canonical
+    from eagle3_assets.core.tokens.reference import compare
+
+    ids = lambda *toks: [smol_tok.convert_tokens_to_ids(t) for t in toks]  # noqa: E731
+    canonical = [*ids("ven", "k", "ongs", "Ġcould"), chat.eot_id]
+    model = [*ids("ven", "k", "ong", "s", "Ġcould"), chat.eot_id]
+    assert smol_tok.decode(canonical) == smol_tok.decode(model)
+    assert _canonical(chat)(model) == canonical  # what the tokenizer itself writes for that text
+
+    chose = compare(np.asarray(canonical), model, chat.encoder.decode, True, _canonical(chat))
+    assert chose.kind == "model_split" and chose.explained and not chose.match
+    defect = compare(np.asarray(model), canonical, chat.encoder.decode, True, _canonical(chat))
+    assert defect.kind == "bpe_split" and not defect.explained

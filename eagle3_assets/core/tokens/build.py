@@ -52,6 +52,8 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
 
 
 PROGRESS_EVERY_S = 10.0
+# The version of the reference comparison's verdicts: a new one re-keys every row once (2: the model's own splits).
+COMPARISON = 2
 RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids"]
 
 
@@ -100,7 +102,9 @@ def build_tokens(
     settings = settings or TokensConfig()
     train_all, prefer_reference = settings.train_all_assistant_turns, settings.prefer_reference_ids
     batch_size = settings.batch_size
-    fingerprint = f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}"
+    fingerprint = (
+        f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}|compare={COMPARISON}"
+    )
     prompts = with_turn_prompts(pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat)
     # A conversation row is named by its last stored turn: a top-up that adds a turn renames it, so the old row
     # must go (a full pass drops rows whose id is no longer current; an append would keep both).

@@ -252,12 +252,28 @@ def _with_history(
         if h["output_ids"] is None:
             continue
         reference = normalise_reference(list(h["output_ids"]), h["finished"], chat.eot_id, stop_ids)
-        verdicts.append(compare(res.input_ids[a:b], reference, chat.encoder.decode, h["finished"]))
+        verdicts.append(
+            compare(res.input_ids[a:b], reference, chat.encoder.decode, h["finished"], _canonical(chat))
+        )
     if last is not None:
         verdicts.append(last)
     if not verdicts:
         return None
     return next((v for v in verdicts if not v.match), verdicts[-1])
+
+
+def _canonical(chat: ChatTokenizer) -> Callable[[list[int]], list[int]]:
+    """The tokenizer's own ids for a reference's text as it stands in a turn (after a control token, so no
+    leading-space marker is added; its end-of-turn id kept as an id)."""
+
+    def encode(reference: list[int]) -> list[int]:
+        eot = chat.eot_id
+        body = reference[:-1] if reference and reference[-1] == eot else reference
+        text = chat.encoder.decode(list(body))
+        ids = chat.tok(chat.eot_token + text, add_special_tokens=False)["input_ids"][1:]
+        return [*ids, eot] if len(body) < len(reference) else ids
+
+    return encode
 
 
 def _trained_spans(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -276,7 +292,7 @@ def _resolve_row(
     if ref is None:
         return res.input_ids, res.loss_mask, "reconstructed", None
     reference = normalise_reference(list(ref), finished, chat.eot_id, stop_ids)
-    cmp = compare(res.answer_ids, reference, chat.encoder.decode, finished)
+    cmp = compare(res.answer_ids, reference, chat.encoder.decode, finished, _canonical(chat))
     if cmp.match or not prefer_reference:
         return res.input_ids, res.loss_mask, "reconstructed" if not cmp.match else "reference", cmp
     head = res.input_ids[: res.answer_start]

@@ -15,14 +15,18 @@ TAIL_TOKENS = 3  # a truncated answer's last pre-token may merge differently onc
 class Comparison:
     match: bool
     # None | "truncation_tail" (a cut answer's last tokens) | "invalid_utf8" (bytes text cannot carry) |
-    # "bpe_split" (same text, other ids) | "text_differs"
+    # "model_split" (same text; the model's ids are not the tokenizer's own encoding of it, the rebuild's are) |
+    # "bpe_split" (same text, other ids, and the rebuild is not the tokenizer's encoding: a rebuild defect) |
+    # "text_differs"
     kind: str | None = None
     first_diff: int | None = None
 
     @property
     def explained(self) -> bool:
-        """Matches, or differs only where text cannot say which ids were produced (the cut of a truncated answer)."""
-        return self.match or self.kind == "truncation_tail"
+        """Matches, or differs only where text cannot say which ids were produced: the cut of a truncated answer,
+        or a split the model chose that no encoding of the text gives (the tokenizer itself encodes the text as the
+        rebuild did). Either way the row keeps the produced ids (`prefer_reference_ids`)."""
+        return self.match or self.kind in ("truncation_tail", "model_split")
 
 
 def normalise_reference(ids: list[int], finished: bool, eot_id: int | None, stop_ids: set[int]) -> list[int]:
@@ -36,8 +40,15 @@ def normalise_reference(ids: list[int], finished: bool, eot_id: int | None, stop
 
 
 def compare(
-    reconstructed: np.ndarray, reference: list[int], decode: Callable[[list[int]], str], finished: bool = True
+    reconstructed: np.ndarray,
+    reference: list[int],
+    decode: Callable[[list[int]], str],
+    finished: bool = True,
+    canonical: Callable[[list[int]], list[int]] | None = None,
 ) -> Comparison:
+    """`canonical(reference)`: the tokenizer's own encoding of the reference's text, in place (an independent
+    path: the tokenizer, not this project's encoder). A rebuild that equals it, where the reference differs, means
+    the model emitted a non-canonical split of that text (small models do, a few answers in a hundred)."""
     ref = np.asarray(reference, dtype=np.int32)
     if reconstructed.shape == ref.shape and np.array_equal(reconstructed, ref):
         return Comparison(True)
@@ -50,4 +61,8 @@ def compare(
     if "\ufffd" in decode(reference[first:]):
         return Comparison(False, "invalid_utf8", first)
     same_text = decode(reconstructed.tolist()) == ref_text
-    return Comparison(False, "bpe_split" if same_text else "text_differs", first)
+    if not same_text:
+        return Comparison(False, "text_differs", first)
+    if canonical is not None and reconstructed.tolist() == list(canonical(reference)):
+        return Comparison(False, "model_split", first)
+    return Comparison(False, "bpe_split", first)
