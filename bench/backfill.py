@@ -12,7 +12,10 @@ Figures, all from one run: wall time from the first run's start (and from the fi
 ideal, the total service time of the answers divided by the cap (or the answers divided by the rate); the mean
 number of requests the provider held while work remained (until its last accepted request) as a share of the cap;
 refused attempts; the largest budget overshoot; prompts lost (bought and not stored); and the fixed costs from the
-launch to the first request, as the `responses` metadata reports them.
+launch to the first request, as the `responses` metadata reports them. With an in-flight cap, also the blind floor:
+the same answers, in the order given, on the cap's slots kept full from the first request (`list_schedule_s`), the
+best any client reaches that cannot know an answer's length before it ends; the wall against it is the client's
+share of the gap to the ideal, the floor against the ideal is the heavy tail's.
 """
 
 from __future__ import annotations
@@ -129,7 +132,22 @@ def _figures(stats: dict, samples: list, ideal: float, cap: float | None, root: 
     }
     if cap:
         out["mean_in_flight_share_while_work_remains"] = round(sum(window) / max(len(window), 1) / cap, 2)
+        floor = list_schedule_s(stats["service_times"], int(cap))
+        out["blind_floor_vs_ideal"] = round(floor / ideal, 2)
+        out["vs_blind_floor_from_first_request"] = round((end - start) / floor, 2)
     return out
+
+
+def list_schedule_s(service_times: list[float], cap: int) -> float:
+    """The makespan of the same answers, in the order the provider gave them, on `cap` slots kept full from the
+    first request: what any client that cannot know an answer's length before it ends reaches at best. Its excess
+    over the ideal is the structural tail (the last long answers land alone), not the client."""
+    import heapq
+
+    slots = [0.0] * max(cap, 1)
+    for t in service_times:
+        heapq.heapreplace(slots, slots[0] + t)
+    return max(slots)
 
 
 def _ideal(stats: dict, spec: ProviderSpec) -> float:
@@ -210,6 +228,11 @@ def through_dagster(spec: ProviderSpec, prompts: int) -> dict:
             runs=len(runs),
             wall_from_first_run_start_s=round(last_end - first_start, 1),
             vs_ideal_from_first_run_start=round((last_end - first_start) / out["ideal_s"], 2),
+            vs_blind_floor_from_first_run_start=(
+                round((last_end - first_start) / (out["ideal_s"] * out["blind_floor_vs_ideal"]), 2)
+                if "blind_floor_vs_ideal" in out
+                else None
+            ),
             launch_to_first_run_start_s=round(first_start - launched, 1),
             startup_s=metadata.get("startup_s"),
         )

@@ -54,11 +54,12 @@ def _row(
 
 
 def _overall_match(root, keys: list[str]) -> str:
-    """Exact match of reconstructed vs produced ids: all answers, finished answers, truncation tails excepted."""
+    """Exact match of reconstructed vs produced ids: all answers, finished answers, and explained differences
+    excepted (the cut of truncated answers, the model's own splits), then the differences by kind."""
     import polars as pl
 
     frames = [
-        pl.read_parquet(p, columns=["reference_match", "match_explained", "finish_reason"])
+        pl.read_parquet(p, columns=["reference_match", "match_explained", "finish_reason", "mismatch"])
         for k in keys
         if (p := DatasetLayout(root, k).tokens).exists()
     ]
@@ -69,9 +70,12 @@ def _overall_match(root, keys: list[str]) -> str:
         return "n/a (no reference ids)"
     fin = df.filter(pl.col("finish_reason") == "stop")
     pct = lambda s: f"{100 * s.mean():.2f}% ({int(s.sum())}/{s.len()})"  # noqa: E731
+    kinds = df.filter(~pl.col("reference_match"))["mismatch"].value_counts(sort=True)
+    differences = ", ".join(f"{k} {n}" for k, n in kinds.iter_rows()) or "none"
     return (
         f"{pct(df['reference_match'])} exact; finished answers {pct(fin['reference_match'])}; "
-        f"excluding the cut of truncated answers {pct(df['match_explained'])}"
+        f"explained differences excepted (the cut of truncated answers, the model's own splits) "
+        f"{pct(df['match_explained'])}; differences: {differences}"
     )
 
 

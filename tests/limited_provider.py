@@ -78,6 +78,7 @@ class _State:
         self.service_s = (
             0.0  # Σ service time of the answers given: the work an ideal client keeps the cap busy with
         )
+        self.service_times: list[float] = []  # each answer's service time, in the order they were given
         self.in_flight_area = 0.0  # ∫ in_flight dt since the first request
         self.last_accepted_at: float | None = None  # after it, only what is in flight remains
         self._area_at: float | None = None
@@ -144,6 +145,7 @@ class _State:
             "in_flight": self.in_flight,
             "started_at": self.started_at,
             "done_at": self.done_at,
+            "service_times": self.service_times,
             "now": time.monotonic(),
         }
 
@@ -217,6 +219,7 @@ def _app(state: _State):
         if not body.get("stream"):
             await asyncio.sleep(latency)
             s.service_s += latency
+            s.service_times.append(latency)
             s.billed_tokens += tokens
             s.answers += 1
             s.done_at.append(time.monotonic())
@@ -255,6 +258,7 @@ def _app(state: _State):
             part = per if i < n - 1 else tokens - per * (n - 1)
             await resp.write(_chunk(rid, {"content": "tok " * part}))
         s.service_s += latency
+        s.service_times.append(latency)
         s.billed_tokens += tokens
         s.answers += 1
         s.done_at.append(time.monotonic())
