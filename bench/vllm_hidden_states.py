@@ -53,15 +53,16 @@ async def bare_prefill(base_url: str, model: str, rows: list[list[int]], concurr
 
 def served(
     base_url: str, storage: Path, layout: DatasetLayout, model: str
-) -> tuple[float, VllmHiddenStates, int]:
+) -> tuple[float, VllmHiddenStates, int, float]:
     cfg = VllmExtractionConfig(base_urls=[base_url], storage_path=str(storage), max_concurrency=CONCURRENCY)
     settings = ExtractionSettings(
         target=TargetConfig(model=model, tokenizer=model), hidden=HiddenStatesConfig(engine="vllm", vllm=cfg)
     )
     backend = VllmHiddenStates(cfg, layout.key, 4)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     _, stats, _ = extract_dataset(layout, settings, lambda m: None, backend)
-    return time.perf_counter() - t0, backend, stats.bytes_written
+    cpu = time.process_time() - c0  # every thread of this process: requests, file reads, shards
+    return time.perf_counter() - t0, backend, stats.bytes_written, cpu
 
 
 def measure_served(
@@ -95,7 +96,7 @@ def measure_served(
         bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
         layout = DatasetLayout(work / "served", rows.key).ensure()
         layout.tokens.write_bytes(rows.tokens.read_bytes())
-        served_s, backend, shard_bytes = served(server.base_url, storage, layout, model)
+        served_s, backend, shard_bytes, client_cpu = served(server.base_url, storage, layout, model)
         bare_again = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
     finally:
         server.stop()
@@ -108,6 +109,10 @@ def measure_served(
         "connector_bytes_per_token": backend.file_bytes / tokens,
         "shard_bytes_per_token": shard_bytes / tokens,
         "file_wait_s_per_sample": backend.file_wait_s / max(backend.files_read, 1),
+        # The client's CPU against the time it added: on a machine whose cores the server also computes on, the
+        # client's CPU is taken from the server; where it exceeds the overhead, contention explains it.
+        "client_cpu_share_of_wall": client_cpu / served_s,
+        "client_cpu_s_vs_added_s": client_cpu / max(served_s - bare, 1e-9),
         "files_left": leftover_files(storage, request_prefix(rows.key)),
     }
 
@@ -143,7 +148,8 @@ def run(quick: bool = False) -> dict:
             f"vLLM {dtype:9s} served {r['served_tok_s']:7.0f} tok/s = {r['vs_transformers']:.2f}x transformers; "
             f"bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is {100 * r['over_bare']:+.1f}% over it; "
             f"connector files {r['connector_bytes_per_token']:,.0f} B/token, shards {r['shard_bytes_per_token']:,.0f} "
-            f"B/token; left behind {r['files_left']}; server ready in {r['start_s']:.0f} s"
+            f"B/token; left behind {r['files_left']}; server ready in {r['start_s']:.0f} s; client CPU "
+            f"{100 * r['client_cpu_share_of_wall']:.0f}% of a core over the extraction"
         )
     out["transformers_shard_bytes_per_token"] = local_stats.bytes_written / tokens
     return out
