@@ -168,3 +168,23 @@ def shipped_b3(tmp_path_factory) -> ShippedRun:
             if e.event_type_value == "ASSET_CHECK_EVALUATION"
         },
     )
+
+
+def kill_once_written(
+    cmd: list[str], folder: Path, pattern: str, count: int, timeout_s: float, env: dict | None = None
+) -> None:
+    """Start `cmd` in its own session, wait until `folder` holds `count` files matching `pattern`, then kill -9
+    its whole process group: a crash at a moment the test chose, mid-run."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(list(folder.glob(pattern))) < count:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

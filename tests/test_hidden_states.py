@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import dagster as dg
 import numpy as np
@@ -24,7 +21,7 @@ from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.chat import Answer
 from eagle3_assets.core.target.loading import load_model
 
-from .conftest import REPO, make_project, user_rows
+from .conftest import kill_once_written, make_project, user_rows
 
 H, L = 576, 30
 PER_TOKEN = bytes_per_token(H, "bfloat16")
@@ -193,16 +190,8 @@ extract_dataset(DatasetLayout(Path(sys.argv[1]), "B1"),
 def test_resume_after_kill_9(chat, tmp_path):
     layout = write_tokens(chat, tmp_path, repeat=6)  # 48 samples, about one shard each
     cmd = [sys.executable, "-c", KILL_SCRIPT, str(tmp_path), str(PER_TOKEN * 40)]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
     folder = layout.hidden_states_dir
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and len(list(folder.glob("shard-*.safetensors"))) < 3:
-        assert proc.poll() is None, "extraction finished before it could be killed"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_once_written(cmd, folder, "shard-*.safetensors", 3, 180)
     before = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.safetensors")}
     for name in before:  # every shard that looks finished is complete and readable
         with safe_open(str(folder / name), framework="pt") as f:

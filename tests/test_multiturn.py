@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import subprocess
-import time
 
 import dagster as dg
 import polars as pl
@@ -22,7 +19,7 @@ from eagle3_assets.core.generation.conversations import (
 )
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 
-from .conftest import REPO, make_project
+from .conftest import REPO, kill_once_written, make_project
 from .fake_servers import FakeOpenRouter
 from .test_resume import KEY_ENV, env_for, materialize_cmd
 
@@ -180,16 +177,7 @@ def test_a_kill_mid_conversation_resumes_each_conversation_after_its_last_stored
         config = _project(tmp_path, server, rows=rows)
         env = env_for(config, tmp_path / "dagster_home", key)
         responses_dir = tmp_path / "data" / "B1" / "responses"
-        proc = subprocess.Popen(
-            materialize_cmd(), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(list(responses_dir.glob("part-*.parquet"))) < 2:
-            assert proc.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_once_written(materialize_cmd(), responses_dir, "part-*.parquet", 2, 120, env)
         stored = JournalTable(responses_dir, RESPONSE_SCHEMA).keys()
         assert 0 < len(stored) < 160
         mid = {split_turn_id(s)[0] for s in stored if split_turn_id(s)[1] < 4}

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import polars as pl
@@ -17,7 +15,7 @@ from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 
-from .conftest import REPO, make_project, user_rows
+from .conftest import REPO, kill_once_written, make_project, user_rows
 from .fake_servers import FakeOpenRouter
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
@@ -70,20 +68,7 @@ def test_kill_9_mid_run_then_resume_sends_nothing_twice(tmp_path):
         config = openrouter_project(tmp_path, server.base_url, texts)
         env = env_for(config, tmp_path / "dagster_home", key)
         responses_dir = tmp_path / "data" / "B1" / "responses"
-        proc = subprocess.Popen(
-            materialize_cmd(),
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(list(responses_dir.glob("part-*.parquet"))) < 2:
-            assert proc.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_once_written(materialize_cmd(), responses_dir, "part-*.parquet", 2, 120, env)
         stored_at_kill = JournalTable(responses_dir, RESPONSE_SCHEMA).keys()
         prompts = pl.read_parquet(tmp_path / "data" / "B1" / "prompts.parquet")
         text_of = dict(
