@@ -188,3 +188,24 @@ def kill_once_written(
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def materialize_in_process(path: Path, select: tuple[str, ...], partition: str = "B1"):
+    """The project at `path` as its definitions build it: `select`ed assets of one partition in process, on a
+    throwaway instance; fails with the failures' messages."""
+    import dagster as dg
+
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import build_definitions
+
+    defs = build_definitions(load_config(path), str(path))
+    job = defs.resolve_implicit_global_asset_job_def()
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(
+            partition_key=partition,
+            instance=instance,
+            asset_selection=[dg.AssetKey(k) for k in select],
+            raise_on_error=False,
+        )
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    return result

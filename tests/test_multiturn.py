@@ -6,7 +6,6 @@ import json
 import secrets
 import subprocess
 
-import dagster as dg
 import polars as pl
 import pytest
 
@@ -19,7 +18,7 @@ from eagle3_assets.core.generation.conversations import (
 )
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 
-from .conftest import REPO, kill_once_written, make_project
+from .conftest import REPO, kill_once_written, make_project, materialize_in_process
 from .fake_servers import FakeOpenRouter
 from .test_resume import KEY_ENV, env_for, materialize_cmd
 
@@ -88,20 +87,7 @@ def _project(tmp_path, server=None, rows=ROWS, checks=None, openrouter=None, **d
 
 
 def _materialize(path, select=("prompts", "responses")):
-    from eagle3_assets.config import load_config
-    from eagle3_assets.definitions import build_definitions
-
-    defs = build_definitions(load_config(path), str(path))
-    job = defs.resolve_implicit_global_asset_job_def()
-    with dg.instance_for_test() as instance:
-        result = job.execute_in_process(
-            partition_key="B1",
-            instance=instance,
-            asset_selection=[dg.AssetKey(k) for k in select],
-            raise_on_error=False,
-        )
-    assert result.success, [e.message for e in result.all_events if e.is_failure]
-    return result
+    return materialize_in_process(path, select)
 
 
 def test_an_openai_compatible_server_answers_every_turn_with_the_targets_own_history(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ from resources.vllm.extraction import VllmHiddenStates, leftover_files, request_
 from resources.vllm.server import free_port
 
 from . import vllm_server
-from .conftest import REPO, make_project
+from .conftest import REPO, make_project, materialize_in_process
 from .test_hidden_states import write_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -309,11 +309,6 @@ def test_a_sample_longer_than_the_server_context_is_recorded_as_too_long(server,
 
 
 def test_the_same_server_generates_and_its_ids_are_the_tokens_references(server, tmp_path):
-    import dagster as dg
-
-    from eagle3_assets.config import load_config
-    from eagle3_assets.definitions import build_definitions
-
     questions = [
         "Name a prime number.",
         "What colour is the sky?",
@@ -345,16 +340,7 @@ def test_the_same_server_generates_and_its_ids_are_the_tokens_references(server,
     cfg = yaml.safe_load(path.read_text())
     cfg["sampling"] = {"temperature": 0.0}
     path.write_text(yaml.safe_dump(cfg))
-    defs = build_definitions(load_config(path), str(path))
-    job = defs.resolve_implicit_global_asset_job_def()
-    with dg.instance_for_test() as instance:
-        result = job.execute_in_process(
-            partition_key="B1",
-            instance=instance,
-            asset_selection=[dg.AssetKey(k) for k in ("prompts", "responses", "tokens")],
-            raise_on_error=False,
-        )
-    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    materialize_in_process(path, ("prompts", "responses", "tokens"))
     tokens = pl.read_parquet(tmp_path / "data" / "B1" / "tokens.parquet")
     assert tokens.height == len(questions)
     assert tokens["reference_match"].null_count() == 0  # every row has the server's ids to compare with
