@@ -133,6 +133,7 @@ def _figures(stats: dict, samples: list, ideal: float, cap: float | None, root: 
     if cap:
         out["mean_in_flight_share_while_work_remains"] = round(sum(window) / max(len(window), 1) / cap, 2)
         floor = list_schedule_s(stats["service_times"], int(cap))
+        out["blind_floor_s"] = round(floor, 2)
         out["blind_floor_vs_ideal"] = round(floor / ideal, 2)
         out["vs_blind_floor_from_first_request"] = round((end - start) / floor, 2)
     return out
@@ -229,9 +230,7 @@ def through_dagster(spec: ProviderSpec, prompts: int) -> dict:
             wall_from_first_run_start_s=round(last_end - first_start, 1),
             vs_ideal_from_first_run_start=round((last_end - first_start) / out["ideal_s"], 2),
             vs_blind_floor_from_first_run_start=(
-                round((last_end - first_start) / (out["ideal_s"] * out["blind_floor_vs_ideal"]), 2)
-                if "blind_floor_vs_ideal" in out
-                else None
+                round((last_end - first_start) / out["blind_floor_s"], 2) if "blind_floor_s" in out else None
             ),
             launch_to_first_run_start_s=round(first_start - launched, 1),
             startup_s=metadata.get("startup_s"),
