@@ -186,6 +186,9 @@ class FlakyProxy:
         self.spoil = list(spoil or [])
         self.answered = 0
         self.deaths = 0
+        # Spoil only answers whose requests began after the death's revival: an answer spoiled while the death
+        # aborts its connection never reaches the client, and the spoil would be spent unseen.
+        self._revived = die_after is None
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self._site: web.TCPSite | None = None
@@ -213,9 +216,11 @@ class FlakyProxy:
         await self._runner.cleanup()
         await asyncio.sleep(1.5)
         await self._open()
+        self._revived = True
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         self._transports.add(request.transport)
+        spoilable = self._revived
         body = await request.read()
         async with (
             aiohttp.ClientSession() as s,
@@ -232,7 +237,7 @@ class FlakyProxy:
             if self.die_after is not None and self.answered == self.die_after:
                 asyncio.get_running_loop().create_task(self._die())
                 await asyncio.sleep(10)  # cut off by the death above, never answered
-            if self.spoil:
+            if self.spoil and spoilable:
                 await asyncio.to_thread(self._spoil, self.spoil.pop(0), json.loads(raw))
         return web.Response(body=raw, status=status, content_type="application/json")
 
