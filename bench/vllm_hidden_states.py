@@ -1,7 +1,8 @@
 """Hidden states through vLLM against the transformers path, on the same rows in one run (CPU here).
 
 For each server dtype (fp32, then bf16; one server at a time, started with the exact `eagle3 vllm-serve --cpu`
-command): extraction through the served path (engine, connector files read, checked and removed, shards written),
+command), after a first pass of each kind (reported apart: the server's first pass over new shapes and the client
+process's imports are paid once per run, not per token): extraction through the served path (engine, connector files read, checked and removed, shards written),
 against a bare vLLM prefill of the same ids at the same concurrency (one generated token, no file: the serving
 engine's own cost, so the ratio is the connector's and the client's overhead), and against the in-process
 transformers path (fp32 compute on this CPU, bf16 stored). Also bytes per token of the connector's files and of
@@ -92,17 +93,28 @@ def measure_served(
     started = time.perf_counter()
     server = launch(spec, python, work / "server.log", clean_env())
     start_s = time.perf_counter() - started
-    try:
-        bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
-        layout = DatasetLayout(work / "served", rows.key).ensure()
+
+    def fresh(name: str) -> DatasetLayout:
+        layout = DatasetLayout(work / name, rows.key).ensure()
         layout.tokens.write_bytes(rows.tokens.read_bytes())
-        served_s, backend, shard_bytes, client_cpu = served(server.base_url, storage, layout, model)
+        return layout
+
+    try:
+        # First passes, reported apart: the CPU server's first pass over new shapes, the client process's first
+        # extraction (imports of torch and the model's config). A run pays them once, not per token.
+        first_bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
+        first_served_s, *_ = served(server.base_url, storage, fresh("served-first"), model)
+        bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
+        served_s, backend, shard_bytes, client_cpu = served(server.base_url, storage, fresh("served"), model)
         bare_again = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
     finally:
         server.stop()
     bare = min(bare_s, bare_again)  # the better of two, before and after: no warm-up or drift in its favour
     return {
         "start_s": start_s,
+        "first_bare_prefill_s": first_bare_s,
+        "first_served_s": first_served_s,
+        "first_served_over_bare": first_served_s / bare - 1,
         "served_tok_s": tokens / served_s,
         "bare_prefill_tok_s": tokens / bare,
         "over_bare": served_s / bare - 1,
@@ -149,7 +161,9 @@ def run(quick: bool = False) -> dict:
             f"bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is {100 * r['over_bare']:+.1f}% over it; "
             f"connector files {r['connector_bytes_per_token']:,.0f} B/token, shards {r['shard_bytes_per_token']:,.0f} "
             f"B/token; left behind {r['files_left']}; server ready in {r['start_s']:.0f} s; client CPU "
-            f"{100 * r['client_cpu_share_of_wall']:.0f}% of a core over the extraction"
+            f"{100 * r['client_cpu_share_of_wall']:.0f}% of a core over the extraction; first passes: bare "
+            f"{r['first_bare_prefill_s']:.1f} s, served {r['first_served_s']:.1f} s "
+            f"({100 * r['first_served_over_bare']:+.0f}% over the steady bare prefill)"
         )
     out["transformers_shard_bytes_per_token"] = local_stats.bytes_written / tokens
     return out

@@ -63,6 +63,7 @@ class VllmHiddenStates:
         self._in_flight = dict.fromkeys(self.bases, 0)
         self._session: aiohttp.ClientSession | None = None
         self._slots = asyncio.Semaphore(cfg.max_concurrency)
+        self._locks = LockWatcher()
         self._started_wall = time.time()
         self._swept: set[str] = set()
         self.files_read = 0
@@ -185,26 +186,16 @@ class VllmHiddenStates:
 
     async def _read(self, path: str, ids: list[int]) -> Any:
         """Wait until the writer releases the file's lock, then load and check it (in a thread), then remove it."""
-        deadline = time.monotonic() + self.cfg.file_timeout_s
-        lock = path + ".lock"
-        delay = 0.002
-        while True:
-            state = await asyncio.to_thread(_try_shared_lock, lock)
-            if state == "locked":
-                break
-            if state == "missing" and os.path.exists(path):
-                break  # a connector without the lock protocol: the file is there
-            if time.monotonic() > deadline:
-                _remove(path)
-                raise InferenceError(
-                    ErrorKind.SERVER,
-                    f"the hidden-states file {path} was not complete {self.cfg.file_timeout_s:.0f} s after the "
-                    f"answer ({'no lock file' if state == 'missing' else 'still being written'}); is "
-                    "hidden_states.vllm.storage_path the server's shared_storage_path, on a volume this process "
-                    "sees at the same path?",
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        state = await self._locks.wait(path, self.cfg.file_timeout_s)
+        if state not in ("locked", "present"):
+            _remove(path)
+            raise InferenceError(
+                ErrorKind.SERVER,
+                f"the hidden-states file {path} was not complete {self.cfg.file_timeout_s:.0f} s after the "
+                f"answer ({'no lock file' if state == 'missing' else 'still being written'}); is "
+                "hidden_states.vllm.storage_path the server's shared_storage_path, on a volume this process "
+                "sees at the same path?",
+            )
         try:
             states, size = await asyncio.to_thread(_load_checked, path, ids, self.n_layer_ids)
         finally:
@@ -221,6 +212,55 @@ class VllmHiddenStates:
             return
         self._swept.add(key)
         sweep_orphans(folder, self.prefix, self._started_wall)
+
+
+class LockWatcher:
+    """Waits for many connector files at once. The server writes a file in the engine step after the answer (tens
+    of milliseconds on a GPU, a second on a busy CPU), so dozens wait at a time: one thread hop per tick looks at
+    every pending lock, where a hop per file per poll cost more CPU than reading the files (and on a machine whose
+    cores the server computes on, the client's CPU is taken from the server)."""
+
+    def __init__(self, tick_s: float = 0.005):
+        self.tick_s = tick_s
+        self._waiting: dict[str, asyncio.Future[str]] = {}
+        self._last: dict[str, str] = {}
+        self._task: asyncio.Task | None = None
+
+    async def wait(self, path: str, timeout_s: float) -> str:
+        """'locked' (the writer let go) or 'present' (a file without a lock file); on timeout the last state seen:
+        'busy' (still locked) or 'missing'."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[path] = future
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._watch())
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            return self._last.get(path, "missing")
+        finally:
+            self._waiting.pop(path, None)
+            self._last.pop(path, None)
+
+    async def _watch(self) -> None:
+        while self._waiting:
+            paths = list(self._waiting)
+            states = await asyncio.to_thread(_lock_states, paths)
+            for path, state in zip(paths, states, strict=True):
+                self._last[path] = state
+                future = self._waiting.get(path)
+                if state in ("locked", "present") and future is not None and not future.done():
+                    future.set_result(state)
+            await asyncio.sleep(self.tick_s)
+
+
+def _lock_states(paths: list[str]) -> list[str]:
+    out = []
+    for path in paths:
+        state = _try_shared_lock(path + ".lock")
+        if state == "missing" and os.path.exists(path):
+            state = "present"  # a connector without the lock protocol: the file is there
+        out.append(state)
+    return out
 
 
 def sweep_orphans(folder: Path, prefix: str, before: float) -> int:

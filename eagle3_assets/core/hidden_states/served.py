@@ -12,6 +12,7 @@ the shards still assembling, and a resumed run plans exactly those again.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,9 +53,51 @@ class ServedResult:
     unfinished_shards: list[str] = field(default_factory=list)
 
 
+class ShardBuffer:
+    """One assembling shard's states in the store dtype, laid out as the shard holds them (aux [N, n_aux·H], last
+    [N, H], samples in plan order). Each sample is converted into its rows as it lands, in the writer thread: the
+    event loop never touches states, nothing is held at the server's precision, and the shard needs no
+    concatenation before it is saved."""
+
+    def __init__(self, plan: ShardPlan, samples: dict[str, Sample]):
+        self.rows: dict[str, tuple[int, int]] = {}
+        at = 0
+        for sid in plan.ids:
+            n = len(samples[sid].input_ids)
+            self.rows[sid] = (at, at + n)
+            at += n
+        self.n_tokens = at
+        self.aux: Any = None
+        self.last: Any = None
+
+    def put(self, sid: str, states: Any, n_aux: int, dtype: str) -> None:
+        import torch
+
+        t, _, h = states.shape
+        if self.aux is None:
+            self.aux = torch.empty(self.n_tokens, n_aux * h, dtype=getattr(torch, dtype))
+            self.last = torch.empty(self.n_tokens, h, dtype=self.aux.dtype)
+        a, b = self.rows[sid]
+        self.aux[a:b].view(t, n_aux, h).copy_(states[:, :n_aux])
+        self.last[a:b].copy_(states[:, n_aux])
+
+    def kept(self, ordered: list[Sample]) -> tuple[Any, Any]:
+        """The rows of the samples written; only a shard that lost a sample (too long) is compacted."""
+        if len(ordered) == len(self.rows):
+            return self.aux, self.last
+        import torch
+
+        spans = [self.rows[s.id] for s in ordered]
+        return (
+            torch.cat([self.aux[a:b] for a, b in spans]),
+            torch.cat([self.last[a:b] for a, b in spans]),
+        )
+
+
 class ShardAssembler:
-    """The lane's sink: collects each sample's states and writes a shard once all of its samples are in (a sample
-    the server refuses as too long leaves its shard; any other failure leaves the shard unwritten)."""
+    """The lane's sink: puts each sample's states into its shard's buffer (in the writer thread) and writes the
+    shard once all of its samples are in (a sample the server refuses as too long leaves its shard; any other
+    failure leaves the shard unwritten)."""
 
     def __init__(
         self,
@@ -75,7 +118,8 @@ class ShardAssembler:
         self.writer = writer
         self.shard_of = {sid: p.name for p in plans for sid in p.ids}
         self.missing = {p.name: set(p.ids) for p in plans}
-        self.arrived: dict[str, dict[str, Any]] = {p.name: {} for p in plans}
+        self.buffers: dict[str, ShardBuffer] = {}
+        self.arrived: dict[str, set[str]] = {p.name: set() for p in plans}
         self.result = ServedResult(ExtractionStats())
         self.compute_dtype: str | None = None
         self.pending = 0  # the engine's writer protocol: nothing buffered here that a flush would write
@@ -83,8 +127,13 @@ class ShardAssembler:
     def add_completion(self, request_id: str, c: Completion) -> None:
         states = c.payload
         shard = self.shard_of[request_id]
-        self.arrived[shard][request_id] = states
+        buf = self.buffers.get(shard)
+        if buf is None:
+            buf = self.buffers[shard] = ShardBuffer(self.plans[shard], self.samples)
+        self.arrived[shard].add(request_id)
         self.compute_dtype = self.compute_dtype or str(states.dtype).removeprefix("torch.")
+        n_aux, dtype = self.n_aux, self.store_dtype
+        self.writer.submit(lambda: buf.put(request_id, states, n_aux, dtype))
         self._landed(request_id)
 
     def add_failure(
@@ -105,34 +154,38 @@ class ShardAssembler:
         missing.discard(sid)
         if missing:
             return
-        parts = self.arrived.pop(shard)
+        arrived = self.arrived.pop(shard)
+        buf = self.buffers.pop(shard, None)
         del self.missing[shard]
         plan = self.plans[shard]
-        ordered = [self.samples[i] for i in plan.ids if i in parts]
-        if not ordered:
+        ordered = [self.samples[i] for i in plan.ids if i in arrived]
+        if not ordered or buf is None:
             return
-        states = [parts[s.id] for s in ordered]
         meta = {**self.metadata, "compute_dtype": self.compute_dtype or ""}
         stats = self.result.stats
         stats.samples += len(ordered)
         stats.tokens += sum(len(s.input_ids) for s in ordered)
         stats.forwards += len(ordered)
         stats.shards.append(shard)
-        n_aux, dtype, path = self.n_aux, self.store_dtype, self.folder / shard
-        self.writer.submit(lambda: _save(path, ordered, states, n_aux, dtype, meta))
+        path = self.folder / shard
+        self.writer.submit(lambda: write_shard(path, ordered, *buf.kept(ordered), meta))
 
     def unfinished(self) -> list[str]:
         return sorted(self.missing)
 
 
-def _save(path: Path, ordered: list[Sample], states: list[Any], n_aux: int, dtype: str, meta: dict) -> None:
-    """In the writer thread: [T, n_aux + 1, H] per sample -> the shard's aux [T, n_aux·H] and last [T, H]."""
+@contextlib.contextmanager
+def _one_compute_thread() -> Iterator[None]:
+    """This process only copies states here (memory-bound: a second thread buys little), and where the server
+    computes on the same cores, torch's spinning worker threads take CPU from it. Restored afterwards."""
     import torch
 
-    to = getattr(torch, dtype)
-    hs = torch.cat(states).to(to)
-    aux = hs[:, :n_aux].reshape(hs.shape[0], -1)
-    write_shard(path, ordered, aux, hs[:, n_aux], meta)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def requests_for(plans: list[ShardPlan], samples: dict[str, Sample]) -> Iterator[CompletionRequest]:
@@ -155,7 +208,9 @@ def extract_served(
     log: Callable[[str], None] = print,
 ) -> ServedResult:
     """Send every planned sample through `backend` and write the shards as they complete."""
-    writer = ShardWriter()
+    # Unbounded: a sample's put must never block the event loop behind a shard's write and fsync; what it holds is
+    # bounded by the requests in flight, whose states exist either way.
+    writer = ShardWriter(max_queued=0)
     assembler = ShardAssembler(plans, samples, folder, store_dtype, metadata, n_aux, writer)
     total = sum(len(p.ids) for p in plans)
     started = time.monotonic()
@@ -168,10 +223,11 @@ def extract_served(
         finally:
             await backend.close()
 
-    try:
-        run_loop(go())
-    finally:
-        writer.close()  # every completed shard is on disk (or the error surfaces) before this returns
+    with _one_compute_thread():
+        try:
+            run_loop(go())
+        finally:
+            writer.close()  # every completed shard is on disk (or the error surfaces) before this returns
     result = assembler.result
     result.stats.forward_s = time.monotonic() - started
     result.stats.bytes_written = sum((folder / n).stat().st_size for n in result.stats.shards)

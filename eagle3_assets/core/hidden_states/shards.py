@@ -281,8 +281,10 @@ class ExtractionStats:
 class ShardWriter:
     """Background thread: device-to-host copies of each forward's outputs, then the shard file, atomically."""
 
-    def __init__(self) -> None:
-        self._jobs: queue.Queue = queue.Queue(maxsize=4)
+    def __init__(self, max_queued: int = 4) -> None:
+        self._jobs: queue.Queue = queue.Queue(
+            maxsize=max_queued
+        )  # 0: unbounded (the caller bounds its memory)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._error: BaseException | None = None
         self._thread.start()
