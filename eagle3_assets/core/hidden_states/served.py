@@ -67,6 +67,7 @@ class ShardBuffer:
             self.rows[sid] = (at, at + n)
             at += n
         self.n_tokens = at
+        self.arrived: set[str] = set()  # added on the event loop as answers land, before their put is queued
         self.aux: Any = None
         self.last: Any = None
 
@@ -82,7 +83,8 @@ class ShardBuffer:
         self.last[a:b].copy_(states[:, n_aux])
 
     def kept(self, ordered: list[Sample]) -> tuple[Any, Any]:
-        """The rows of the samples written; only a shard that lost a sample (too long) is compacted."""
+        """The rows of the samples written (those that arrived, in plan order); only a shard that lost a sample
+        (too long) is compacted."""
         if len(ordered) == len(self.rows):
             return self.aux, self.last
         import torch
@@ -118,8 +120,7 @@ class ShardAssembler:
         self.writer = writer
         self.shard_of = {sid: p.name for p in plans for sid in p.ids}
         self.missing = {p.name: set(p.ids) for p in plans}
-        self.buffers: dict[str, ShardBuffer] = {}
-        self.arrived: dict[str, set[str]] = {p.name: set() for p in plans}
+        self.buffers: dict[str, ShardBuffer] = {}  # shards with at least one sample in
         self.result = ServedResult(ExtractionStats())
         self.compute_dtype: str | None = None
         self.pending = 0  # the engine's writer protocol: nothing buffered here that a flush would write
@@ -130,7 +131,7 @@ class ShardAssembler:
         buf = self.buffers.get(shard)
         if buf is None:
             buf = self.buffers[shard] = ShardBuffer(self.plans[shard], self.samples)
-        self.arrived[shard].add(request_id)
+        buf.arrived.add(request_id)
         self.compute_dtype = self.compute_dtype or str(states.dtype).removeprefix("torch.")
         n_aux, dtype = self.n_aux, self.store_dtype
         self.writer.submit(lambda: buf.put(request_id, states, n_aux, dtype))
@@ -154,13 +155,11 @@ class ShardAssembler:
         missing.discard(sid)
         if missing:
             return
-        arrived = self.arrived.pop(shard)
         buf = self.buffers.pop(shard, None)
         del self.missing[shard]
-        plan = self.plans[shard]
-        ordered = [self.samples[i] for i in plan.ids if i in arrived]
-        if not ordered or buf is None:
-            return
+        if buf is None:
+            return  # every sample of the shard was too long
+        ordered = [self.samples[i] for i in self.plans[shard].ids if i in buf.arrived]
         meta = {**self.metadata, "compute_dtype": self.compute_dtype or ""}
         stats = self.result.stats
         stats.samples += len(ordered)

@@ -282,9 +282,8 @@ class ShardWriter:
     """Background thread: device-to-host copies of each forward's outputs, then the shard file, atomically."""
 
     def __init__(self, max_queued: int = 4) -> None:
-        self._jobs: queue.Queue = queue.Queue(
-            maxsize=max_queued
-        )  # 0: unbounded (the caller bounds its memory)
+        # max_queued 0: unbounded (the caller bounds its memory)
+        self._jobs: queue.Queue = queue.Queue(maxsize=max_queued)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._error: BaseException | None = None
         self._thread.start()
