@@ -298,3 +298,40 @@ def test_rerunning_a_finished_100k_partition_sends_nothing(tmp_path, chat):
         layout, plan, _MustNotBeCalled(), chat, EngineSettings(max_concurrency=8), log=lambda m: None
     )
     assert summary.todo == 0 and summary.report is None and summary.n_responses == 100_000
+
+
+class _Gate:
+    """A budget whose room the test opens and closes (the dispatcher's view of it: can one more go?)."""
+
+    def __init__(self) -> None:
+        self.room = True
+
+    def can_dispatch(self) -> bool:
+        return self.room
+
+
+def test_a_prompt_waiting_for_the_budget_is_not_displaced_by_a_chains_next_turn():
+    """A request held back by a closed budget goes first when it reopens, even if a conversation's next turn
+    arrived meanwhile: neither is dropped, and each is counted as sent once."""
+    from eagle3_assets.core.generation.engine import GenerationEngine, Lane, _Pending
+    from eagle3_assets.core.generation.protocol import CompletionRequest
+
+    def req(rid: str) -> CompletionRequest:
+        return CompletionRequest(rid, [{"role": "user", "content": "q"}], 8)
+
+    budget = _Gate()
+    lane = Lane("B1", [req("c1#t1"), req("c2#t1"), req("c3#t1")], 3, budget, writer=None)
+    engine = GenerationEngine(backend=None, settings=EngineSettings(max_concurrency=4))
+    engine.lanes = [lane]
+    assert engine._next(0.0).request.id == "c1#t1"
+    budget.room = False
+    assert engine._next(0.0) is None and lane.held.request.id == "c2#t1"
+    lane.budget_blocked = False  # the dispatcher's next pass: c1's answer landed, its second turn is queued
+    lane.followups.append(_Pending(req("c1#t2"), lane))
+    assert engine._next(0.0) is None
+    budget.room, lane.budget_blocked = True, False
+    sent = []
+    while (p := engine._next(0.0)) is not None:
+        sent.append(p.request.id)
+    assert sent == ["c2#t1", "c1#t2", "c3#t1"]
+    assert lane.report.sent == 4  # c1#t1, c2#t1, c1#t2, c3#t1: each once

@@ -282,6 +282,13 @@ class Budget:
             share = max(share, self.usd_used / self.usd_limit)
         return share
 
+    def committed_share(self) -> float:
+        """The share of the limit spent, or expected from what is in flight (tokens; dollars as spent)."""
+        if not self.token_limit:
+            return 1.0
+        self._refresh(self.clock())
+        return max((self.tokens_used + self._reserved) / self.token_limit, self.spent_share())
+
     def expected_tokens(self) -> float:
         """The expected length of a new answer (what a request lost in flight is charged)."""
         self._refresh(self.clock())

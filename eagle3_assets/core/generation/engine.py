@@ -204,12 +204,20 @@ class Lane:
 
 
 _DIGITS = re.compile(r"\d+")
-# A lane whose budget blocks dispatch once this share of it is spent sends nothing more (see _dispatch).
+# A lane whose budget blocks dispatch once this share of it is committed (spent, or expected from what is in flight)
+# and at least CLOSE_OUT_SPENT of it spent sends nothing more (see _dispatch). The spent floor keeps a reservation
+# that is still pessimistic (few answers known, a small budget under a wide window) from closing a lane early.
 CLOSE_OUT_SHARE = 0.97
+CLOSE_OUT_SPENT = 0.9
 # Dispatches per pass of the dispatcher (or a sixteenth of the window): answers noticed together (a stream client
 # reads in ticks) would otherwise release one large burst, all of it past a provider's cap before its first refusal
 # could come back.
 BURST = 16
+
+
+def _closing_out(budget: Budget) -> bool:
+    spent = budget.spent_share()
+    return spent >= CLOSE_OUT_SHARE or (spent >= CLOSE_OUT_SPENT and budget.committed_share() >= CLOSE_OUT_SHARE)
 
 
 class GenerationEngine:
@@ -317,7 +325,7 @@ class GenerationEngine:
                 if (
                     lane.budget_blocked
                     and not lane.budget_stop
-                    and (not lane.in_flight or lane.budget.spent_share() >= CLOSE_OUT_SHARE)
+                    and (not lane.in_flight or _closing_out(lane.budget))
                 ):
                     # Nothing in flight and still no room, or the budget committed to what is in flight: no
                     # trickle of single requests as the last long answers land (they would stretch the run's end
@@ -359,12 +367,12 @@ class GenerationEngine:
     def _candidate(self, lane: Lane, now: float) -> _Pending | None:
         if lane.retries and lane.retries[0][0] <= now:
             return heapq.heappop(lane.retries)[2]
+        if lane.held is not None:  # first in line already (it waited for the budget): never displaced
+            p, lane.held = lane.held, None
+            return p
         if lane.followups:  # a conversation's next turn before a new conversation: chains finish, none starve
             lane.report.sent += 1
             return lane.followups.popleft()
-        if lane.held is not None:
-            p, lane.held = lane.held, None
-            return p
         if lane.exhausted:
             return None
         request = next(lane.it, None)
