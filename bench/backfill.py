@@ -93,9 +93,7 @@ def _ingest(config: Path) -> None:
     cfg = load_config(config)
     for key in DATASETS:
         layout = DatasetLayout(cfg.storage_root, key).ensure()
-        write_prompts(
-            cfg.resolve_path(cfg.datasets[key].source), layout.prompts, layout.quarantine, "messages"
-        )
+        write_prompts(cfg.resolve_path(cfg.datasets[key].source), layout, cfg.datasets[key])
 
 
 def _sample(provider: LimitedProvider, until: threading.Event, out: list) -> None:

@@ -130,9 +130,7 @@ def seed_answers(path: Path, n: int) -> None:
     cfg = load_config(path)
     storage = Storage(cfg)
     with storage.stage("B1", "prompts") as layout:
-        write_prompts(
-            cfg.resolve_path(cfg.datasets["B1"].source), layout.prompts, layout.quarantine, "messages"
-        )
+        write_prompts(cfg.resolve_path(cfg.datasets["B1"].source), layout, cfg.datasets["B1"])
     with storage.stage("B1", "responses", append_only=True) as layout:
         rng = np.random.default_rng(1)
         ids = pl.read_parquet(layout.prompts, columns=["id"])["id"].to_list()[:n]

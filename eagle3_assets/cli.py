@@ -74,8 +74,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
-    folder = res["storage"].checkout(args.dataset, "hidden_states").hidden_states_dir
-    if not (folder / "index.parquet").exists():
+    layout = res["storage"].checkout(args.dataset, "hidden_states")
+    folder = layout.hidden_states_dir
+    if not layout.hidden_states_index.exists():
         print(f"no hidden states for {args.dataset} yet: materialise hidden_states for it first")
         return 1
     settings = extraction_settings(cfg)

@@ -13,6 +13,8 @@ import time
 
 import dagster as dg
 
+from resources import Storage
+
 from .config import config_path, get_config
 from .core.hidden_states.export import export
 from .core.storage.layout import DatasetLayout
@@ -106,15 +108,20 @@ def _run(job, key: str, instance):
     )
 
 
-def _hidden_states(key: str, instance, root) -> tuple[bool, str, float]:
-    """hidden_states (CPU for the embedded model) with its blocking checks, then a speculators export."""
+def _hidden_states(key: str, instance, storage: Storage) -> tuple[bool, str, float]:
+    """hidden_states (CPU for the embedded model) with its blocking checks, then a speculators export (stored
+    with the partition's other outputs, an object-store root included)."""
     t0 = time.monotonic()
     result = _run(defs.resolve_job_def(HIDDEN_STATES_JOB), key, instance)
     passed, total = _checks(result)
-    layout = DatasetLayout(root, key)
-    if not result.success or not layout.hidden_states_index.exists():
+    if not result.success:
         return False, f"FAILED ({passed}/{total} checks)", time.monotonic() - t0
-    n = export(layout.hidden_states_dir, layout.export_dir("speculators"), "speculators", log=lambda m: None)
+    with storage.stage(key, "exports") as layout:
+        if not layout.hidden_states_index.exists():
+            return False, f"FAILED ({passed}/{total} checks)", time.monotonic() - t0
+        n = export(
+            layout.hidden_states_dir, layout.export_dir("speculators"), "speculators", log=lambda m: None
+        )
     return True, f"{n} samples, {passed}/{total} checks, exported", time.monotonic() - t0
 
 
@@ -122,7 +129,7 @@ def _acceptance(key: str, instance, root) -> tuple[bool, str]:
     """The acceptance gate: a draft trained on the partition's hidden states, measured against the target."""
     result = _run(defs.resolve_job_def(ACCEPTANCE_JOB), key, instance)
     passed, total = _checks(result)
-    path = DatasetLayout(root, key).acceptance_dir / "report.json"
+    path = DatasetLayout(root, key).acceptance_report
     if not result.success or not path.exists():
         return False, "FAILED"
     r = json.loads(path.read_text())
@@ -139,6 +146,7 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
     # Hidden states on CPU are slow beside everything else: one partition shows the whole path (B3, code, by default).
     hidden_keys = hidden_keys if hidden_keys is not None else ["B3" if "B3" in keys else keys[0]]
     instance = _instance()
+    storage = Storage(cfg)
     job = defs.resolve_job_def(TRAINING_DATA_JOB)
     print(f"eagle3-assets demo: config {config_path()}, backend {cfg.backend}, {len(keys)} datasets")
     print(
@@ -151,7 +159,7 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
         passed, total = _checks(result)
         ok, hidden, gate = result.success, "-", "-"
         if ok and key in hidden_keys:
-            ok, hidden, _ = _hidden_states(key, instance, cfg.storage_root)
+            ok, hidden, _ = _hidden_states(key, instance, storage)
             if ok:
                 ok, gate = _acceptance(key, instance, cfg.storage_root)
         rows.append(

@@ -22,7 +22,8 @@ T0 = dt.datetime(2026, 11, 29, 10, 1, tzinfo=dt.UTC)
 
 def ingest(cfg, key) -> DatasetLayout:
     layout = DatasetLayout(cfg.storage_root, key).ensure()
-    write_prompts(cfg.resolve_path(cfg.datasets[key].source), layout.prompts, layout.quarantine, "messages")
+    section = cfg.datasets[key]  # format messages, no fields or system prompt (make_project's defaults)
+    write_prompts(cfg.resolve_path(section.source), layout, section)
     return layout
 
 

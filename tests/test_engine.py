@@ -5,7 +5,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from eagle3_assets.config import OpenRouterConfig
+from eagle3_assets.config import DatasetConfig, OpenRouterConfig
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.protocol import FatalRunError
 from eagle3_assets.core.generation.run import PreflightError, generate_responses
@@ -24,7 +24,7 @@ KEY = "test-key-" + "x" * 24
 def dataset(tmp_path, texts: list[str], key: str = "B1") -> DatasetLayout:
     layout = DatasetLayout(tmp_path / "data", key).ensure()
     src = write_jsonl(tmp_path / f"{key}.jsonl", user_rows(texts))
-    write_prompts(src, layout.prompts, layout.quarantine, "messages")
+    write_prompts(src, layout, DatasetConfig(source=str(src), format="messages"))
     return layout
 
 

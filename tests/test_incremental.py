@@ -8,7 +8,7 @@ import json
 import polars as pl
 import pyarrow.parquet as pq
 
-from eagle3_assets.config import TokensConfig
+from eagle3_assets.config import DatasetConfig, TokensConfig
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.prompts.ingest import write_prompts
@@ -21,9 +21,8 @@ from .conftest import user_rows, write_jsonl
 
 def partition(tmp_path, texts: list[str]) -> DatasetLayout:
     layout = DatasetLayout(tmp_path / "data", "B1").ensure()
-    write_prompts(
-        write_jsonl(tmp_path / "B1.jsonl", user_rows(texts)), layout.prompts, layout.quarantine, "messages"
-    )
+    source = write_jsonl(tmp_path / "B1.jsonl", user_rows(texts))
+    write_prompts(source, layout, DatasetConfig(source=str(source), format="messages"))
     return layout
 
 
@@ -60,9 +59,8 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     # A prompt whose text changed at the source (same id): that row alone is redone.
     changed = [*texts[:-1]]
     changed[3] = "question number 3, reworded"
-    write_prompts(
-        write_jsonl(tmp_path / "B1.jsonl", user_rows(changed)), layout.prompts, layout.quarantine, "messages"
-    )
+    source = write_jsonl(tmp_path / "B1.jsonl", user_rows(changed))
+    write_prompts(source, layout, DatasetConfig(source=str(source), format="messages"))
     redo = build_tokens(layout, chat, log=lambda m: None)
     assert redo.n_tokenized == 1 and redo.n_rows == 25
 

@@ -6,7 +6,9 @@ import json
 
 import polars as pl
 
+from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.prompts.ingest import content_id, ingest, write_prompts
+from eagle3_assets.core.storage.layout import DatasetLayout
 
 from .conftest import REPO, write_jsonl
 
@@ -92,7 +94,9 @@ def test_bad_rows_are_quarantined_with_reasons_and_the_rest_goes_on(tmp_path):
     ]
     path.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "out"
-    r = write_prompts(path, out / "prompts.parquet", out / "quarantine.parquet", "messages")
+    r = write_prompts(
+        path, DatasetLayout(tmp_path, "out"), DatasetConfig(source=str(path), format="messages")
+    )
     assert r.prompts.height == 1 and r.n_source_rows == len(lines)
     reasons = pl.read_parquet(out / "quarantine.parquet")["reason"].to_list()
     expected = [
@@ -156,3 +160,68 @@ def test_the_sources_own_answer_is_kept_beside_the_prompt(tmp_path):
         assert all(m[-1]["role"] == "user" for m in result.prompts["messages"].to_list())
     named = ingest(tmp_path / "instruction.jsonl", "instruction", {"response": "output"})
     assert named.prompts["source_answer"].to_list() == [None, "a - b", None]
+
+
+def test_tool_turns_pass_through_as_the_source_has_them(tmp_path):
+    """An agent trace's tool results stay in the conversation as `tool` turns (OpenAI messages), and ShareGPT's
+    `observation` (LLaMA-Factory), `tool` and `function_response` speakers become them; the rules on how a
+    conversation ends are unchanged."""
+    messages = write_jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {
+                "id": "m1",
+                "messages": [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "Calling get_weather(Paris)."},
+                    {
+                        "role": "tool",
+                        "tool_call_id": "call_1",
+                        "name": "get_weather",
+                        "content": "18C, sunny",
+                    },
+                    {"role": "user", "content": "And tomorrow?"},
+                    {"role": "assistant", "content": "dropped trailing answer"},
+                ],
+            },
+            {
+                "id": "m2",  # ends with a tool result: no user turn for the target to answer, as before
+                "messages": [
+                    {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": "Calling."},
+                    {"role": "tool", "content": "18C"},
+                ],
+            },
+        ],
+    )
+    r = ingest(messages, "messages")
+    assert r.prompts["id"].to_list() == ["m1"]
+    assert r.prompts["messages"][0].to_list() == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Calling get_weather(Paris)."},
+        {"role": "tool", "content": "18C, sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    assert r.quarantine["reason"].to_list() == ["conversation ends with a tool turn, not a user turn"]
+
+    sharegpt = write_jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {
+                "id": f"s-{speaker}",
+                "conversations": [
+                    {"from": "human", "value": "Weather?"},
+                    {"from": "gpt", "value": "Calling get_weather."},
+                    {"from": speaker, "value": f"18C ({speaker})"},
+                    {"from": "human", "value": "Thanks. Tomorrow?"},
+                ],
+            }
+            for speaker in ("observation", "tool", "function_response")
+        ],
+    )
+    r = ingest(sharegpt, "sharegpt")
+    assert r.quarantine.height == 0
+    assert [[m["role"] for m in msgs] for msgs in r.prompts["messages"].to_list()] == [
+        ["user", "assistant", "tool", "user"]
+    ] * 3
+    assert r.prompts["messages"][0].to_list()[2] == {"role": "tool", "content": "18C (observation)"}

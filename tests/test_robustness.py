@@ -178,12 +178,9 @@ def test_importing_by_messages_matches_a_dataset_with_a_system_prompt(tmp_path, 
     from .conftest import user_rows, write_jsonl
 
     layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    source = write_jsonl(tmp_path / "s.jsonl", user_rows(["Hello?"]))
     write_prompts(
-        write_jsonl(tmp_path / "s.jsonl", user_rows(["Hello?"])),
-        layout.prompts,
-        layout.quarantine,
-        "messages",
-        system_prompt="Be brief.",
+        source, layout, DatasetConfig(source=str(source), format="messages", system_prompt="Be brief.")
     )
     src = tmp_path / "a.jsonl"
     src.write_text(

@@ -32,9 +32,7 @@ def build_prompts_asset(
         ds = cfg.dataset(key)
         source = cfg.resolve_path(ds.source)
         with storage.stage(key, "prompts") as layout:
-            result = write_prompts(
-                source, layout.prompts, layout.quarantine, ds.format, ds.fields.model_dump(), ds.system_prompt
-            )
+            result = write_prompts(source, layout, ds)
         context.log.info(
             f"{key}: {result.outcomes['ok']} prompts from {result.n_source_rows} rows of {source}"
         )

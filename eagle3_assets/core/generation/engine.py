@@ -217,7 +217,9 @@ BURST = 16
 
 def _closing_out(budget: Budget) -> bool:
     spent = budget.spent_share()
-    return spent >= CLOSE_OUT_SHARE or (spent >= CLOSE_OUT_SPENT and budget.committed_share() >= CLOSE_OUT_SHARE)
+    return spent >= CLOSE_OUT_SHARE or (
+        spent >= CLOSE_OUT_SPENT and budget.committed_share() >= CLOSE_OUT_SHARE
+    )
 
 
 class GenerationEngine:

@@ -41,6 +41,7 @@ from .shards import (
     row_budget,
     save_final_norm,
     save_final_norm_from_checkpoint,
+    shard_files,
     write_index,
 )
 
@@ -329,9 +330,10 @@ def extract_dataset(
 
 def describe_layout(folder: Path) -> dict[str, Any]:
     index = pl.read_parquet(folder / HIDDEN_STATES_INDEX) if (folder / HIDDEN_STATES_INDEX).exists() else None
+    shards = shard_files(folder)
     return {
         "samples": 0 if index is None else index.height,
         "tokens": 0 if index is None else int(index["n_tokens"].sum()),
-        "shards": len(list(folder.glob("shard-*.safetensors"))),
-        "bytes": sum(p.stat().st_size for p in folder.glob("shard-*.safetensors")),
+        "shards": len(shards),
+        "bytes": sum(p.stat().st_size for p in shards),
     }

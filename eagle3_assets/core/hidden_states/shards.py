@@ -128,10 +128,15 @@ def read_shard_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
+def shard_files(folder: Path) -> list[Path]:
+    """The shard files in `folder`, by name (temporaries are never named *.safetensors)."""
+    return sorted(folder.glob("shard-*.safetensors"))
+
+
 def finished_shards(folder: Path) -> dict[str, dict[str, Any]]:
     """Shard file name -> metadata, for every complete shard (temporaries are never named *.safetensors)."""
     out = {}
-    for path in sorted(folder.glob("shard-*.safetensors")):
+    for path in shard_files(folder):
         try:
             meta = read_shard_metadata(path)
         except Exception:  # unreadable: not ours or damaged outside our control; recompute its samples

@@ -16,7 +16,12 @@ from typing import Any
 
 import polars as pl
 
-MESSAGE_ROLES = {"system", "user", "assistant"}
+from ...config import DatasetConfig
+from ..storage.layout import DatasetLayout
+
+# A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept, its
+# `tool_call_id`/`name` are not (the stored message is role and content only).
+MESSAGE_ROLES = {"system", "user", "assistant", "tool"}
 # ShareGPT dumps in the wild name speakers in several ways; anything else is quarantined.
 SHAREGPT_ROLES = {
     "system": "system",
@@ -28,6 +33,9 @@ SHAREGPT_ROLES = {
     "bard": "assistant",
     "bing": "assistant",
     "model": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
 }
 RAW_PREVIEW_CHARS = 2000
 
@@ -128,7 +136,7 @@ def _from_messages(row: dict) -> list[dict]:
             raise RowError(f"messages[{i}] is not an object")
         role = m.get("role")
         if role not in MESSAGE_ROLES:
-            raise RowError(f"messages[{i}]: unknown role {role!r} (expected system, user or assistant)")
+            raise RowError(f"messages[{i}]: unknown role {role!r} (expected system, user, assistant or tool)")
         out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}]")})
     return out
 
@@ -144,7 +152,9 @@ def _from_sharegpt(row: dict) -> list[dict]:
         speaker = m.get("from")
         role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
         if role is None:
-            raise RowError(f"conversations[{i}]: unknown role {speaker!r} (expected system, human or gpt)")
+            raise RowError(
+                f"conversations[{i}]: unknown role {speaker!r} (expected system, human, gpt or observation)"
+            )
         out.append({"role": role, "content": _text(m.get("value"), f"conversations[{i}]")})
     return out
 
@@ -309,22 +319,16 @@ def quarantine_reasons(quarantine: pl.DataFrame) -> dict[str, int]:
     return dict(counts.most_common())
 
 
-def write_prompts(
-    source: Path,
-    dest: Path,
-    quarantine_path: Path,
-    fmt: str,
-    fields: dict[str, Any] | None = None,
-    system_prompt: str | None = None,
-) -> IngestResult:
-    """Ingest `source` and write prompts.parquet and quarantine.parquet atomically."""
+def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> IngestResult:
+    """Ingest `source` (the dataset section's source, resolved) in the section's format, fields and system prompt,
+    and write the partition's prompts.parquet and quarantine.parquet atomically."""
     from ..storage.files import write_parquet
 
     if not source.exists():
         raise FileNotFoundError(
             f"dataset source {source} does not exist; fix datasets.<key>.source in the config"
         )
-    result = ingest(source, fmt, fields, system_prompt)
-    write_parquet(result.prompts, dest)
-    write_parquet(result.quarantine, quarantine_path)
+    result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt)
+    write_parquet(result.prompts, layout.prompts)
+    write_parquet(result.quarantine, layout.quarantine)
     return result

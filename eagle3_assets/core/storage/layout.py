@@ -103,6 +103,11 @@ class DatasetLayout:
         """The gate's trained draft, in the layout SGLang serves and SpecForge loads."""
         return self.acceptance_dir / "draft"
 
+    def scratch(self, name: str) -> Path:
+        """A stage's private working folder inside the partition, outside what any stage reads or writes (so never
+        published); the stage creates and removes it."""
+        return self.dir / f".{name}"
+
     def ensure(self) -> DatasetLayout:
         self.dir.mkdir(parents=True, exist_ok=True)
         return self
