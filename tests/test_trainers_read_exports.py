@@ -18,7 +18,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from eagle3_assets.core.hidden_states.export import FORMATS, ExportError, export
+from eagle3_assets.core.hidden_states.export import FORMATS, MIN_SAMPLES, ExportError, export
+from eagle3_assets.core.hidden_states.shards import HiddenStatesReader
 
 from .consumers import environments
 
@@ -169,6 +170,82 @@ def test_samples_longer_than_max_len_are_cut_and_every_consumer_reads_them(shipp
         "modelopt", outs["modelopt"], smollm2_dir, "--aux", "1", "14", "26", "--steps", "0", cwd=tmp_path
     )
     assert o["n_samples"] == N and o["bad_samples"] == [] and o["longest"] == cut
+
+
+def test_an_uncut_export_longer_than_each_consumers_limit_trains_in_each(
+    exports, shipped_b3, smollm2_dir, tmp_path
+):
+    """No --max-len: each consumer meets samples longer than its own limit (speculators' total_seq_len, SpecForge's
+    max_length, Model-Optimizer's training_seq_len) and cuts them itself, reading every sample and training."""
+    longest = manifest(exports["modelopt"])["longest_sample"]
+    limit = longest - 40
+    assert all(
+        manifest(f)["longest_sample"] == longest and manifest(f)["max_len"] is None for f in exports.values()
+    )
+    s = consume(
+        "speculators", exports["speculators"], smollm2_dir, "--target-layer-ids", "2", "15", "27",
+        "--draft-vocab-size", "32", "--total-seq-len", limit, "--steps", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert s["sample_failures"] == [] and s["loader_samples"] == N and s["loader_errors"] == 0
+    assert len(s["losses"]) == 2 and s["losses_finite"] and s["losses"][0] > 0, s["losses"]
+    f = consume(
+        "specforge", exports["specforge"], shipped_b3.layout.acceptance_dir / "draft", "--max-length", limit,
+        "--steps", "2", cwd=tmp_path,
+    )  # fmt: skip
+    # SpecForge cut the samples longer than `limit`; the ids and masks in its batches are compared up to the cut.
+    assert f["max_length"] == limit and f["n_samples"] == N and f["ids_and_masks_equal"]
+    assert f["train"].get("rc") == 0, f["train"]
+    assert len(f["losses"]) == 2 and f["losses_finite"] and f["losses"][0] > 0, f["losses"]
+    o = consume(
+        "modelopt", exports["modelopt"], smollm2_dir, "--aux", "1", "14", "26", "--train-len", limit, "--steps", "2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    # Model-Optimizer's dataset reads whole samples; its collator cuts them to `limit`.
+    assert o["n_samples"] == N and o["bad_samples"] == [] and o["longest"] == longest
+    assert len(o["losses"]) == 2 and o["losses_finite"] and o["losses"][0] > 0, o["losses"]
+
+
+def test_a_cut_that_leaves_no_trained_token_is_refused_and_samples_it_empties_are_left_out(
+    shipped_b3, smollm2_dir, tmp_path
+):
+    """A --max-len shorter than every prompt once exported 28 samples with no trained token, and speculators trained
+    on them at loss 0.0. Now such a cut is refused with the max_len that keeps some, and a cut that empties only
+    some samples leaves those out (counted in the manifest): every exported sample trains."""
+    import torch
+
+    folder = shipped_b3.layout.hidden_states_dir
+    reader = HiddenStatesReader(folder)
+    # The shortest cut that keeps a trained token before a sample's last position (SpecForge never trains the last).
+    need = sorted(int(reader.sample(sid)["loss_mask"][:-1].nonzero()[0, 0]) + 2 for sid in reader.ids())
+    assert len(need) == N and need[0] < need[1] < need[-1]  # prompts of different lengths: cuts fall between
+    for fmt in FORMATS:
+        with pytest.raises(ExportError, match=rf"none of its {N} samples keeps a trained") as refused:
+            export(folder, tmp_path / fmt, fmt, log=lambda m: None, max_len=need[0] - 1)
+        assert f"max_len >= {need[MIN_SAMPLES[fmt] - 1]} to keep {MIN_SAMPLES[fmt]}" in str(refused.value)
+        assert f">= {need[-1]} to keep every sample" in str(refused.value)
+        assert not (tmp_path / fmt).exists()
+    with pytest.raises(ExportError, match=r"only 1 of its .* speculators needs at least 2"):
+        export(folder, tmp_path / "speculators", "speculators", log=lambda m: None, max_len=need[0])
+    assert [p.name for p in tmp_path.iterdir()] == []  # refused before anything was written
+
+    cut = need[1]
+    kept = sum(x <= cut for x in need)
+    outs = {fmt: tmp_path / fmt for fmt in FORMATS}
+    for fmt, out in outs.items():
+        logs: list[str] = []
+        assert export(folder, out, fmt, log=logs.append, max_len=cut) == kept
+        m = manifest(out)
+        assert m["samples"] == kept and m["dropped_samples"] == N - kept and m["trained_tokens"] > 0
+        assert any(f"{N - kept} samples were left out" in line for line in logs)
+    for f in outs["modelopt"].glob("*.pt"):  # every sample a consumer reads has a token to train on
+        assert torch.load(f, weights_only=True)["loss_mask"][:-1].sum() > 0, f.name
+    s = consume(
+        "speculators", outs["speculators"], smollm2_dir, "--target-layer-ids", "2", "15", "27",
+        "--draft-vocab-size", "32", "--steps", "1", cwd=tmp_path,
+    )  # fmt: skip
+    assert s["sample_failures"] == [] and s["loader_samples"] == kept
+    # Not the 0.0 of an export that trains nothing.
+    assert s["losses_finite"] and s["losses"][0] > 0, s["losses"]
 
 
 # -- bad input: a clear error from the export, never a file a consumer crashes on -----------------------------

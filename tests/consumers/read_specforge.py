@@ -1,10 +1,11 @@
 """Run inside the SpecForge environment: SpecForge 0.2.0's own offline path over an export, on CPU.
 
-    python read_specforge.py EXPORT DRAFT --steps 3
+    python read_specforge.py EXPORT DRAFT --steps 3 [--max-length 256]
 
-- The export's `specforge_train.yaml` is loaded and validated by SpecForge's config schema; its eagle3 algorithm's
-  offline reader, sample transform (the `max_length` cut) and collator read every record through SpecForge's
-  `FeatureDataLoader`, and the ids and masks that reach a batch are compared with the files.
+- The export's `specforge_train.yaml` is loaded and validated by SpecForge's config schema (`--max-length`
+  overrides its `data.max_length`, as a user's `data.max_length=N` would); its eagle3 algorithm's offline reader,
+  sample transform (the `max_length` cut) and collator read every record through SpecForge's `FeatureDataLoader`,
+  and the ids and masks that reach a batch are compared with the files.
 - SpecForge's `TargetHead`, loaded from the target folder the config names, predicts the next answer token from the
   exported last state.
 - The export's `vocab_mapping.pt` is compared with the maps SpecForge derives itself from the same records.
@@ -48,7 +49,9 @@ def main() -> dict:
     p.add_argument("export")
     p.add_argument("draft")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--max-length", type=int, default=None, help="override the run config's data.max_length")
     a = p.parse_args()
+    overrides = [*CPU_OVERRIDES, *([f"data.max_length={a.max_length}"] if a.max_length is not None else [])]
 
     import torch
     from safetensors.torch import load_file
@@ -66,8 +69,8 @@ def main() -> dict:
     out: dict = {}
     work = Path(tempfile.mkdtemp(prefix="read-specforge-"))
     run_config = export / "specforge_train.yaml"
-    cfg = load_config(str(run_config), [*CPU_OVERRIDES, f"data.cache_dir={work / 'cache'}"])
-    max_len = cfg.data.max_length
+    cfg = load_config(str(run_config), [*overrides, f"data.cache_dir={work / 'cache'}"])
+    max_len = out["max_length"] = cfg.data.max_length
     algorithm = resolve_run(cfg).algorithm
     reader = algorithm.providers.offline_for("text").build_reader(
         str(export), run_id="read", ttt_length=cfg.training.ttt_length, max_len=max_len
@@ -142,7 +145,7 @@ def main() -> dict:
 
     if a.steps:
         overrides = [
-            *CPU_OVERRIDES,
+            *overrides,
             f"training.max_steps={a.steps}",
             f"data.cache_dir={work / 'cache'}",
             f"output_dir={work / 'run'}",

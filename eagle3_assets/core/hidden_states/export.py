@@ -20,7 +20,8 @@ SpecForge 0.2.0, Model-Optimizer 0.47.0, each in its own environment):
 Every export also writes `manifest.json` (target model, revision, layer ids in the consumer's convention, dtype,
 sample and token counts, the training command) and `eagle3_config.json` (the layer ids alone), so that a consumer can
 refuse data for another target. Samples are written in the order of a hash of their id: speculators holds out the
-last tenth of the rows for validation, and the shards are ordered by length.
+last tenth of the rows for validation, and the shards are ordered by length. A sample left with no trained token (by a
+`max_len` cut) is left out and counted, and an export left with none is refused before anything is written (`_plan`).
 
 An export is built in a temporary folder beside `out` and swapped in whole, so a re-export never leaves files of an
 earlier one behind (Model-Optimizer would read a stale `*.pt` as a sample) and a crash leaves the previous export.
@@ -54,7 +55,7 @@ MANIFEST = "manifest.json"
 LAYER_CONFIG = "eagle3_config.json"
 # Where each consumer cuts a sample by default (its own code, measured): longer samples train on their head only.
 CONSUMER_MAX_LEN = {"speculators": 8192, "specforge": 2048, "modelopt": 2048}
-# speculators holds out the last floor(n / 10) rows and refuses an empty training split.
+# speculators holds out the last n - int(0.9 * n) rows and refuses an empty training split.
 MIN_SAMPLES = {"speculators": 2, "specforge": 1, "modelopt": 1}
 
 
@@ -128,19 +129,76 @@ class Counts:
     longest: int = 0  # as exported (after any cut)
     longest_source: int = 0
     truncated: int = 0
+    dropped: int = 0  # left out: nothing a consumer trains on once cut (see _plan)
 
 
-def _ordered(reader: HiddenStatesReader) -> list[str]:
-    return sorted(reader.ids(), key=lambda sid: hashlib.blake2b(sid.encode(), digest_size=8).digest())
+def _ordered(ids: list[str]) -> list[str]:
+    return sorted(ids, key=lambda sid: hashlib.blake2b(sid.encode(), digest_size=8).digest())
+
+
+def _needed_lengths(folder: Path) -> dict[str, tuple[int, int | None]]:
+    """id -> (tokens, the shortest cut that keeps one trained token before the sample's last; None: no such cut),
+    from the shards' loss masks alone (a few bytes a token; the states are not read)."""
+    import numpy as np
+    import polars as pl
+    from safetensors import safe_open
+
+    index = pl.read_parquet(folder / HIDDEN_STATES_INDEX)
+    out: dict[str, tuple[int, int | None]] = {}
+    for (shard,), rows in index.group_by("shard"):
+        with safe_open(str(folder / shard), framework="np") as f:
+            cu, mask = f.get_tensor("cu_seqlens"), f.get_tensor("loss_mask")
+        for sid, pos in rows.select("id", "position").iter_rows():
+            m = mask[int(cu[pos]) : int(cu[pos + 1])]
+            trained = np.flatnonzero(m[:-1])  # SpecForge never trains the last position (no next token)
+            out[sid] = (len(m), int(trained[0]) + 2 if trained.size else None)
+    return out
+
+
+def _plan(folder: Path, fmt: str, max_len: int | None, counts: Counts) -> list[str]:
+    """The ids to export, in export order, or an ExportError when what is left trains nothing.
+
+    A sample whose cut leaves no trained token (none before its last position, which SpecForge never trains) is
+    left out rather than exported with an empty loss mask: no consumer learns from it and none skips it either.
+    speculators and SpecForge divide by a clamped mask sum, so a batch of such samples trains nothing and reports a
+    loss of 0.0 (speculators trained an export of only such samples at loss 0.0, without a warning), and a few of
+    them still dilute each batch they share. Left out, they are counted (`dropped_samples` in the manifest, a log
+    line) and the manifest's `samples` is what a consumer reads."""
+    needed = _needed_lengths(folder)
+    kept = [
+        sid for sid, (_n, need) in needed.items() if need is not None and (max_len is None or need <= max_len)
+    ]
+    counts.dropped = len(needed) - len(kept)
+    if len(kept) >= MIN_SAMPLES[fmt]:
+        return _ordered(kept)
+    cut = f"after the cut to max_len {max_len}" if max_len is not None else "before its last position"
+    enough = sorted(need for _n, need in needed.values() if need is not None)
+    k = MIN_SAMPLES[fmt]
+    if not kept:
+        what = (
+            f"none of its {len(needed)} samples keeps a trained (loss-mask) token {cut}: nothing to train on"
+        )
+    else:
+        what = (
+            f"only {len(kept)} of its {len(needed)} samples keeps a trained (loss-mask) token {cut}, and {fmt} "
+            f"needs at least {k} (it holds out the last tenth for validation)"
+        )
+    fix = (
+        f"use max_len >= {enough[k - 1]} to keep {k} sample{'s' if k > 1 else ''}, >= {enough[-1]} to keep every "
+        "sample with a trained token, or no max_len to export every sample whole"
+        if len(enough) >= k
+        else "answer more prompts and materialise tokens and hidden_states again"
+    )
+    raise ExportError(f"{folder}: {what}; {fix}")
 
 
 def _samples(
-    reader: HiddenStatesReader, max_len: int | None, counts: Counts, freq: Counter[int]
+    reader: HiddenStatesReader, ids: list[str], max_len: int | None, counts: Counts, freq: Counter[int]
 ) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(i, id, sample) in export order, cut to `max_len` tokens, counting tokens and trained token ids as they pass."""
     import torch
 
-    for i, sid in enumerate(_ordered(reader)):
+    for i, sid in enumerate(ids):
         s = reader.sample(sid)
         n = int(s["input_ids"].shape[0])
         counts.longest_source = max(counts.longest_source, n)
@@ -218,14 +276,15 @@ def export(
             + "; answer more prompts and materialise tokens and hidden_states first"
         )
     assert reader is not None
+    counts, freq = Counts(), Counter[int]()
+    ids = _plan(folder, fmt, max_len, counts)  # refuses an export that trains nothing before writing anything
     if target is None:
         target = read_target(metas[0]["model"], metas[0].get("revision") or None)
     _check_out(out)
     work = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     work.mkdir()  # not mkdtemp: the export's folders get the user's umask, not 0700
     try:
-        counts, freq = Counts(), Counter[int]()
-        samples = _samples(reader, max_len, counts, freq)
+        samples = _samples(reader, ids, max_len, counts, freq)
         side = {"speculators": _speculators, "specforge": _specforge, "modelopt": _modelopt}[fmt](
             samples, folder, work
         )
@@ -244,6 +303,12 @@ def export(
     )
     if counts.truncated:
         log(f"{counts.truncated} samples longer than {max_len} tokens were cut to {max_len}")
+    if counts.dropped:
+        log(
+            f"{counts.dropped} samples were left out: no trained token before their last position"
+            + (f" after the cut to {max_len}" if max_len is not None else "")
+            + " (manifest.json: dropped_samples)"
+        )
     default = CONSUMER_MAX_LEN[fmt]
     if counts.longest > default:
         log(
@@ -341,6 +406,7 @@ def _manifest(
         "longest_source_sample": counts.longest_source,
         "max_len": max_len,
         "truncated_samples": counts.truncated,
+        "dropped_samples": counts.dropped,  # no trained token left (see _plan); not in `samples`
         "files": side_files,
         "train_command": _train_command(fmt, layers, target, out, side_files, limit),
     }
