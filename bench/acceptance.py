@@ -69,7 +69,7 @@ def run(quick: bool = False) -> dict:
         r = gate.report
 
         # Baseline: plain greedy decoding of the prompts the gate measured, as many new tokens.
-        heldout = load_samples(layout, r["heldout_ids"])
+        heldout = load_samples(layout, r["heldout_ids"], chat=chat)
         prompts = rendered_prompts(chat, heldout)
         stop = sorted(i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None)
         t0 = time.perf_counter()

@@ -152,6 +152,7 @@ def test_the_embedded_model_regenerates_every_turn_and_each_turn_is_a_token_row_
         "answered": 8,
         "conversations_answered": 2,
         "conversations_complete": 2,
+        "conversations_cut_by_template": 0,
     }
     assert report["coverage"] == 1.0 and report["n_responses"] == 8
 
@@ -311,3 +312,229 @@ def test_reasoning_the_history_does_not_show_gives_a_row_per_turn(tmp_path, monk
     assert all(
         "reasoning" not in m for msgs in history for m in msgs
     )  # not sent: the template would not show it
+
+
+# -- turns the template refuses, the gate and the coverage check on turn rows --------------------------------------
+
+ALTERNATING = (
+    "{%- set ns = namespace(prev='') %}{%- for message in messages %}{%- if message['role'] != 'system' %}"
+    "{%- if message['role'] == ns.prev %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}{%- set ns.prev = message['role'] %}{%- endif %}{%- endfor %}"
+)
+
+
+def _alternating_tokenizer(smollm2_dir, folder):
+    """SmolLM2's tokenizer with a template that, like Mistral's and Gemma's, raises on roles that do not alternate."""
+    import shutil
+
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    (folder / "chat_template.jinja").write_text(
+        ALTERNATING + (smollm2_dir / "chat_template.jinja").read_text()
+    )
+    return folder
+
+
+def _check_evaluations(result) -> dict:
+    return {
+        e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data
+        for e in result.all_events
+        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    }
+
+
+def test_a_turn_the_template_refuses_cuts_only_its_conversation_and_is_not_a_failed_request(
+    tmp_path, smollm2_dir, smol_tok
+):
+    """Bad input: a conversation whose later turns do not alternate as the template demands is regenerated up to
+    the turn the template refuses; that turn is recorded with the reason, naming the turn; every other conversation
+    goes on; and the blocking failure-share check passes (one conversation of four cut would be 25% > 5%): the
+    rest of a conversation that cannot be rendered is bad data, not a failed request."""
+    from eagle3_assets.core.target.chat import ChatTokenizer
+
+    from .fake_servers import FakeSGLang
+
+    tok_dir = _alternating_tokenizer(smollm2_dir, tmp_path / "tokenizer")
+    alt = sharegpt("alt", 3)
+    # turn 3's request would hold two user turns in a row: the template raises
+    alt["conversations"].insert(6, {"from": "human", "value": "alt question 3, asked twice"})
+    rows = [alt] + [sharegpt(f"ok{i}", 3) for i in range(3)]
+    eot = ChatTokenizer(smol_tok).eot_id
+    with FakeSGLang(smol_tok, eot) as server:
+        path = make_project(
+            tmp_path,
+            {"B1": {"rows": rows, "format": "sharegpt", "turns": "all", "max_tokens": 48}},
+            backend="sglang",
+            backends={"sglang": {"base_url": server.base_url, "max_concurrency": 8}},
+            target={"tokenizer": str(tok_dir)},
+        )
+        result = _materialize(path, ("prompts", "responses", "tokens", "validation_report"))
+        sent = len(server.generate_bodies)
+    data = tmp_path / "data" / "B1"
+    responses = pl.read_parquet(data / "responses" / "*.parquet")
+    ok = [turn_id(f"ok{i}", k) for i in range(3) for k in (1, 2, 3)]
+    assert sorted(responses["id"].to_list()) == sorted([turn_id("alt", 1), turn_id("alt", 2), *ok])
+    assert sent == 11  # alt's turn 3 was never sent
+    failures = pl.read_parquet(data / "failures" / "*.parquet")
+    assert failures["id"].to_list() == [turn_id("alt", 3)]
+    row = failures.row(0, named=True)
+    assert row["error_kind"] == "template_rest" and row["permanent"]
+    assert row["message"].startswith("turn 3 of 3: ") and "roles must alternate" in row["message"]
+    assert "turns 1-2 answered and stored" in row["message"]
+
+    checks = _check_evaluations(result)
+    share = checks["responses_failure_share"]
+    assert share.passed
+    assert share.metadata["failures"].value == 0
+    assert share.metadata["conversations_cut_by_template"].value == 1
+    assert checks["tokens_coverage"].passed
+    tokens = pl.read_parquet(data / "tokens.parquet")
+    assert {split_turn_id(i)[0] for i in tokens["id"]} == {"alt", "ok0", "ok1", "ok2"}  # alt's turns trained
+    report = json.loads((data / "report.json").read_text())
+    assert report["turns"]["conversations_cut_by_template"] == 1
+    assert report["failure_kinds"] == {"template_rest": 1}
+    assert "1 cut at a turn the template refuses" in (data / "report.md").read_text()
+
+
+def test_failures_that_count_toward_the_failure_share():
+    """A first turn the template refuses loses the whole prompt (counted, like a request that failed for good);
+    a later turn it refuses cuts a conversation answered up to it (reported, not counted)."""
+    from eagle3_assets.core.report.validation import counted_failures, failure_share
+
+    failures = pl.DataFrame(
+        {
+            "id": ["a#t1", "b#t3", "c", "d#t2"],
+            "error_kind": ["template", "template_rest", "bad_request", "template_rest"],
+        }
+    )
+    assert counted_failures(failures) == (2, 2)
+    verdict = failure_share(2, 40, 0.05, 2)
+    assert verdict.passed and verdict.metadata["conversations_cut_by_template"] == 2
+    assert not failure_share(3, 40, 0.05).passed
+
+
+def _turns_partition(tmp_path, chat, reasoning: bool):
+    """A turns: all partition written directly (no server): conversation a answered in full, turn 1 of b cut by
+    max_tokens, c with reasoning in every answer (when `reasoning`); tokens built by the tokens stage."""
+    from eagle3_assets.core.storage.layout import DatasetLayout
+    from eagle3_assets.core.tokens.build import build_tokens
+
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    source = {}
+    for cid in ("a", "b", "c"):
+        msgs = [{"role": "system", "content": "You are terse."}]
+        for k in (1, 2, 3):
+            msgs += [
+                {"role": "user", "content": f"{cid} question {k}"},
+                {"role": "assistant", "content": f"SOURCE ANSWER {cid} {k}"},
+            ]
+        source[cid] = msgs
+    pl.DataFrame(
+        {
+            "id": list(source),
+            "messages": [m[:-1] for m in source.values()],  # the trailing assistant turn is the source answer
+            "source_answer": [m[-1]["content"] for m in source.values()],
+        }
+    ).write_parquet(layout.prompts)
+    rows = []
+    for cid in source:
+        for k in (1, 2, 3):
+            rows.append(
+                {
+                    "id": turn_id(cid, k),
+                    "backend": "test",
+                    "content": f"Answer {k} to {cid}.",
+                    "reasoning": f"Thinking {k} about {cid}." if reasoning and cid == "c" else None,
+                    "finish_reason": "length" if (cid, k) == ("b", 1) else "stop",
+                }
+            )
+    JournalTable(layout.responses_dir, RESPONSE_SCHEMA).append(
+        pl.DataFrame(rows).with_columns(
+            pl.lit(None, dtype=RESPONSE_SCHEMA[c]).alias(c) for c in RESPONSE_SCHEMA if c not in rows[0]
+        )
+    )
+    build_tokens(layout, chat, log=lambda m: None, workers=1)
+    return layout, source
+
+
+def _qwen3_chat():
+    from eagle3_assets.core.target.chat import ChatTokenizer
+
+    from .tokenizer_families import FAMILIES
+
+    return ChatTokenizer(FAMILIES["qwen3"]())
+
+
+class _TokensReader:
+    """The hidden-states reader's `sample`, from tokens.parquet (the gate's sample loading without a model)."""
+
+    def __init__(self, layout):
+        self.rows = {r["id"]: r for r in pl.read_parquet(layout.tokens).iter_rows(named=True)}
+
+    def sample(self, sid):
+        import torch
+
+        r = self.rows[sid]
+        return {"input_ids": torch.tensor(r["input_ids"]), "loss_mask": torch.tensor(r["loss_mask"])}
+
+
+@pytest.mark.parametrize("family", ["smollm2", "qwen3"])
+def test_the_acceptance_gate_loads_turn_rows_as_the_model_saw_each_turn(tmp_path, family, request):
+    """The gate's samples of a turns: all partition: each row's messages are the request of its (last) turn, with
+    the target's own earlier answers (their reasoning where the template has a field for it), its source answer
+    the source's own text for that turn; the template rendered afresh puts every answer span where the token rows
+    have it, for conversation rows (ChatML keeps the history) and per-turn rows alike."""
+    from eagle3_assets.core.acceptance.gate import boundary_problems, load_samples, rendered_prompts
+
+    chat = request.getfixturevalue("chat") if family == "smollm2" else _qwen3_chat()
+    layout, source = _turns_partition(tmp_path, chat, reasoning=True)
+    tokens = pl.read_parquet(layout.tokens)
+    assert pl.read_parquet(layout.tokens_errors).height == 0
+    marked = dict(zip(tokens["id"], tokens["all_turns"], strict=True))
+    if (
+        family == "smollm2"
+    ):  # a kept in full: one conversation row; b (a cut turn) and c (hidden reasoning): turns
+        assert marked == {"a#t3": True, **{turn_id(c, k): False for c in "bc" for k in (1, 2, 3)}}
+    else:  # Qwen3 drops earlier reasoning and is not proven verbatim: a row per turn
+        assert marked == {turn_id(c, k): False for c in "abc" for k in (1, 2, 3)}
+    ids = sorted(marked)
+    samples = load_samples(layout, ids, _TokensReader(layout), chat=chat)
+    keep = chat.template_has_reasoning
+    for s in samples:
+        cid, k = split_turn_id(s.id)
+        answers = [
+            TurnAnswer(f"Answer {j} to {cid}.", f"Thinking {j} about {cid}." if cid == "c" else None)
+            for j in range(1, k)
+        ]
+        assert s.messages == turn_messages(source[cid][:-1], k, answers, keep)
+        assert s.source_answer == f"SOURCE ANSWER {cid} {k}"
+        assert not any("SOURCE ANSWER" in m["content"] for m in s.messages)
+    if keep:  # the template's own field carries the earlier reasoning to the template (which drops it)
+        assert any(m.get("reasoning") for s in samples for m in s.messages)
+    stop = {chat.eot_id, chat.tok.eos_token_id}
+    assert boundary_problems(samples, rendered_prompts(chat, samples), stop) == {}
+    with pytest.raises(ValueError, match=r"neither a prompt of prompts\.parquet nor a stored turn"):
+        load_samples(layout, ["a#t9"], _TokensReader(layout), chat=chat)
+
+
+def test_the_coverage_check_expands_only_conversation_rows(tmp_path, chat):
+    """A conversation row (all_turns) covers its earlier turns; a turn's own row covers that turn only, so a
+    per-turn conversation that lost an earlier turn's row is reported as not covered."""
+    from eagle3_assets.core.report.validation import token_coverage, token_rows
+
+    layout, _ = _turns_partition(tmp_path, chat, reasoning=True)
+    responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).keys()
+    token_ids, conversation_rows = token_rows(layout.tokens)
+    assert conversation_rows == {"a#t3"} and len(token_ids) == 7
+    assert token_coverage(responses, token_ids, set(), 0.05, conversation_rows).passed
+    lost = token_coverage(responses, token_ids - {"b#t1"}, set(), 0.05, conversation_rows)
+    assert not lost.passed
+    assert lost.metadata["without_row_or_reason"] == 1 and json.loads(lost.metadata["examples"]) == ["b#t1"]
+    # the conversation row still covers a's earlier turns; without it they are missing
+    assert not token_coverage(responses, token_ids - {"a#t3"}, set(), 0.05, conversation_rows).passed
+    # a tokens.parquet written before rows were marked: every turn row is taken to cover its earlier turns
+    legacy = tmp_path / "legacy.parquet"
+    pl.read_parquet(layout.tokens).drop("all_turns").write_parquet(legacy)
+    assert token_rows(legacy) == (token_ids, None)

@@ -196,27 +196,65 @@ def test_skipping_the_render_changes_no_id_mask_or_error(family, smol_tok):
 
 def test_a_trimming_template_rebuilds_the_rows_it_rewrites_as_the_model_saw_them():
     """Llama-3 trims every message: the prompt side is what the template renders (what the model saw), the answer
-    what the model wrote, ending where the template ends a turn. Only what cannot be rebuilt is refused."""
+    what the model wrote, ending where the template ends a turn. Its template has no reasoning field, so an
+    answer's reasoning is written as the model produced it (`<think>…</think>` before the content), exactly as a
+    template that writes texts verbatim writes it: every one of these rows is rebuilt (9 of them were refused at
+    first, then the 3 whose answer carries reasoning)."""
+    from .tokenizer_families import LLAMA3_TEMPLATE
+
     tok = FAMILIES["llama3"]()
     chat = ChatTokenizer(tok)
-    assert chat.verbatim_problem is not None
+    assert chat.verbatim_problem is not None and not chat.template_has_reasoning
+    # The same template without `| trim` writes texts verbatim: its answers are the exact path's.
+    twin_tok = FAMILIES["llama3"]()
+    twin_tok.chat_template = LLAMA3_TEMPLATE.replace(" | trim", "")
+    twin = ChatTokenizer(twin_tok)
+    assert twin.verbatim_problem is None
     convs = _conversations()
-    out = chat.tokenize(convs)
+    out, exact = chat.tokenize(convs), twin.tokenize(convs)
     refused = [i for i, x in enumerate(out[:-2]) if isinstance(x, TemplateError)]
-    # Every hostile text is rebuilt (9 of these 24 rows were refused before) but where the answer itself carries
-    # reasoning: where the model's thinking ended cannot be told once the template rewrote it.
-    assert refused and all(convs[i][1].reasoning for i in refused)
-    assert len(refused) < 9
+    assert refused == []
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    for (messages, answer), res in zip(convs[:-2], out[:-2], strict=True):
-        if isinstance(res, TemplateError):
-            continue
-        seen = chat.render(chat._messages(*chat._shape(messages, None), lambda i, f, m=messages: (
-            m[i]["content"] if f == "c" else m[i].get("reasoning") or "")), True)  # fmt: skip
+    rebuilt = 0
+    for (messages, answer), res, twin_res in zip(convs[:-2], out[:-2], exact[:-2], strict=True):
+        seen = chat.render(chat.template_messages(messages), True)
         assert tok.decode(res.input_ids[: res.answer_start].tolist()) == seen  # the template's own rendering
+        if seen != twin.render(twin.template_messages(messages), True):  # the template rewrote this prompt
+            # encoded as a server encodes the prompt it rendered
+            assert (
+                res.input_ids[: res.answer_start].tolist() == tok(seen, add_special_tokens=False)["input_ids"]
+            )
+        whole = [*messages, {"role": "assistant", "content": answer.content, "reasoning": answer.reasoning}]
+        rebuilt += chat.render(chat.template_messages(whole), False) != twin.render(
+            twin.template_messages(whole), False
+        )
         assert res.loss_mask[: res.answer_start].sum() == 0 and res.loss_mask[res.answer_start :].all()
         tail = res.answer_ids.tolist()
-        assert answer.content in tok.decode(tail)  # untrimmed: the model's own text, as written
+        assert tail == twin_res.answer_ids.tolist()  # the answer as written, whatever the prompt's rewriting
+        written = (f"<think>{answer.reasoning}</think>" if answer.reasoning else "") + answer.content
+        assert tok.decode(tail) == written + ("<|eot_id|>" if answer.finished else "")  # untrimmed
         assert (tail[-1] == eot) is answer.finished
+    assert rebuilt == 9  # rows whose text the template rewrites (prompt or answer)
+    # A request's prompt ids (the embedded model, SGLang) are the rendering too, not a refusal.
+    padded_prompt = [{"role": "user", "content": "  padded \n"}]
+    assert (
+        chat.prompt_ids([padded_prompt])[0]
+        == tok(chat.render(padded_prompt, True), add_special_tokens=False)["input_ids"]
+    )
     padded = chat.tokenize([([{"role": "user", "content": " padded "}], Answer("  ok  "))])[0]
     assert tok.decode(padded.answer_ids.tolist()) == "  ok  <|eot_id|>"
+
+
+def test_a_rewriting_template_with_a_reasoning_field_refuses_answers_with_reasoning_naming_why():
+    """Qwen3 writes the answer's reasoning in its own field and strips its newlines: where the model's thinking
+    ended cannot be told, so that row alone is refused, and the reason says so (not merely that text is trimmed);
+    the same answer without reasoning, and a padded prompt, are rebuilt."""
+    chat = ChatTokenizer(FAMILIES["qwen3"]())
+    assert chat.verbatim_problem is not None and chat.template_has_reasoning
+    prompt = [{"role": "user", "content": "  What is 2+2? \n"}]
+    out = chat.tokenize(
+        [(prompt, Answer("It is 4.", "\nTwo plus two.\n", True)), (prompt, Answer("It is 4."))]
+    )
+    assert isinstance(out[0], TemplateError) and not isinstance(out[1], TemplateError)
+    assert str(out[0]).startswith("the answer carries reasoning the template writes in its own field")
+    assert "rewrites this conversation's text" in str(out[0])  # and where the template rewrote it

@@ -209,7 +209,9 @@ def build_responses_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asset
         asset="responses",
         blocking=True,
         partitions_def=partitions,
-        description="Share of prompts whose last attempt failed stays under checks.max_failure_share.",
+        description="Share of prompts whose last attempt failed stays under checks.max_failure_share. A "
+        "conversation of turns: all cut at a later turn its chat template refuses is answered up to that turn: "
+        "reported (conversations_cut_by_template), not counted.",
     )
     def responses_failure_share(
         context: dg.AssetCheckExecutionContext,
@@ -223,9 +225,12 @@ def build_responses_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asset
                 if layout.prompts.exists()
                 else 0
             )
-            n_fail = len(JournalTable(layout.failures_dir, FAILURE_SCHEMA).keys())
+            failures = JournalTable(layout.failures_dir, FAILURE_SCHEMA).scan(["id", "error_kind"])
+            n_fail, cut = validation.counted_failures(
+                failures.unique(subset=["id"], keep="last", maintain_order=True).collect()
+            )
             limit = project.cfg.checks.max_failure_share
-            return check_result(validation.failure_share(n_fail, n_prompts, limit))
+            return check_result(validation.failure_share(n_fail, n_prompts, limit, cut))
 
         return check_each_partition(context, evaluate)
 

@@ -128,14 +128,14 @@ def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChe
         if not layout.tokens.exists():
             return MISSING
         responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).keys()
-        tokens = set(pl.read_parquet(layout.tokens, columns=["id"])["id"].to_list())
+        tokens, conversations = validation.token_rows(layout.tokens)
         errors = (
             set(pl.read_parquet(layout.tokens_errors, columns=["id"])["id"].to_list())
             if layout.tokens_errors.exists()
             else set()
         )
         limit = project.cfg.checks.max_token_error_share
-        return check_result(validation.token_coverage(responses, tokens, errors, limit))
+        return check_result(validation.token_coverage(responses, tokens, errors, limit, conversations))
 
     @dg.asset_check(
         asset="tokens",

@@ -38,6 +38,7 @@ from ..hidden_states.shards import HiddenStatesReader
 from ..storage.files import write_json
 from ..storage.layout import DatasetLayout
 from ..target.chat import Answer, ChatTokenizer, TemplateError
+from ..tokens.turns import row_prompts
 
 
 @dataclass
@@ -107,7 +108,8 @@ def boundary_problem(sample: GateSample, prompt_ids: list[int], stop_ids: set[in
 def rendered_prompts(chat: ChatTokenizer, samples: Sequence[GateSample]) -> list[list[int]]:
     """Each sample's generation prompt as a server tokenizes it: the template's text, encoded by the tokenizer."""
     return [
-        chat.tok(chat.render(list(s.messages), True), add_special_tokens=False)["input_ids"] for s in samples
+        chat.tok(chat.render(chat.template_messages(s.messages), True), add_special_tokens=False)["input_ids"]
+        for s in samples
     ]
 
 
@@ -238,30 +240,33 @@ def load_samples(
     ids: Sequence[str],
     reader: HiddenStatesReader | None = None,
     aux_window: int | None = None,
+    chat: ChatTokenizer | None = None,
 ) -> list[GateSample]:
-    """The samples' ids and masks from the hidden-states shards and their messages from prompts.parquet. With
+    """The samples' ids and masks from the hidden-states shards and their messages: a prompt's row as
+    prompts.parquet has it, a row of `turns: all` (`<id>#t<k>`) as the model saw turn k (the source with the
+    target's stored answers to turns 1..k-1; `chat` says whether the template keeps their reasoning). With
     `aux_window`, each sample also keeps its auxiliary states up to that many tokens into its answer (what the
     draft trains on, see crop_to_window), copied so that the rest of the sample's states is freed: each sample is
     read once, and memory holds only the windows."""
-    prompts = pl.read_parquet(layout.prompts)
-    has_source = "source_answer" in prompts.columns
-    by_id = {r["id"]: r for r in prompts.filter(pl.col("id").is_in(list(ids))).iter_rows(named=True)}
+    keep_reasoning = chat.template_has_reasoning if chat is not None else True
+    by_id = row_prompts(layout, pl.read_parquet(layout.prompts), ids, keep_reasoning)
     reader = reader or HiddenStatesReader(layout.hidden_states_dir)
     out = []
     for sid in ids:
-        s = reader.sample(sid)
         row = by_id.get(sid)
         if row is None:
             raise ValueError(
-                f"{sid}: in hidden_states but not in prompts.parquet; re-materialise hidden_states"
+                f"{sid}: in hidden_states but neither a prompt of prompts.parquet nor a stored turn of one; "
+                "re-materialise hidden_states"
             )
+        s = reader.sample(sid)
         out.append(
             GateSample(
                 sid,
                 row["messages"],
                 s["input_ids"].numpy(),
                 s["loss_mask"].numpy(),
-                row.get("source_answer") if has_source else None,
+                row["source_answer"],
                 None if aux_window is None else _aux_window(s, aux_window),
             )
         )
@@ -384,8 +389,8 @@ def run_gate(
             "(some to train on, some held out)"
         )
     window = settings.max_new_tokens + (settings.ttt_steps or k) + 1
-    train_samples = load_samples(layout, train_ids, reader, aux_window=window)
-    heldout_samples = load_samples(layout, heldout_ids, reader)
+    train_samples = load_samples(layout, train_ids, reader, aux_window=window, chat=chat)
+    heldout_samples = load_samples(layout, heldout_ids, reader, chat=chat)
     stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
 
     # Boundaries, against the template rendered afresh.

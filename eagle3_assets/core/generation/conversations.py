@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from .protocol import Completion, CompletionRequest, Sampling
 
 TURN_SEP = "#t"
+# The failure kind of a conversation cut by its template: a turn after the first that the chat template refuses
+# (roles that do not alternate as it demands). The turns before it are answered and stored; the rest is bad input,
+# recorded with its reason and not counted as a failed request (core.report.validation.counted_failures).
+TEMPLATE_REST = "template_rest"
 
 
 def turn_id(conversation: str, k: int) -> str:
@@ -133,7 +137,15 @@ class Chains:
         if self.render is not None:
             rendered = self.render(msgs)
             if isinstance(rendered, Exception):
-                self.skip(turn_id(chain.id, k), "template", f"turn {k}: {rendered}")
+                # Turn 1 refused: nothing of the prompt is answered, a lost prompt like any failure ("template").
+                # A later turn: the conversation is regenerated up to it and the rest recorded (TEMPLATE_REST).
+                n = chain.n_turns
+                why = f"turn {k} of {n}: {rendered}"
+                if k > 1:
+                    done = "turn 1" if k == 2 else f"turns 1-{k - 1}"
+                    left = f"turn {k}" if k == n else f"turns {k}-{n}"
+                    why += f" ({done} answered and stored; {left} not sent)"
+                self.skip(turn_id(chain.id, k), "template" if k == 1 else TEMPLATE_REST, why)
                 self.chains.pop(chain.id, None)
                 return None
             prompt_ids = rendered

@@ -17,7 +17,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from ...config import DatasetConfig
-from ..generation.conversations import assistant_slots, split_turn_id
+from ..generation.conversations import TEMPLATE_REST, assistant_slots, split_turn_id
 from ..storage.files import write_json, write_text
 from ..storage.layout import DatasetLayout
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
@@ -149,6 +149,10 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> dict[str, Any
         count("answer_has_reasoning"),
     )
     turns = _turn_counts(layout, responses["id"].to_list()) if dataset.turns == "all" else None
+    if turns is not None:
+        # Answered up to a turn the template refuses: the rest is recorded (failures, kind template_rest) and not
+        # counted as failed requests by the failure-share check.
+        turns["conversations_cut_by_template"] = int((failures["error_kind"] == TEMPLATE_REST).sum())
     completion_tokens = int(responses["completion_tokens"].fill_null(0).sum())
     costs = responses["cost_usd"].drop_nulls()
     cost = float(costs.sum()) if costs.len() else None
@@ -270,7 +274,13 @@ def render_markdown(r: dict[str, Any]) -> str:
         *(
             [
                 f"| turns (every assistant turn regenerated) | {t['answered']:,} of {t['total']:,} answered, in "
-                f"{t['conversations_answered']:,} conversations ({t['conversations_complete']:,} complete) |"
+                f"{t['conversations_answered']:,} conversations ({t['conversations_complete']:,} complete"
+                + (
+                    f"; {cut:,} cut at a turn the template refuses"
+                    if (cut := t.get("conversations_cut_by_template"))
+                    else ""
+                )
+                + ") |"
             ]
             if (t := r.get("turns"))
             else []

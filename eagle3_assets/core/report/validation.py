@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow.parquet as pq
 
-from ..generation.conversations import split_turn_id, turn_id
+from ..generation.conversations import TEMPLATE_REST, split_turn_id, turn_id
 from .summary import wilson_interval
 
 
@@ -23,39 +25,85 @@ def unique_ids(ids: pl.Series) -> Verdict:
     return Verdict(dupes == 0, {"rows": ids.len(), "duplicate_ids": dupes})
 
 
-def failure_share(n_failures: int, n_prompts: int, limit: float) -> Verdict:
+def failure_share(n_failures: int, n_prompts: int, limit: float, template_rest: int = 0) -> Verdict:
+    """Prompts whose last attempt failed, as a share of the prompts. `template_rest`: conversations of `turns: all`
+    answered up to a turn the target's template refuses (see `counted_failures`); reported, not counted."""
     share = n_failures / n_prompts if n_prompts else 0.0
     return Verdict(
-        share <= limit, {"failures": n_failures, "prompts": n_prompts, "share": share, "limit": limit}
+        share <= limit,
+        {
+            "failures": n_failures,
+            "prompts": n_prompts,
+            "share": share,
+            "limit": limit,
+            "conversations_cut_by_template": template_rest,
+        },
     )
 
 
+def counted_failures(failures: pl.DataFrame) -> tuple[int, int]:
+    """(failures that count toward the failure share, conversations cut by their template) of a failures table
+    (one row per id, its last attempt; `error_kind` column).
+
+    A conversation of `turns: all` whose turn k > 1 the template refuses (roles that do not alternate as it
+    demands, say) was regenerated up to that turn and its answers are stored: the rest is data that cannot be
+    rendered, not a failed request, so it does not count (the issue's bad input: "nothing else in the partition
+    stops"). A prompt whose first turn the template refuses does count: nothing of it was answered, exactly as
+    for a request that failed for good, and when many prompts are refused so (a template that rejects the
+    dataset's system prompts, a role it does not know) the cause is the choice of template or data, which the
+    blocking check must stop before an empty or gutted partition goes downstream; a few such prompts stay under
+    checks.max_failure_share like any other lost prompt."""
+    if failures.height == 0:
+        return 0, 0
+    rest = int((failures["error_kind"] == TEMPLATE_REST).sum())
+    return failures.height - rest, rest
+
+
+def token_rows(path: Path) -> tuple[set[str], set[str] | None]:
+    """The ids of a tokens.parquet and those of its conversation rows (`all_turns`), for `token_coverage`; None
+    for the latter when the file was written before rows were marked."""
+    names = pq.read_schema(path).names
+    marked = "all_turns" in names
+    rows = pl.read_parquet(path, columns=["id", "all_turns"] if marked else ["id"])
+    conversations = set(rows.filter(pl.col("all_turns").fill_null(False))["id"].to_list()) if marked else None
+    return set(rows["id"].to_list()), conversations
+
+
 def token_coverage(
-    response_ids: set[str], token_ids: set[str], error_ids: set[str], max_error_share: float
+    response_ids: set[str],
+    token_ids: set[str],
+    error_ids: set[str],
+    max_error_share: float,
+    conversation_rows: set[str] | None = None,
 ) -> Verdict:
     """Every answered prompt has a token row or a recorded reason why not (tokens_errors), and the errors stay
-    under the threshold: a partition whose every row failed templating must not pass with an empty table. A
-    conversation row of `turns: all` (`<id>#t<K>`, every turn trained) covers its turns 1..K."""
+    under the threshold: a partition whose every row failed templating must not pass with an empty table.
+
+    `conversation_rows`: the token rows of `turns: all` that train every turn of their conversation (tokens.parquet's
+    `all_turns`); such a row `<id>#t<K>` also covers turns 1..K-1. A turn's own row covers that turn only, so a
+    per-turn conversation missing an earlier turn's row is caught. None (a caller that does not read the mark):
+    every `#t<K>` row is taken to cover its earlier turns, as before the mark existed."""
     covered = set(token_ids)
-    for rid in token_ids:
+    expand = token_ids if conversation_rows is None else token_ids & conversation_rows
+    for rid in expand:
         parsed = split_turn_id(rid)
         if parsed is not None:
             covered.update(turn_id(parsed[0], k) for k in range(1, parsed[1]))
     missing = response_ids - covered - error_ids
     n = len(response_ids)
     share = len(error_ids & response_ids) / n if n else 0.0
-    return Verdict(
-        not missing and share <= max_error_share and (bool(token_ids) or n == 0),
-        {
-            "responses": n,
-            "token_rows": len(token_ids),
-            "error_rows": len(error_ids),
-            "error_share": round(share, 4),
-            "max_error_share": max_error_share,
-            "without_row_or_reason": len(missing),
-            "examples": json.dumps(sorted(missing)[:5]),
-        },
-    )
+    metadata: dict[str, Any] = {
+        "responses": n,
+        "token_rows": len(token_ids),
+        "error_rows": len(error_ids),
+        "error_share": round(share, 4),
+        "max_error_share": max_error_share,
+        "without_row_or_reason": len(missing),
+        "examples": json.dumps(sorted(missing)[:5]),
+    }
+    if conversation_rows is not None:
+        metadata["conversation_rows"] = len(expand)
+    return Verdict(not missing and share <= max_error_share and (bool(token_ids) or n == 0), metadata)
 
 
 def lengths_match(tokens: pl.DataFrame | pl.LazyFrame) -> Verdict:

@@ -131,7 +131,7 @@ class DatasetLayout:
             "hidden_states": ([rel(self.tokens), *hidden], hidden),
             "exports": (hidden, [rel(self.dir / "exports")]),
             "acceptance": (
-                [rel(self.prompts), *hidden, rel(self.acceptance_dir)],
+                [rel(self.prompts), rel(self.responses_dir), *hidden, rel(self.acceptance_dir)],
                 [rel(self.acceptance_dir)],
             ),
         }

@@ -45,6 +45,11 @@ class TemplateError(ValueError):
     """The conversation cannot be rendered exactly (its reason goes to tokens_errors.parquet)."""
 
 
+class TextRewritten(TemplateError):
+    """The template renders without error but rewrites this conversation's text (Llama-3 trims every message):
+    the ids of the plan are not what the model saw, so the row is rebuilt from the real rendering if it can be."""
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     content: str
@@ -192,6 +197,16 @@ class ChatTokenizer:
                     msg["content"] = f"{self.think_open}{text(i, 'r')}{self.think_close}{msg['content']}"
             msgs.append(msg)
         return msgs
+
+    def template_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+        """Stored messages (`reasoning` beside the content) as this template takes them, as `tokenize` renders
+        them: the reasoning in the template's own field, or before the content between the think markers."""
+        roles, reasoning = self._shape(messages, None)
+        return self._messages(
+            roles,
+            reasoning,
+            lambda i, f: messages[i]["content"] if f == "c" else messages[i].get("reasoning") or "",
+        )
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(
@@ -460,7 +475,7 @@ class ChatTokenizer:
                         (i for i, (a, b) in enumerate(zip(real, filled, strict=False)) if a != b),
                         min(len(real), len(filled)),
                     )
-                    bad[row] = TemplateError(
+                    bad[row] = TextRewritten(
                         "the chat template rewrites this conversation's text (e.g. trims or strips it), so its ids "
                         f"cannot be rebuilt exactly: at character {at} the template wrote {real[at : at + 24]!r} "
                         f"where the text has {filled[at : at + 24]!r}"
@@ -469,37 +484,46 @@ class ChatTokenizer:
 
     def _rebuild(
         self, entry: tuple[_Plan, list[str]], rows: list[tuple[int, tuple, tuple, list[str], bool]], row: int
-    ) -> tuple[_Plan, list[str]] | None:
+    ) -> tuple[_Plan, list[str]] | str:
         """A conversation whose text the template rewrites (Llama-3 trims every message): the prompt is what the
-        template renders for it (what the model saw, encoded from the real rendering), the answer what the model
-        wrote, ending where the template ends a turn (the plan's generated turn, filled with the texts as they
-        are). None where that cannot be done: a text is not a string, or the template fails on the row."""
+        template renders for it (what the model saw, encoded from the real rendering, as a server encodes the prompt
+        it rendered), the answer what the model wrote, ending where the template ends a turn (the plan's generated
+        turn, filled with the texts as they are). A prompt alone (a request's prompt ids) is the rendering alone.
+        Returns the rebuilt plan, or why the row cannot be rebuilt."""
         plan, values = entry
         _, roles, reasoning, _, prompt_only = next(r for r in rows if r[0] == row)
-        if (
-            prompt_only
-            or not plan.pieces
-            or not plan.pieces[-1][1]
-            or not all(type(v) is str for v in values)
-        ):
-            return None
-        if reasoning[-1]:
-            # A template that rewrites thinking text (Qwen3 strips its newlines): where the model's own thinking
-            # ended cannot be told from the parsed reasoning.
-            return None
-        answer = plan.pieces[-1][0]
-        fixed = [self.encoder.decode(list(p)) for kind, p in answer if kind == FIXED]
-        if not any(kind == FILL for kind, _ in answer) or any(_OPEN in t or _CLOSE in t for t in fixed):
-            return None  # the template rewrites the answer's own text (e.g. upper-cases it): not what was written
-        n = len(roles) - 1
+        if not all(type(v) is str for v in values):
+            return "a message text is not a string"
+        if not prompt_only:
+            if not plan.pieces[-1][1]:
+                return "the answer has no span of its own in the rendered conversation"
+            if reasoning[-1] and self.template_has_reasoning:
+                # The template writes the answer's reasoning in its own field and may rewrite it as it does the
+                # other texts (Qwen3 strips its newlines): where the model's own thinking ended cannot be told from
+                # the parsed reasoning. (A template without a reasoning field never sees it: the answer is
+                # written in the thinking form the model produced, `<think>…</think>` then the content, exactly
+                # as for a template that writes texts verbatim.)
+                return (
+                    "the answer carries reasoning the template writes in its own field and may rewrite, so where "
+                    "the model's thinking ended cannot be told"
+                )
+            answer = plan.pieces[-1][0]
+            fixed = [self.encoder.decode(list(p)) for kind, p in answer if kind == FIXED]
+            if not any(kind == FILL for kind, _ in answer) or any(_OPEN in t or _CLOSE in t for t in fixed):
+                # e.g. the template upper-cases the answer: its rendering is not what was written
+                return "the template rewrites the answer's own text"
+        n = len(roles) - (0 if prompt_only else 1)
         msgs = self._messages(roles[:n], reasoning[:n], lambda i, f: values[2 * i + (f == "r")])
         try:
             seen = self.render(msgs, True)
-        except Exception:
-            return None
+        except Exception as e:
+            return f"chat template failed: {type(e).__name__}: {e}"
         # Encoded as a server encodes the prompt it rendered (special tokens parsed): what the model saw.
         prompt = tuple(self.tok(seen, add_special_tokens=False)["input_ids"])
-        return _Plan(((((FIXED, prompt),), False), plan.pieces[-1]), plan.fills), values
+        head = (((FIXED, prompt),), False)
+        if prompt_only:
+            return _Plan((head,), ()), values
+        return _Plan((head, plan.pieces[-1]), plan.fills), values
 
     def keeps_history(self, messages: Sequence[dict[str, Any]], answer: Answer) -> bool:
         """Whether every assistant turn of this conversation renders in the final conversation exactly as it did
@@ -547,12 +571,13 @@ class ChatTokenizer:
             to_verify.append((row, roles, reasoning, values, answer is None))
         for row, err in self._verify(to_verify).items():
             entry = planned[row]
-            rebuilt = (
-                None
-                if train_all or isinstance(entry, TemplateError)
-                else self._rebuild(entry, to_verify, row)
-            )
-            planned[row] = rebuilt or err
+            if train_all or isinstance(entry, TemplateError) or not isinstance(err, TextRewritten):
+                # Not rebuilt: a row that trains every turn (each earlier turn was written after a prompt of its
+                # own, which one rendering cannot give), or a template that fails on the row.
+                planned[row] = err
+                continue
+            rebuilt = self._rebuild(entry, to_verify, row)
+            planned[row] = TextRewritten(f"{rebuilt}; {err}") if isinstance(rebuilt, str) else rebuilt
         texts: list[str] = []
         at_start: list[bool] = []
         for entry in planned:

@@ -44,7 +44,9 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
         pl.col("reasoning").fill_null("\x00"),
         pl.col("finish_reason").fill_null(""),
         pl.col("output_ids").cast(pl.List(pl.String)).list.join(",").fill_null("-"),
-        pl.col("all_turns").cast(pl.String).fill_null("false"),
+        # A conversation row's key changed when tokens.parquet began to mark such rows (`all_turns`): rows written
+        # before are tokenized once more, so that every conversation row carries its mark.
+        pl.when(pl.col("all_turns")).then(pl.lit("all turns, marked")).otherwise(pl.lit("false")),
         pl.col("history_refs").list.eval(pl.element().struct.json_encode()).list.join("|").fill_null("-"),
         pl.lit(f"{fingerprint}|polars {pl.__version__}"),
     ]
@@ -150,7 +152,7 @@ def build_tokens(
             if todo.height:
                 yield todo
 
-    scratch = layout.dir / f".tokens-{time.time_ns()}"
+    scratch = layout.scratch(f"tokens-{time.time_ns()}")
     scratch.mkdir(parents=True, exist_ok=True)
     errors: list[dict] = []
     try:

@@ -130,6 +130,9 @@ TOKENS_SCHEMA: dict[str, pl.DataType] = {
     "finish_reason": pl.String,
     "row_key": pl.UInt64,  # content key of the prompt + answer (+ tokenizer): unchanged rows are not redone
     **ANSWER_FEATURES,
+    # turns: all: a conversation row (`<id>#t<K>`, loss on every target turn 1..K) rather than one turn's row.
+    # Files written before this column read it as null: not a conversation row.
+    "all_turns": pl.Boolean,
 }
 
 
@@ -170,9 +173,9 @@ def tokenize_chunk(
     ]
     results = _tokenize_rows(chat, convs, [train_all or bool(a) for a in all_turns])
     features = [answer_features(a.content, a.reasoning) for _, a in convs]
-    for pid, res, ref, fin, fr, key, feats, history in zip(
+    for pid, res, ref, fin, fr, key, feats, history, whole in zip(
         rows["id"], results, rows["output_ids"], finished, reasons, rows["row_key"], features, history_refs,
-        strict=True,
+        all_turns, strict=True,
     ):  # fmt: skip
         if isinstance(res, TemplateError):
             errors.append({"id": pid, "reason": str(res), "row_key": key, **feats})
@@ -192,6 +195,7 @@ def tokenize_chunk(
         out["answer_start"].append(res.answer_start)
         out["finish_reason"].append(fr)
         out["row_key"].append(key)
+        out["all_turns"].append(bool(whole))
         for name, value in feats.items():
             out[name].append(value)
         summary.ids_source[source] += 1

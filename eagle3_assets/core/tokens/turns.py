@@ -15,9 +15,12 @@ Two shapes of token rows, decided per conversation by the template itself (`Chat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import polars as pl
 
-from ..generation.conversations import TurnAnswer, split_turn_id, turn_id, turn_messages
+from ..generation.conversations import TurnAnswer, assistant_slots, split_turn_id, turn_id, turn_messages
 from ..storage.layout import DatasetLayout
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..target.chat import Answer, ChatTokenizer
@@ -108,3 +111,60 @@ def with_turn_prompts(
         schema={"id": pl.String, "messages": pl.List(MESSAGE), **TURN_COLUMNS},
     )
     return pl.concat([base, turn_rows])
+
+
+def row_prompts(
+    layout: DatasetLayout, prompts: pl.DataFrame, ids: Iterable[str], keep_reasoning: bool = True
+) -> dict[str, dict[str, Any]]:
+    """For each token row of `ids`: `messages`, the prompt as the model saw it when it wrote the row's (last)
+    turn, and `source_answer`, the source's own answer to that turn. A prompt's own row is as prompts.parquet has
+    it; a turn row `<id>#t<k>` (a turn's row, or a conversation row named by its last turn: the same prompt) is the
+    request of turn k rebuilt from the source and the stored answers to turns 1..k-1 (`keep_reasoning`: the
+    template has a field for earlier turns' reasoning, `ChatTokenizer.template_has_reasoning`), its source answer
+    the source's assistant text in slot k (the prompt's `source_answer` for the final slot). Reads only the
+    answers these rows need. A row that is neither, or whose earlier answers are not stored, is left out."""
+    wanted = list(ids)
+    has_source = "source_answer" in prompts.columns
+    columns = ["id", "messages", *(["source_answer"] if has_source else [])]
+    direct = set(prompts.filter(pl.col("id").is_in(wanted))["id"].to_list())
+    turns = {
+        rid: parsed for rid in wanted if rid not in direct and (parsed := split_turn_id(rid)) is not None
+    }
+    need = direct | {c for c, _ in turns.values()}
+    rows = {
+        r["id"]: r
+        for r in prompts.filter(pl.col("id").is_in(list(need))).select(columns).iter_rows(named=True)
+    }
+    out: dict[str, dict[str, Any]] = {
+        rid: {"messages": rows[rid]["messages"], "source_answer": rows[rid].get("source_answer")}
+        for rid in direct
+    }
+    history_ids = {turn_id(c, j) for c, k in turns.values() if c in rows for j in range(1, k)}
+    answers: dict[str, TurnAnswer] = {}
+    table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
+    if history_ids and table.files():
+        stored = (
+            table.scan(["id", "content", "reasoning"])
+            .filter(pl.col("id").is_in(list(history_ids)))
+            .unique(subset=["id"], keep="first")
+            .collect()
+        )
+        answers = {
+            rid: TurnAnswer(content or "", reasoning) for rid, content, reasoning in stored.iter_rows()
+        }
+    for rid, (cid, k) in turns.items():
+        row = rows.get(cid)
+        if row is None:
+            continue
+        source = row["messages"]
+        slots = assistant_slots(source)
+        history = [answers.get(turn_id(cid, j)) for j in range(1, k)]
+        if k > len(slots) or any(a is None for a in history):
+            continue
+        out[rid] = {
+            "messages": turn_messages(source, k, history, keep_reasoning),  # type: ignore[arg-type]
+            "source_answer": source[slots[k - 1]]["content"]
+            if slots[k - 1] < len(source)
+            else row.get("source_answer"),
+        }
+    return out
