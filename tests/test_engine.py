@@ -335,3 +335,29 @@ def test_a_prompt_waiting_for_the_budget_is_not_displaced_by_a_chains_next_turn(
         sent.append(p.request.id)
     assert sent == ["c2#t1", "c1#t2", "c3#t1"]
     assert lane.report.sent == 4  # c1#t1, c2#t1, c1#t2, c3#t1: each once
+
+
+class _Shares:
+    def __init__(self, spent: float, committed: float) -> None:
+        self.spent, self.committed = spent, committed
+
+    def spent_share(self) -> float:
+        return self.spent
+
+    def committed_share(self) -> float:
+        return self.committed
+
+
+@pytest.mark.parametrize(
+    "spent, committed, closes",
+    [
+        (0.92, 0.98, True),  # the last answers in flight hold the rest: no trickle while they land
+        (0.85, 0.99, False),  # a reservation still pessimistic (few answers known): the lane goes on
+        (0.93, 0.95, False),  # room left beyond what is in flight
+        (0.97, 0.97, True),
+    ],
+)
+def test_a_lane_closes_out_only_when_its_budget_is_committed_and_mostly_spent(spent, committed, closes):
+    from eagle3_assets.core.generation.engine import _closing_out
+
+    assert _closing_out(_Shares(spent, committed)) is closes

@@ -18,7 +18,7 @@ def build_prompts_asset(
         automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
-        code_version="1",
+        code_version="2",
         description="Source rows (ShareGPT, OpenAI messages or instruction format) as chat messages ending in a "
         "user turn, one row per prompt with a stable id; unusable rows go to quarantine.parquet with the reason.",
     )

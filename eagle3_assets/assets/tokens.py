@@ -22,7 +22,7 @@ def build_tokens_asset(
         automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"python", "parquet"},
-        code_version="2",
+        code_version="3",
         description="Prompt + answer rendered with the target's chat template and tokenized: input_ids, loss_mask "
         "(1 on the generated tokens incl. end-of-turn), and reference_match against the ids the model produced.",
     )

@@ -216,10 +216,8 @@ BURST = 16
 
 
 def _closing_out(budget: Budget) -> bool:
-    spent = budget.spent_share()
-    return spent >= CLOSE_OUT_SHARE or (
-        spent >= CLOSE_OUT_SPENT and budget.committed_share() >= CLOSE_OUT_SHARE
-    )
+    """Whether a lane whose budget just refused a dispatch, with answers still in flight, sends nothing more."""
+    return budget.spent_share() >= CLOSE_OUT_SPENT and budget.committed_share() >= CLOSE_OUT_SHARE
 
 
 class GenerationEngine:
@@ -388,6 +386,7 @@ class GenerationEngine:
         if p.attempts:
             heapq.heappush(p.lane.retries, (now, next(self._seq), p))
         else:
+            assert p.lane.held is None, "a held request is always taken first (_candidate)"
             p.lane.held = p
 
     def _next_timer(self, now: float) -> float:

@@ -207,14 +207,14 @@ def _samples(
             counts.truncated += 1
             n = max_len
         counts.longest = max(counts.longest, n)
-        ids, mask = s["input_ids"].long(), s["loss_mask"].long()
-        trained = ids[mask.bool()]
+        tokens, mask = s["input_ids"].long(), s["loss_mask"].long()
+        trained = tokens[mask.bool()]
         values, times = torch.unique(trained, return_counts=True)
         freq.update(dict(zip(values.tolist(), times.tolist(), strict=True)))
         counts.samples += 1
         counts.tokens += n
         counts.loss_tokens += int(trained.numel())
-        yield i, sid, {**s, "input_ids": ids, "loss_mask": mask}
+        yield i, sid, {**s, "input_ids": tokens, "loss_mask": mask}
 
 
 def _final_norm(folder: Path) -> Callable[[Any], Any]:

@@ -39,6 +39,9 @@ class NoBudget:
     def spent_share(self) -> float:
         return 0.0
 
+    def committed_share(self) -> float:
+        return 0.0
+
     def describe(self) -> str:
         return "none (extraction)"
 

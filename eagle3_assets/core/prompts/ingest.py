@@ -153,7 +153,7 @@ def _from_sharegpt(row: dict) -> list[dict]:
         role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
         if role is None:
             raise RowError(
-                f"conversations[{i}]: unknown role {speaker!r} (expected system, human, gpt or observation)"
+                f"conversations[{i}]: unknown role {speaker!r} (expected system, human, gpt, tool or observation)"
             )
         out.append({"role": role, "content": _text(m.get("value"), f"conversations[{i}]")})
     return out

@@ -114,6 +114,10 @@ def chat_tokenizer(recipe: ChatRecipe) -> ChatTokenizer:
     return chat
 
 
+# The rule for rebuilding rows a template rewrites (see fingerprint).
+REBUILD = 2
+
+
 class ChatTokenizer:
     recipe: ChatRecipe | None = None  # set when built from a recipe: worker processes can then rebuild it
 
@@ -163,6 +167,10 @@ class ChatTokenizer:
             str(getattr(self.tok, "name_or_path", "")),
             json.dumps(sorted(self.encoder.control_ids.items())),
         ]
+        if self.verbatim_problem is not None:
+            # Rows of a template not proven verbatim may be rebuilt; how is versioned so that rows tokenized (or
+            # refused) under an earlier rule are done again (2: answers with reasoning in the content rebuilt).
+            parts.append(f"rebuild={REBUILD}")
         return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).hexdigest()
 
     def count_tokens(self, text: str) -> int:
