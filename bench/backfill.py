@@ -222,6 +222,7 @@ def through_dagster(spec: ProviderSpec, prompts: int) -> dict:
         out = _figures(stats, samples, _ideal(stats, spec), spec.max_in_flight, root)
         first_start = min(r["start"] for r in runs)
         last_end = max(r["end"] for r in runs)
+        to_wall = time.time() - time.monotonic()  # the provider stamps with the shared monotonic clock
         out.update(
             status=result["status"],
             runs=len(runs),
@@ -231,6 +232,8 @@ def through_dagster(spec: ProviderSpec, prompts: int) -> dict:
                 round((last_end - first_start) / out["blind_floor_s"], 2) if "blind_floor_s" in out else None
             ),
             launch_to_first_run_start_s=round(first_start - launched, 1),
+            run_start_to_first_request_s=round(stats["started_at"] + to_wall - first_start, 2),
+            last_answer_to_run_end_s=round(last_end - (max(stats["done_at"]) + to_wall), 2),
             startup_s=metadata.get("startup_s"),
         )
     return out

@@ -308,8 +308,11 @@ def test_several_datasets_share_one_window_each_within_its_budget(tmp_path, chat
         spans.append((responses["created_at"].min(), responses["created_at"].max()))
     billed = stats["billed_tokens"]
     assert billed == sum(int(stored(lo)[0]["completion_tokens"].sum()) for lo in layouts)  # nothing lost
-    # (a short run: each probe of the cap costs the few refusals that detect it; long runs refuse ~0.3%)
-    assert stats["max_in_flight"] <= cap and stats["refused"] <= 0.10 * stats["attempts"]
+    # A short run (~850 attempts): its refusals are the cost of finding the cap, mostly slow start's overshoot,
+    # which grows with how late refusals come back: 3-8% on an idle machine, up to 13% with two busy processes
+    # beside it (and 12% once in a full test suite). Long runs refuse ~0.4% (bench/backfill.py). A limiter that
+    # held the ceiling (adaptive=False) refused 79% here.
+    assert stats["max_in_flight"] <= cap and stats["refused"] <= 0.20 * stats["attempts"]
     # Side by side: every dataset's first answer landed before any dataset's last one.
     assert max(first for first, _ in spans) < min(last for _, last in spans)
     report = summaries["B1"].report
