@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 
 from eagle3_assets.config import ProjectConfig, TargetConfig
-from eagle3_assets.core.target.chat import ChatRecipe, ChatTokenizer, chat_tokenizer
+from eagle3_assets.core.storage.files import write_json
+from eagle3_assets.core.target.chat import ChatRecipe, ChatTokenizer, DeferredChat, chat_tokenizer
 from eagle3_assets.core.target.loading import pin_problems, resolve
-from eagle3_assets.core.target.preflight import exactness, special_token_problems
+from eagle3_assets.core.target.preflight import exactness, passed_record, special_token_problems
 
 
 class Target:
@@ -18,17 +20,22 @@ class Target:
         self.base_dir = cfg.base_dir
 
     def chat_tokenizer(self) -> ChatTokenizer:
+        return chat_tokenizer(self._recipe())
+
+    def deferred_chat_tokenizer(self) -> ChatTokenizer:
+        """The same tokenizer, loaded only when something uses it (DeferredChat says when that is never)."""
+        return DeferredChat(self._recipe())  # type: ignore[return-value]
+
+    def _recipe(self) -> ChatRecipe:
         t = self.cfg
-        return chat_tokenizer(
-            ChatRecipe(
-                resolve(t.tokenizer, self.base_dir),
-                t.trust_remote_code,
-                t.revision,
-                json.dumps(t.chat_template_kwargs, sort_keys=True),
-                t.end_of_turn_token,
-                t.think_open,
-                t.think_close,
-            )
+        return ChatRecipe(
+            resolve(t.tokenizer, self.base_dir),
+            t.trust_remote_code,
+            t.revision,
+            json.dumps(t.chat_template_kwargs, sort_keys=True),
+            t.end_of_turn_token,
+            t.think_open,
+            t.think_close,
         )
 
     def problems(self) -> list[str]:
@@ -37,12 +44,18 @@ class Target:
         pins = pin_problems(self.cfg, self.base_dir)
         if pins:
             return pins
+        record = passed_record(self._recipe(), self.cfg.end_of_turn_id)
+        if record is not None and record.exists():
+            return []  # these files, template settings and rules passed before: no tokenizer load needed
         try:
             chat = self.chat_tokenizer()
-            problems = special_token_problems(chat, self.cfg.end_of_turn_id)
-            return problems or exactness(chat)[0]
+            problems = special_token_problems(chat, self.cfg.end_of_turn_id) or exactness(chat)[0]
         except Exception as e:
             return [f"target.tokenizer {self.cfg.tokenizer!r} cannot be used: {e}"]
+        if not problems and record is not None:
+            with suppress(OSError):  # a read-only cache: preflight loads the tokenizer every time, as before
+                write_json({"tokenizer": self.cfg.tokenizer}, record)
+        return problems
 
     def warnings(self) -> list[str]:
         """What preflight reports without stopping: rows or options this family cannot rebuild exactly."""

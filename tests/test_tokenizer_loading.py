@@ -14,13 +14,15 @@ import pytest
 
 from eagle3_assets.core.target import loading as target
 from eagle3_assets.core.target.loading import (
-    _class_record_key,
     _class_record_path,
     _recorded_class,
     load_tokenizer,
+    tokenizer_files_key,
 )
 
-from .conftest import REPO
+from .conftest import REPO, make_project
+from .fake_servers import FakeOpenRouter
+from .test_engine import KEY, KEY_ENV
 
 PROBE = r"""
 import json, sys
@@ -65,7 +67,7 @@ def _probe(folder: Path) -> dict:
 def test_a_later_process_loads_the_remembered_class_without_torch(tokenizer_folder):
     # AutoTokenizer: reads the config (which imports torch in transformers 5) and records the class.
     first = _probe(tokenizer_folder)
-    key = _class_record_key(str(tokenizer_folder), False, None)
+    key = tokenizer_files_key(str(tokenizer_folder), False, None)
     assert key and _class_record_path(key).exists()
     second = _probe(tokenizer_folder)
     assert not second["torch_imported"]
@@ -77,20 +79,20 @@ def test_changed_files_or_remote_code_are_not_remembered(tokenizer_folder):
     ref = str(tokenizer_folder)
     load_tokenizer.cache_clear()
     load_tokenizer(ref)
-    key = _class_record_key(ref, False, None)
+    key = tokenizer_files_key(ref, False, None)
     assert _recorded_class(key) is not None
     # Other options or an edited file are another key: AutoTokenizer decides again.
-    assert _class_record_key(ref, True, None) != key
-    assert _class_record_key(ref, False, "abc123") != key
+    assert tokenizer_files_key(ref, True, None) != key
+    assert tokenizer_files_key(ref, False, "abc123") != key
     cfg = tokenizer_folder / "tokenizer_config.json"
     spec = json.loads(cfg.read_text())
     cfg.write_text(json.dumps({**spec, "model_max_length": 4096}))
-    assert _class_record_key(ref, False, None) not in (None, key)
+    assert tokenizer_files_key(ref, False, None) not in (None, key)
     # A tokenizer with remote code is never remembered (its class is not transformers' own).
     cfg.write_text(json.dumps({**spec, "auto_map": {"AutoTokenizer": [None, "tok.Custom"]}}))
-    assert _class_record_key(ref, False, None) is None
+    assert tokenizer_files_key(ref, False, None) is None
     # Nor a hub id.
-    assert _class_record_key("HuggingFaceTB/SmolLM2-135M-Instruct", False, None) is None
+    assert tokenizer_files_key("HuggingFaceTB/SmolLM2-135M-Instruct", False, None) is None
 
 
 @pytest.mark.parametrize(
@@ -105,7 +107,7 @@ def test_changed_files_or_remote_code_are_not_remembered(tokenizer_folder):
 )
 def test_a_bad_record_falls_back_to_autotokenizer_and_is_rewritten(tokenizer_folder, record):
     ref = str(tokenizer_folder)
-    key = _class_record_key(ref, False, None)
+    key = tokenizer_files_key(ref, False, None)
     path = _class_record_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(record)
@@ -122,3 +124,87 @@ def test_an_unwritable_cache_only_costs_the_shortcut(tokenizer_folder, monkeypat
     tok = load_tokenizer(str(tokenizer_folder))
     assert len(tok) == 49152
     load_tokenizer.cache_clear()
+
+
+PREFLIGHT = r"""
+import json, sys
+from eagle3_assets.config import load_config
+from resources import Target
+problems = Target(load_config(sys.argv[1])).problems()
+print(json.dumps({"problems": problems, "loaded": "transformers" in sys.modules}))
+"""
+
+
+def _run_probe(script: str, *args: object) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), KEY_ENV: KEY}
+    out = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_passed_preflight_is_remembered_until_the_files_or_settings_change(tokenizer_folder, tmp_path):
+    def project(**target) -> Path:
+        root = tmp_path / f"p{len(list(tmp_path.glob('p*')))}"
+        return make_project(root, {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
+                            target={"tokenizer": str(tokenizer_folder), "model": str(tokenizer_folder), **target})  # fmt: skip
+
+    config = project()
+    assert _run_probe(PREFLIGHT, config) == {"problems": [], "loaded": True}
+    # A later process: the same files, settings and rules passed, so no tokenizer is loaded.
+    assert _run_probe(PREFLIGHT, config) == {"problems": [], "loaded": False}
+    # Other template settings are asked again.
+    assert _run_probe(PREFLIGHT, project(chat_template_kwargs={"x": 1}))["loaded"]
+    # A failing target is never remembered: it fails, loading the tokenizer, every time.
+    wrong = project(end_of_turn_id=5)
+    for _ in range(2):
+        verdict = _run_probe(PREFLIGHT, wrong)
+        assert verdict["loaded"] and "end_of_turn_id 5" in verdict["problems"][0]
+    # An edited tokenizer file is another key: asked again.
+    cfg = tokenizer_folder / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "model_max_length": 4096}))
+    assert _run_probe(PREFLIGHT, config) == {"problems": [], "loaded": True}
+
+
+GENERATE = r"""
+import json, sys
+from pathlib import Path
+from eagle3_assets.core.target.chat import ChatRecipe, DeferredChat
+from tests.test_engine import dataset, run, stored
+
+class Server:
+    base_url = sys.argv[2]
+
+chat = DeferredChat(ChatRecipe(sys.argv[1]))
+layout = dataset(Path(sys.argv[3]), sys.argv[4:])
+run(layout, Server, chat, concurrency=4, stream=True)
+loaded = "transformers" in sys.modules
+responses, failures = stored(layout)
+print(json.dumps({
+    "loaded": loaded,
+    "answers": responses.height,
+    "failures": failures.height,
+    "estimated": [
+        (r["completion_tokens"], chat.count_tokens((r["reasoning"] or "") + r["content"]))
+        for r in responses.iter_rows(named=True)
+        if r["usage_estimated"]
+    ],
+}))
+"""
+
+
+def test_a_step_that_sends_text_loads_the_tokenizer_only_for_an_answer_without_usage(
+    tokenizer_folder, tmp_path
+):
+    """The responses step's tokenizer is deferred: OpenRouter answers with usage need none (a second less before
+    the first request); an answer without usage is still counted with it, never as 0."""
+    with FakeOpenRouter(key=KEY) as server:
+        plain = _run_probe(GENERATE, tokenizer_folder, server.base_url, tmp_path / "a", "hello", "world")
+        counted = _run_probe(
+            GENERATE, tokenizer_folder, server.base_url, tmp_path / "b", "no usage [[nousage]]"
+        )
+    assert plain == {"loaded": False, "answers": 2, "failures": 0, "estimated": []}
+    assert counted["loaded"] and counted["answers"] == 1 and counted["failures"] == 0
+    [(stored_tokens, recounted)] = counted["estimated"]
+    assert stored_tokens == recounted > 0

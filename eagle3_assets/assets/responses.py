@@ -140,7 +140,9 @@ def build_responses_asset(
         step_started = time.time()
         cfg = project.cfg
         keys = list(context.partition_keys)
-        chat = target.chat_tokenizer()
+        # Loaded at its first use: a backend that sends text (OpenRouter) may never need it in this step, and a
+        # preflight that passed before for these files is remembered (Target.problems).
+        chat = target.deferred_chat_tokenizer()
         settings = inference.engine_settings(config.max_concurrency)
         with ExitStack() as stack:
             # Append-only: after a failure too, every answer that was paid for is stored.

@@ -218,8 +218,11 @@ class OpenRouterBackend:
         self.cfg = cfg
         self.model = cfg.model
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
-        # Answers that come without usage are counted with the target tokenizer, never as 0.
-        self.count_tokens: TokenCounter | None = chat.count_tokens if chat is not None else None
+        # Answers that come without usage are counted with the target tokenizer, never as 0 (looked up at the first
+        # such answer: a deferred tokenizer is loaded only then).
+        self.count_tokens: TokenCounter | None = (
+            (lambda text: chat.count_tokens(text)) if chat is not None else None
+        )
         self._session: aiohttp.ClientSession | None = None
         self._streams: StreamClient | None = None  # streamed answers (streaming.py says why not aiohttp)
         self._secrets: tuple[bytes, ...] = ()

@@ -114,6 +114,18 @@ def chat_tokenizer(recipe: ChatRecipe) -> ChatTokenizer:
     return chat
 
 
+class DeferredChat:
+    """Stands in for the ChatTokenizer of `recipe`, loaded at its first use. A backend that sends text and gets its
+    usage back (OpenRouter, single turns) never uses it while generating, and loading it (transformers and the
+    tokenizer, about a second of a fresh process) was most of a generating step's wait for its first request."""
+
+    def __init__(self, recipe: ChatRecipe):
+        self.recipe = recipe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(chat_tokenizer(self.recipe), name)
+
+
 # The rule for rebuilding rows a template rewrites (see fingerprint).
 REBUILD = 2
 

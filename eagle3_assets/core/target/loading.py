@@ -163,7 +163,7 @@ def load_tokenizer(ref: str, trust_remote_code: bool = False, revision: str | No
     a fresh process, most of the fixed cost of a tokens step run alone. For a local folder without remote code the
     class it picked is remembered (keyed by the folder's non-weight files and the transformers version) and later
     processes load that class directly: the same class from the same files, without torch."""
-    key = _class_record_key(ref, trust_remote_code, revision)
+    key = tokenizer_files_key(ref, trust_remote_code, revision)
     cls = _recorded_class(key) if key else None
     try:
         if cls is not None:
@@ -182,7 +182,7 @@ def load_tokenizer(ref: str, trust_remote_code: bool = False, revision: str | No
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".onnx")
 
 
-def _class_record_key(ref: str, trust_remote_code: bool, revision: str | None) -> str | None:
+def tokenizer_files_key(ref: str, trust_remote_code: bool, revision: str | None) -> str | None:
     """What AutoTokenizer's choice of class depends on, for a local folder whose tokenizer has no remote code:
     the transformers version and every non-weight file of the folder (name, size, modification time). None where
     the choice cannot be remembered safely (a hub id, remote code, an unreadable folder)."""

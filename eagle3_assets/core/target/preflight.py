@@ -4,10 +4,13 @@ the special token it should be, and does a plain conversation rebuild to exactly
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from .chat import Answer, ChatTokenizer, TemplateError
+from . import chat as chat_module
+from .chat import Answer, ChatRecipe, ChatTokenizer, TemplateError
 
 
 def special_token_problems(chat: ChatTokenizer, configured_id: int | None = None) -> list[str]:
@@ -105,3 +108,25 @@ def exactness(chat: ChatTokenizer) -> tuple[list[str], list[str]]:
             "reasoning): tokens.train_all_assistant_turns cannot be exact for multi-turn rows with reasoning"
         )
     return problems, warnings
+
+
+def passed_record(recipe: ChatRecipe, configured_eot_id: int | None) -> Path | None:
+    """Where a passed preflight of this tokenizer and template is remembered in the machine cache, or None where it
+    cannot be remembered safely (a hub id, remote code). Keyed by what the verdict depends on: the tokenizer folder's
+    files and the transformers version (as for the remembered tokenizer class), the template settings, and the
+    source of the rules themselves (this module and chat.py), so a change to any of them asks again. Only passes
+    are kept: a failing target is checked afresh every time."""
+    import hashlib
+
+    from .loading import cache_root, tokenizer_files_key
+
+    files = tokenizer_files_key(recipe.ref, recipe.trust_remote_code, recipe.revision)
+    if files is None:
+        return None
+    try:
+        rules = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], chat_module))
+    except OSError:
+        return None
+    digest = hashlib.blake2b(rules, digest_size=12)
+    digest.update(repr((files, recipe, configured_eot_id)).encode())
+    return cache_root() / "preflight-passed" / f"{digest.hexdigest()}.json"
