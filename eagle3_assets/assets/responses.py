@@ -89,8 +89,9 @@ def startup_timeline(
     context: dg.AssetExecutionContext, step_started: float, first_request: float | None
 ) -> dict:
     """Seconds from the launch to the first request, by phase: the backfill daemon's pickup (when the run came
-    from a backfill), the run's start, the step's start, and the step's own preparation (tokenizer, journal, backend
-    preflight and start). Wall-clock stamps from the instance and this process."""
+    from a backfill), the run's start, the step's start, and the step's own preparation (journals, the target's and
+    the backend's preflight, the tokenizer where the backend needs one). Wall-clock stamps from the instance and this
+    process."""
     record = context.instance.get_run_record_by_id(context.run_id)
     phases: dict[str, float] = {}
     created = record.create_timestamp.timestamp() if record else None
