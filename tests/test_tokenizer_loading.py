@@ -55,10 +55,10 @@ def tokenizer_folder(tmp_path, smollm2_dir, monkeypatch) -> Path:
     return folder
 
 
-def _probe(folder: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _run_probe(script: str, *args: object) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), KEY_ENV: KEY}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(folder)], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -66,10 +66,10 @@ def _probe(folder: Path) -> dict:
 
 def test_a_later_process_loads_the_remembered_class_without_torch(tokenizer_folder):
     # AutoTokenizer: reads the config (which imports torch in transformers 5) and records the class.
-    first = _probe(tokenizer_folder)
+    first = _run_probe(PROBE, tokenizer_folder)
     key = tokenizer_files_key(str(tokenizer_folder), False, None)
     assert key and _class_record_path(key).exists()
-    second = _probe(tokenizer_folder)
+    second = _run_probe(PROBE, tokenizer_folder)
     assert not second["torch_imported"]
     # The same tokenizer: class, vocabulary and pipeline, special tokens, template, ids, fingerprint.
     assert second == {**first, "torch_imported": False}
@@ -133,15 +133,6 @@ from resources import Target
 problems = Target(load_config(sys.argv[1])).problems()
 print(json.dumps({"problems": problems, "loaded": "transformers" in sys.modules}))
 """
-
-
-def _run_probe(script: str, *args: object) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), KEY_ENV: KEY}
-    out = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True, check=False
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_passed_preflight_is_remembered_until_the_files_or_settings_change(tokenizer_folder, tmp_path):

@@ -173,12 +173,13 @@ def generate_datasets(
                 with ThreadPoolExecutor(max_workers=min(len(ready), 8)) as pool:
                     list(pool.map(_close, ready, built))
         for prepared in idle:
-            prepared.summary.n_responses, prepared.summary.n_failures = prepared.journal.finalize()
+            _close(prepared, None)
     return summaries
 
 
 def _close(prepared: _Prepared, lane: Lane | None) -> None:
-    """After a run (or its failure): what it bought and never stored is charged, its parts fold into the tables."""
+    """After a run (or its failure): what it bought and never stored is charged, its parts fold into the tables.
+    A dataset that sent nothing (no lane) only has its tables folded."""
     s = prepared.summary
     if lane is not None:
         if lane.ledger is not None:

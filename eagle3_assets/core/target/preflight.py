@@ -4,12 +4,10 @@ the special token it should be, and does a plain conversation rebuild to exactly
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import chat as chat_module
 from .chat import Answer, ChatRecipe, ChatTokenizer, TemplateError
 
 
@@ -114,8 +112,9 @@ def passed_record(recipe: ChatRecipe, configured_eot_id: int | None) -> Path | N
     """Where a passed preflight of this tokenizer and template is remembered in the machine cache, or None where it
     cannot be remembered safely (a hub id, remote code). Keyed by what the verdict depends on: the tokenizer folder's
     files and the transformers version (as for the remembered tokenizer class), the template settings, and the
-    source of the rules themselves (this module and chat.py), so a change to any of them asks again. Only passes
-    are kept: a failing target is checked afresh every time."""
+    source of the rules and of the code they run (every module of this package: chat, text encoder, verbatim
+    proof, loading), so a change to any of them asks again. Only passes are kept: a failing target is checked
+    afresh every time."""
     import hashlib
 
     from .loading import cache_root, tokenizer_files_key
@@ -124,7 +123,7 @@ def passed_record(recipe: ChatRecipe, configured_eot_id: int | None) -> Path | N
     if files is None:
         return None
     try:
-        rules = b"".join(Path(m.__file__).read_bytes() for m in (sys.modules[__name__], chat_module))
+        rules = b"".join(f.read_bytes() for f in sorted(Path(__file__).parent.glob("*.py")))
     except OSError:
         return None
     digest = hashlib.blake2b(rules, digest_size=12)
