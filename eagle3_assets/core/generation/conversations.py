@@ -11,10 +11,16 @@ each conversation after its last stored turn; a turn that fails for good ends it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import polars as pl
 
 from .protocol import Completion, CompletionRequest, Sampling
+
+if TYPE_CHECKING:
+    from ..storage.tables import JournalTable
 
 TURN_SEP = "#t"
 # The failure kind of a conversation cut by its template: a turn after the first that the chat template refuses
@@ -150,3 +156,17 @@ class Chains:
                 return None
             prompt_ids = rendered
         return CompletionRequest(turn_id(chain.id, k), msgs, self.max_tokens, self.sampling, prompt_ids)
+
+
+def stored_turn_answers(responses: JournalTable, ids: Collection[str]) -> dict[str, TurnAnswer]:
+    """Turn id -> the stored answer (text and reasoning) of each of `ids` that has one: the history a
+    conversation's next turn is sent with, and a turn row's prompt is rebuilt from. Reads only those ids."""
+    if not ids or not responses.files():
+        return {}
+    stored = (
+        responses.scan(["id", "content", "reasoning"])
+        .filter(pl.col("id").is_in(list(ids)))
+        .unique(subset=["id"], keep="first")
+        .collect()
+    )
+    return {rid: TurnAnswer(content or "", reasoning) for rid, content, reasoning in stored.iter_rows()}

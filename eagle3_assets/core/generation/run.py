@@ -20,7 +20,7 @@ from ..storage.layout import DatasetLayout
 from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
 from .budget import Budget, PriorUsage
-from .conversations import Chain, Chains, TurnAnswer, assistant_slots, split_turn_id
+from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
 from .engine import EngineReport, EngineSettings, GenerationEngine, Lane, run_loop
 from .journal import JournalWriter, ResponseJournal
 from .protocol import CompletionRequest, InferenceBackend, Sampling
@@ -262,7 +262,7 @@ def _open_chains(
         if parsed is not None:
             stored.setdefault(parsed[0], set()).add(parsed[1])
     failed = {p[0] for rid in skip if (p := split_turn_id(rid)) is not None}
-    answers = _stored_answers(journal, {c for c, ks in stored.items() if ks})
+    answers = stored_turn_answers(journal.responses, [rid for rid in done if split_turn_id(rid) is not None])
     chains: list[Chain] = []
     done_convs: set[str] = set()
     keep: list[bool] = []
@@ -277,26 +277,11 @@ def _open_chains(
         if k >= n or cid in failed:
             keep.append(False)
             continue
-        chain = Chain(cid, messages, [answers[(cid, j)] for j in range(1, k + 1)])
+        chain = Chain(cid, messages, [answers[turn_id(cid, j)] for j in range(1, k + 1)])
         chains.append(chain)
         keep.append(True)
     todo = prompts.filter(pl.Series(keep, dtype=pl.Boolean))
     return todo, chains, done_convs, failed - done_convs
-
-
-def _stored_answers(journal: ResponseJournal, conversations: set[str]) -> dict[tuple[str, int], TurnAnswer]:
-    """The stored answers of these conversations' turns (the history their next turns are sent with)."""
-    if not conversations:
-        return {}
-    rows = (
-        journal.responses.scan(["id", "content", "reasoning"]).unique(subset=["id"], keep="first").collect()
-    )
-    out = {}
-    for rid, content, reasoning in rows.iter_rows():
-        parsed = split_turn_id(rid)
-        if parsed is not None and parsed[0] in conversations:
-            out[parsed] = TurnAnswer(content or "", reasoning)
-    return out
 
 
 def _busy_summary(job: DatasetJob, backend: InferenceBackend, run_id: str, why: str) -> GenerationSummary:

@@ -20,7 +20,14 @@ from typing import Any
 
 import polars as pl
 
-from ..generation.conversations import TurnAnswer, assistant_slots, split_turn_id, turn_id, turn_messages
+from ..generation.conversations import (
+    TurnAnswer,
+    assistant_slots,
+    split_turn_id,
+    stored_turn_answers,
+    turn_id,
+    turn_messages,
+)
 from ..storage.layout import DatasetLayout
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..target.chat import Answer, ChatTokenizer
@@ -140,18 +147,7 @@ def row_prompts(
         for rid in direct
     }
     history_ids = {turn_id(c, j) for c, k in turns.values() if c in rows for j in range(1, k)}
-    answers: dict[str, TurnAnswer] = {}
-    table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
-    if history_ids and table.files():
-        stored = (
-            table.scan(["id", "content", "reasoning"])
-            .filter(pl.col("id").is_in(list(history_ids)))
-            .unique(subset=["id"], keep="first")
-            .collect()
-        )
-        answers = {
-            rid: TurnAnswer(content or "", reasoning) for rid, content, reasoning in stored.iter_rows()
-        }
+    answers = stored_turn_answers(JournalTable(layout.responses_dir, RESPONSE_SCHEMA), history_ids)
     for rid, (cid, k) in turns.items():
         row = rows.get(cid)
         if row is None:
