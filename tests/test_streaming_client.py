@@ -77,8 +77,8 @@ class RawServer:
 def collect() -> tuple[list[dict], callable]:
     seen: list[dict] = []
 
-    def on_event(event, headers):
-        seen.append(event)
+    def on_event(events, headers):
+        seen.extend(events)
 
     return seen, on_event
 
@@ -224,7 +224,7 @@ def test_events_reach_the_caller_while_the_stream_is_still_open():
         async with RawServer(handler) as server:
             client = StreamClient(server.url(), {})
             t0 = time.monotonic()
-            await client.post(b"{}", lambda ev, h: first_at.append(time.monotonic() - t0))
+            await client.post(b"{}", lambda evs, h: first_at.extend(time.monotonic() - t0 for _ in evs))
             await client.close()
             return time.monotonic() - t0
 
@@ -254,3 +254,96 @@ def test_tls():
 
     done, seen = run(main())
     assert done and seen == EVENTS[:5]
+
+
+def test_every_event_form_reaches_the_caller_in_order_and_the_key_never_does():
+    """Providers' common form (`data: <json>` and a blank line) is decoded a batch at a time; everything else a
+    server may send takes the line-by-line path with the same result: comments, other fields, `\\r\\n` line ends,
+    an event that is not an object, a content that says `[DONE]`, an event split across packets; a key echoed
+    back is redacted before anything is parsed."""
+    ev = [{"choices": [{"delta": {"content": f"c{i}"}}]} for i in range(8)]
+    said_done = {"choices": [{"delta": {"content": "data: [DONE] is how streams end"}}]}
+    echoed = {"choices": [{"delta": {"content": "your key is secret-key-123"}}]}
+    payload = (
+        sse(ev[0], ev[1])
+        + b": keep-alive\n\n"
+        + sse(ev[2])
+        + b"event: message\nid: 7\ndata: "
+        + json.dumps(ev[3]).encode()
+        + b"\r\n\r\ndata: 5\n\n"
+        + sse(said_done, ev[4], echoed, ev[5])
+        + b"data:"
+        + json.dumps(ev[6]).encode()
+        + b"\n\n"
+        + sse(ev[7], "[DONE]")
+    )
+
+    async def handler(writer, _body, _n):
+        writer.write(HEAD)
+        body = chunked(payload, [3, 40, 90, 11, 200])
+        for i in range(0, len(body), 97):  # packets that end anywhere, a tick apart
+            writer.write(body[i : i + 97])
+            await writer.drain()
+            await asyncio.sleep(0.012)
+
+    async def main():
+        async with RawServer(handler) as server:
+            client = StreamClient(server.url(), {}, secrets=(b"secret-key-123",))
+            seen, on_event = collect()
+            done = await client.post(b"{}", on_event)
+            await client.close()
+            return done, seen
+
+    done, seen = run(main())
+    redacted = {"choices": [{"delta": {"content": "your key is [redacted]"}}]}
+    assert done and seen == [*ev[:4], said_done, ev[4], redacted, *ev[5:]]
+
+
+def test_broken_http_is_classified_as_malformed():
+    """A bad status line and a bad chunk size: the C parser's refusal becomes a MALFORMED error, and the
+    connection is not reused."""
+
+    async def handler(writer, _body, n):
+        if n == 1:
+            writer.write(b"HTTP/1.1 OK\r\n\r\n")
+        else:
+            writer.write(HEAD + b"zz\r\n" + sse(EVENTS[0]) + b"\r\n0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+    async def main():
+        async with RawServer(handler) as server:
+            client = StreamClient(server.url(), {})
+            errors = []
+            for _ in range(2):
+                with pytest.raises(InferenceError) as e:
+                    await client.post(b"{}", lambda ev, h: None)
+                errors.append(e.value)
+            await client.close()
+            return errors, server.connections
+
+    errors, connections = run(main())
+    assert [e.kind for e in errors] == [ErrorKind.MALFORMED, ErrorKind.MALFORMED], errors
+    assert connections == 2
+
+
+def test_token_ids_streamed_with_each_event_are_joined_in_order():
+    """vLLM (`return_token_ids`) sends each event's ids: the answer keeps them all, in order, across batches."""
+    from eagle3_assets.core.generation.protocol import CompletionRequest
+    from resources.inference.openrouter import StreamedAnswer
+
+    request = CompletionRequest("r", [{"role": "user", "content": "x"}], 64)
+    answer = StreamedAnswer(request)
+    batches = [
+        [
+            {"choices": [{"index": 0, "delta": {"content": f"t{i}"}, "token_ids": [i]}]}
+            for i in range(j, j + 3)
+        ]
+        for j in (0, 3)
+    ]
+    last = {"choices": [{"index": 0, "delta": {}, "token_ids": [6, 7], "finish_reason": "stop"}]}
+    answer(batches[0], {})
+    answer([*batches[1], last], {})
+    completion = answer.completion("m", None)
+    assert completion.output_ids == list(range(8)) and completion.content == "t0t1t2t3t4t5"
+    assert request.streamed_tokens == 6

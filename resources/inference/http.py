@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, quote_plus
 
@@ -217,67 +217,6 @@ async def post_json(
     if body.get("error"):
         raise classify(200, body, headers)
     return body
-
-
-async def post_sse(
-    session: aiohttp.ClientSession,
-    url: str,
-    payload: dict,
-    on_event: Callable[[dict, Mapping[str, str]], None],
-    secrets: tuple[bytes, ...] = (),
-    timeout: aiohttp.ClientTimeout | None = None,
-) -> bool:
-    """POST a streaming request and feed each server-sent `data:` event, decoded, to `on_event` (which may raise
-    a classified error). Returns True when the stream ended with `[DONE]`, False when it simply stopped.
-
-    Events are parsed as they arrive and not kept: 2000 streams of reasoning answers would otherwise hold their
-    whole wire form (~60× the text) in memory.
-    """
-    try:
-        async with session.post(url, data=dumps(payload), timeout=timeout) as resp:
-            headers = resp.headers
-            if resp.status != 200:
-                raise _error_response(resp.status, redact(await resp.read(), secrets), headers)
-            buf = b""
-            while chunk := await resp.content.readany():
-                buf += chunk
-                if b"\n" in chunk:
-                    *lines, buf = buf.split(b"\n")
-                    if _feed(lines, on_event, headers, secrets):
-                        return True
-            return _feed([buf], on_event, headers, secrets)
-    except InferenceError:
-        raise
-    except _TRANSPORT_ERRORS as e:
-        raise _transport_error(e) from None
-
-
-def _feed(
-    lines: list[bytes],
-    on_event: Callable[[dict, Mapping[str, str]], None],
-    headers: Mapping[str, str],
-    secrets: tuple[bytes, ...],
-) -> bool:
-    """Decode the `data:` lines and pass each event on; True at `[DONE]`."""
-    for line in lines:
-        if not line.startswith(b"data:"):
-            continue  # blank separators, ": keep-alive" comments, event:/id: fields
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return True
-        if secrets:
-            data = redact(data, secrets)
-        try:
-            event = loads(data)
-        except ValueError:
-            raise InferenceError(
-                ErrorKind.MALFORMED,
-                f"unparsable stream event: {describe(data.decode('utf-8', 'replace'))}",
-                status=200,
-            ) from None
-        if isinstance(event, dict):
-            on_event(event, headers)
-    return False
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 15.0) -> tuple[int, Any]:

@@ -143,44 +143,54 @@ class StreamedAnswer:
         self.provider: Any = None
         self.request_id: Any = None
 
-    def __call__(self, event: dict, headers: Any) -> None:
-        # Called for every event of every stream (tens of thousands a second): the common case (a delta of
-        # content) first, with as few lookups as it takes; the rare fields after.
-        choices = event.get("choices")
-        if choices:
-            choice = choices[0]
-            delta = choice.get("delta")
-            if delta:
-                text = delta.get("content")
-                if text:
-                    self.content.append(text)
-                    self.request.streamed_tokens += (
-                        1  # ≥ one token per non-empty chunk: a floor for the budget
+    def __call__(self, events: list[dict], headers: Any) -> None:
+        # Called with each batch of a stream's events (tens of thousands of events a second over all streams): the
+        # common case (a delta of content) first, with as few lookups as it takes; the rare fields after.
+        content, tokens = self.content, 0
+        try:
+            for event in events:
+                choices = event.get("choices")
+                if choices:
+                    choice = choices[0]
+                    delta = choice.get("delta")
+                    if delta:
+                        text = delta.get("content")
+                        if text:
+                            content.append(text)
+                            tokens += 1  # ≥ one token per non-empty chunk: a floor for the budget
+                        if len(delta) > 1 or not text:
+                            thought = delta.get("reasoning") or delta.get("reasoning_content")
+                            if thought:
+                                self.reasoning.append(thought)
+                                if not text:
+                                    tokens += 1
+                    if len(choice) > 2:  # more than index and delta: finish_reason, token ids
+                        self._finish(choice)
+                if self.request_id is None:
+                    self.request_id, self.model, self.provider = (
+                        event.get("id"),
+                        event.get("model"),
+                        event.get("provider"),
                     )
-                if len(delta) > 1 or not text:
-                    thought = delta.get("reasoning") or delta.get("reasoning_content")
-                    if thought:
-                        self.reasoning.append(thought)
-                        if not text:
-                            self.request.streamed_tokens += 1
-            if len(choice) > 2:  # more than index and delta: finish_reason, token ids
-                ids = choice.get("token_ids")
-                if isinstance(ids, list):
-                    self.ids = (self.ids or []) + ids
-                if choice.get("finish_reason"):
-                    self.finish = choice["finish_reason"]
-                    self.native_finish = choice.get("native_finish_reason")
-        if self.request_id is None:
-            self.request_id, self.model, self.provider = (
-                event.get("id"),
-                event.get("model"),
-                event.get("provider"),
-            )
-        if event.get("error"):
-            raise classify(200, event, headers)  # an error after the stream started (429, 5xx, timeouts)
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
+                if event.get("error"):
+                    raise classify(
+                        200, event, headers
+                    )  # an error after the stream started (429, 5xx, timeouts)
+                usage = event.get("usage")
+                if isinstance(usage, dict):
+                    self.usage = usage
+        finally:
+            self.request.streamed_tokens += tokens  # the budget sees what arrived, even up to an error
+
+    def _finish(self, choice: dict) -> None:
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):  # vLLM streams each event's ids: extended in place, not copied per event
+            if self.ids is None:
+                self.ids = []
+            self.ids.extend(ids)
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+            self.native_finish = choice.get("native_finish_reason")
 
     def completion(self, fallback_model: str, count: TokenCounter | None) -> Completion:
         if self.finish is None:

@@ -3,11 +3,12 @@
 Why not aiohttp for the streams: measured here, aiohttp spends ~30 µs of client CPU per event when every event comes
 in its own TCP packet, as providers send them (one token at a time): a wake-up of the loop, a read, three Python
 callbacks of the HTTP parser per chunk, and a switch to the reading task. The seed's 40,000 events/s would need 1.2
-cores; the engine has one. Here a connection's protocol only appends what arrives and pauses its socket; a pump, every
-`tick_s`, decodes what each stream gathered (chunked framing, then `data:` lines, parsed by orjson in one batch) and
-lets every socket read again, so the kernel collects the events in between and one read takes several. A stream's
-last chunk is seen as it arrives. Ticks adapt to the answers: a twentieth of the shortest answers' time (5 ms to 250
-ms), so a stream's end waits for at most a small share of its own length.
+cores; the engine has one. Here a connection's protocol hands what arrives to a C HTTP parser (httptools: the
+chunked framing is undone with no Python frame per chunk), then pauses its socket; a pump, every `tick_s`, takes each
+waiting stream's payload, parses its `data:` events in one orjson call, hands them on as one batch, and lets the
+socket read again, so the kernel collects the events in between and one read takes several. A stream's last chunk
+is seen as it arrives. Ticks adapt to the answers: a twentieth of the shortest answers' time (5 ms to 250 ms), so a
+stream's end waits for at most a small share of its own length; only streams that received something are visited.
 
 Connections are HTTP/1.1 keep-alive, per origin, reused for the next request; TLS through the standard library. The
 rest of the backend (non-streamed requests, preflight, error bodies' classification) stays on aiohttp; an error
@@ -26,14 +27,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import httptools
+
 from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError, describe
 
 from .http import _error_response, loads, redact
 
 KEEPALIVE_S = 30.0  # an idle connection older than this is closed, not reused (servers drop them around 60 s)
 MIN_TICK_S, MAX_TICK_S, FIRST_TICK_S = 0.005, 0.25, 0.01
+TIMEOUT_CHECK_S = 1.0  # how often the pump looks for silent or overlong streams
 
-OnEvent = Callable[[dict, Mapping[str, str]], None]
+# Called with each batch of a stream's events, in order (it may raise a classified error to end the stream).
+OnEvents = Callable[[list[dict], Mapping[str, str]], None]
 
 
 class _Headers(dict):
@@ -49,140 +54,121 @@ class _Headers(dict):
         return isinstance(key, str) and super().__contains__(key.lower())
 
 
-class _Stream:
-    """One streamed response being decoded: its framing state, its events, its outcome."""
+class _Response:
+    """The parser's view of one response: its head, its payload so far (the framing already undone), its end."""
 
     __slots__ = (
-        "body",
-        "chunk_left",
-        "collect",
-        "done",
-        "ended",
+        "close_delimited",
+        "complete",
         "error",
-        "finished",
+        "head_done",
         "headers",
-        "length_left",
-        "lines",
-        "on_event",
-        "secrets",
+        "keep_alive",
+        "on_body",
+        "on_headers_complete",
+        "parts",
     )
 
-    def __init__(self, headers: _Headers, on_event: OnEvent, secrets: tuple[bytes, ...]):
+    def __init__(self, on_head: Callable[[], None]) -> None:
+        self.on_headers_complete = on_head  # httptools looks its callbacks up once, when the parser is made
+        self.headers = _Headers()
+        self.parts: list[bytes] = []
+        self.on_body = (
+            self.parts.append
+        )  # the C parser appends each piece of payload: no Python frame per chunk
+        self.head_done = False
+        self.complete = False  # the body ended: its last chunk, its Content-Length, or the close that ends it
+        self.close_delimited = False  # neither chunked nor sized: the body ends when the connection does
+        self.keep_alive = False
+        self.error: BaseException | None = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    def take(self) -> bytes:
+        parts = self.parts
+        if not parts:
+            return b""
+        out = parts[0] if len(parts) == 1 else b"".join(parts)
+        parts.clear()
+        return out
+
+
+class _Events:
+    """The `data:` events of one streamed body: decoded in batches, handed on in order, `[DONE]` noticed."""
+
+    __slots__ = ("collect", "done", "error", "finished", "headers", "on_events", "pending", "secrets")
+
+    def __init__(self, headers: _Headers, on_events: OnEvents, secrets: tuple[bytes, ...]):
         self.headers = headers
-        self.on_event = on_event
+        self.on_events = on_events
         self.secrets = secrets
-        self.body = bytearray()  # raw body bytes not decoded yet
-        self.chunk_left = -1  # bytes left in the current chunk; -1: a size line is next; -2: trailers
-        self.lines = bytearray()  # decoded payload not yet split into complete lines
+        self.pending = b""  # payload after the last complete line
         self.done = False  # saw `data: [DONE]`
-        self.ended = False  # the body ended (last chunk, or the connection closed an unframed body)
         self.finished: asyncio.Future | None = None
         self.error: BaseException | None = None
-        self.length_left: int | None = None  # a Content-Length body (a server that did not stream)
         self.collect: bytearray | None = (
             None  # an error status: the body is kept whole, not decoded as events
         )
 
-    def unframed(self) -> bytes:
-        """The payload of a body that is not chunked: up to its Content-Length, or until the connection ends."""
-        out = bytes(self.body)
-        self.body.clear()
-        if self.length_left is not None:
-            out = out[: self.length_left]
-            self.length_left -= len(out)
-            if self.length_left <= 0:
-                self.ended = True
-        return out
+    def feed(self, payload: bytes, final: bool = False) -> None:
+        """Decode the complete lines of what has arrived (all of it when `final`) and hand their events on."""
+        buf = self.pending + payload if self.pending else payload
+        if final:
+            cut = len(buf)
+        else:
+            cut = buf.rfind(b"\n\n") + 2  # whole events, so the common case below applies
+            if cut == 1:
+                cut = buf.rfind(b"\n") + 1  # no blank line yet (or `\r\n` line ends): complete lines
+                if cut == 0:
+                    self.pending = buf
+                    return
+        text, self.pending = buf[:cut], buf[cut:]
+        if self.secrets:
+            text = redact(text, self.secrets)
+        events = self._common(text)
+        if events is None:
+            events = self._lines(text)
+        if events:
+            self.on_events(events, self.headers)
 
-    def dechunk(self) -> bytes:
-        """Decode the chunked framing of what has arrived; returns the payload bytes now complete. One pass over an
-        immutable copy, slices joined once: a provider's events come one per chunk, so this loop runs per event."""
-        data = bytes(self.body)
-        n, pos, left, parts = len(data), 0, self.chunk_left, []
-        find = data.find
-        while True:
-            if left > 0:
-                end = pos + left
-                if end > n:
-                    parts.append(data[pos:])
-                    left -= n - pos
-                    pos = n
-                    break
-                parts.append(data[pos:end])
-                pos, left = end, -3
-            if left == -3:  # the CRLF after a chunk's data
-                if n - pos < 2:
-                    break
-                if data[pos : pos + 2] != b"\r\n":
-                    raise InferenceError(
-                        ErrorKind.MALFORMED, "bad chunked framing (no CRLF after a chunk)", status=200
-                    )
-                pos, left = pos + 2, -1
-            eol = find(b"\r\n", pos)
-            if eol < 0:
-                break
-            line = data[pos:eol]
-            pos = eol + 2
-            if left == -2:  # trailers, up to an empty line
-                if not line:
-                    self.ended = True
-                    break
-                continue
-            try:
-                size = int(line, 16)
-            except ValueError:
-                try:
-                    size = int(line.split(b";", 1)[0].strip(), 16)  # a chunk extension
-                except ValueError:
-                    raise InferenceError(
-                        ErrorKind.MALFORMED,
-                        f"bad chunk size line {describe(line.decode('latin-1'))}",
-                        status=200,
-                    ) from None
-            left = size if size else -2
-        self.chunk_left = left
-        del self.body[:pos]
-        return b"".join(parts)
+    def _common(self, text: bytes) -> list[dict] | None:
+        """Events as providers send them, `data: <json>` and a blank line each: one orjson call for the batch (a
+        JSON text holds no raw newline, so the separators cannot occur inside an event). None: anything else."""
+        if not (text.startswith(b"data: ") and text.endswith(b"\n\n")) or b"\r" in text or b"[DONE]" in text:
+            return None
+        try:
+            events = loads(b"[" + text[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+        except ValueError:
+            return None  # a comment, another field, a malformed event: line by line, which names it
+        return [e for e in events if type(e) is dict]
 
-    def feed(self, payload: bytes) -> None:
-        """Complete `data:` lines of the payload so far, parsed in one batch and handed on in order."""
-        if payload:
-            self.lines += payload
-        cut = self.lines.rfind(b"\n")
-        if cut < 0:
-            return
-        chunk = bytes(self.lines[: cut + 1])
-        del self.lines[: cut + 1]
-        datas = []
-        for line in chunk.split(b"\n"):
+    def _lines(self, text: bytes) -> list[dict]:
+        """Line by line: blank separators, `: keep-alive` comments, `event:`/`id:` fields, `[DONE]`."""
+        events = []
+        for line in text.split(b"\n"):
             if not line.startswith(b"data:"):
-                continue  # blank separators, ": keep-alive" comments, event:/id: fields
+                continue
             data = line[5:].strip()
             if data == b"[DONE]":
                 self.done = True
                 break
-            if data:
-                datas.append(data)
-        if not datas:
-            return
-        if self.secrets and any(secret in chunk for secret in self.secrets):
-            datas = [redact(d, self.secrets) for d in datas]
-        try:
-            events = loads(b"[" + b",".join(datas) + b"]")
-        except ValueError:
-            events = []
-            for d in datas:
-                try:
-                    events.append(loads(d))
-                except ValueError:
-                    raise InferenceError(
-                        ErrorKind.MALFORMED,
-                        f"unparsable stream event: {describe(d.decode('utf-8', 'replace'))}",
-                        status=200,
-                    ) from None
-        for event in events:
+            if not data:
+                continue
+            try:
+                event = loads(data)
+            except ValueError:
+                raise InferenceError(
+                    ErrorKind.MALFORMED,
+                    f"unparsable stream event: {describe(data.decode('utf-8', 'replace'))}",
+                    status=200,
+                ) from None
             if isinstance(event, dict):
-                self.on_event(event, self.headers)
+                events.append(event)
+        return events
 
 
 class _Connection(asyncio.Protocol):
@@ -194,46 +180,54 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.idle_since = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.raw = bytearray()  # before the headers are complete
-        self.status = 0
-        self.headers: _Headers | None = None
+        self.response: _Response | None = None  # None while idle
+        self.parser: Any = None
         self.head_ready: asyncio.Future | None = None
-        self.early = bytearray()  # body bytes that came before the reader took over
-        self.length: int | None = None  # Content-Length of an error body
-        self.chunked = False
-        self.keep_alive = True
-        self.stream: _Stream | None = None
+        self.events: _Events | None = None  # set once the reader has taken over the response
+        self.queued = False  # paused, waiting for the pump
         self.got_bytes = False
-        self.last_data_at = time.monotonic()
-        self.started_at = time.monotonic()
+        self.started_at = self.last_data_at = time.monotonic()
+
+    def begin(self, head_ready: asyncio.Future) -> None:
+        """A new request on this connection: a fresh response and parser."""
+        self.response = _Response(self._head_complete)
+        self.parser = httptools.HttpResponseParser(self.response)
+        self.head_ready = head_ready
+        self.events = None
+        self.got_bytes = False
+        self.started_at = self.last_data_at = time.monotonic()
+
+    def idle(self) -> None:
+        self.response = self.parser = self.head_ready = self.events = None
+        self.idle_since = time.monotonic()
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        r = self.response
+        if r is None:
+            return  # bytes on an idle connection: the server is closing it
         self.got_bytes = True
         self.last_data_at = time.monotonic()
-        s = self.stream
-        if s is not None:
-            s.body += data
-            if data.endswith(b"0\r\n\r\n") or not self.chunked:
-                self.client._service(self)  # the last chunk (or an unframed body): finish now
-            else:
-                self.transport.pause_reading()  # type: ignore[union-attr]  # the pump reads on at its tick
-            return
-        if self.headers is not None:
-            self.early += data  # the head is parsed; the reader has not taken over yet
-            return
-        if self.head_ready is None:
-            return  # bytes on an idle connection: the server is closing it
-        self.raw += data
-        end = self.raw.find(b"\r\n\r\n")
-        if end >= 0:
-            self._parse_head(end)
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            self.transport.close()  # type: ignore[union-attr]  # a parser that failed cannot read on
+            if r.complete:
+                return  # bytes after the response: this connection is not reused, the answer stands
+            r.error = InferenceError(ErrorKind.MALFORMED, f"bad HTTP response: {e}", status=200)
+            if self.head_ready is not None and not self.head_ready.done():
+                self.head_ready.set_exception(r.error)
+        if self.events is None:
+            return  # the head is not read yet, or the reader has not taken over: the payload waits in `parts`
+        if r.complete or r.error is not None:
+            self.client._service(self)  # the last chunk: finish now
+        elif not self.queued:
+            self.queued = True
+            self.transport.pause_reading()  # type: ignore[union-attr]  # the pump reads on at its tick
+            self.client._ready.append(self)
 
     def eof_received(self) -> bool:
         return False
@@ -242,44 +236,36 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.client._forget(self)
         err = exc or ConnectionResetError("the server closed the connection")
+        r = self.response
         if self.head_ready is not None and not self.head_ready.done():
             self.head_ready.set_exception(err)
-        elif self.stream is not None and not self.stream.ended:
-            if self.chunked:
-                self.client._fail(self, InferenceError(ErrorKind.CONNECTION, f"response cut off: {err}"))
+        elif r is not None and not r.complete and r.error is None:
+            if r.close_delimited:
+                r.complete = True  # an unframed body ends when the connection does
             else:
-                self.stream.ended = True  # an unframed body ends when the connection does
-                self.client._service(self)
+                r.error = InferenceError(ErrorKind.CONNECTION, f"response cut off: {err}")
+        if self.events is not None:
+            self.client._service(self)
 
-    # -- the response head ----------------------------------------------------------------------------------
-    def _parse_head(self, end: int) -> None:
-        head = bytes(self.raw[:end])
-        self.early = bytearray(self.raw[end + 4 :])
-        self.raw = bytearray()
-        lines = head.split(b"\r\n")
-        try:
-            version, status = lines[0].split(b" ", 2)[:2]
-            self.status = int(status)
-        except ValueError:
-            if not self.head_ready.done():  # type: ignore[union-attr]
-                self.head_ready.set_exception(  # type: ignore[union-attr]
-                    InferenceError(
-                        ErrorKind.MALFORMED, f"bad status line {describe(lines[0].decode('latin-1'))}"
-                    )
-                )
-            return
-        headers = _Headers()
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers[name.strip().decode("latin-1").lower()] = value.strip().decode("latin-1")
-        self.headers = headers
-        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        connection = headers.get("connection", "").lower()
-        self.keep_alive = version == b"HTTP/1.1" and "close" not in connection
-        length = headers.get("content-length")
-        self.length = int(length) if length and length.isdigit() and not self.chunked else None
-        if not self.head_ready.done():  # type: ignore[union-attr]  # the caller may have been cancelled meanwhile
-            self.head_ready.set_result(None)  # type: ignore[union-attr]
+    def _head_complete(self) -> None:
+        r = self.response
+        r.head_done = True  # type: ignore[union-attr]
+        chunked = "chunked" in r.headers.get("transfer-encoding", "").lower()  # type: ignore[union-attr]
+        r.close_delimited = not chunked and "content-length" not in r.headers  # type: ignore[union-attr]
+        r.keep_alive = self.parser.should_keep_alive()  # type: ignore[union-attr]  # (llhttp forgets it at the end)
+        if self.head_ready is not None and not self.head_ready.done():  # the caller may have been cancelled
+            self.head_ready.set_result(None)
+
+    def reusable(self) -> bool:
+        r = self.response
+        return (
+            r is not None
+            and r.complete
+            and r.error is None
+            and not r.close_delimited
+            and not self.closed
+            and r.keep_alive
+        )
 
 
 class StreamClient:
@@ -319,15 +305,16 @@ class StreamClient:
         self._addr: tuple[Any, ...] | None = None
         self._idle: deque[_Connection] = deque()
         self._active: set[_Connection] = set()
+        self._ready: list[_Connection] = []  # paused with something to decode
         self._pump: asyncio.Task | None = None
         self._durations: deque[float] = deque(maxlen=256)
         self.tick_s = FIRST_TICK_S
         self._closed = False
 
     # -- public --------------------------------------------------------------------------------------------
-    async def post(self, body: bytes, on_event: OnEvent) -> bool:
-        """POST `body` and feed every `data:` event to `on_event` (which may raise a classified error). Returns
-        True when the stream ended with `[DONE]`; an error status raises the classified InferenceError."""
+    async def post(self, body: bytes, on_events: OnEvents) -> bool:
+        """POST `body` and hand every `data:` event to `on_events`, in batches and in order. Returns True when the
+        stream ended with `[DONE]`; an error status raises the classified InferenceError."""
         for attempt in (0, 1):
             conn = await self._acquire()
             try:
@@ -335,13 +322,13 @@ class StreamClient:
             except InferenceError:
                 self._discard(conn)
                 raise
-            except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+            except (ConnectionError, OSError) as e:
                 self._discard(conn)
                 # A reused connection the server had closed before reading the request: nothing was processed.
                 if conn.reused and not conn.got_bytes and attempt == 0:
                     continue
                 raise InferenceError(ErrorKind.CONNECTION, f"{type(e).__name__}: {e}") from None
-            return await self._read(conn, on_event)
+            return await self._read(conn, on_events)
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
@@ -363,7 +350,6 @@ class StreamClient:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
                 conn.reused = True
-                conn._reset()
                 return conn
             if conn.transport is not None:
                 conn.transport.close()
@@ -391,62 +377,49 @@ class StreamClient:
         return conn
 
     async def _send(self, conn: _Connection, body: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        conn.head_ready = loop.create_future()
-        conn.started_at = time.monotonic()
+        if conn.closed:
+            raise ConnectionResetError("the server closed the connection")
+        conn.begin(asyncio.get_running_loop().create_future())
         conn.transport.resume_reading()  # type: ignore[union-attr]
         conn.transport.write(  # type: ignore[union-attr]
             b"POST " + self.path.encode() + b" HTTP/1.1\r\n" + self._head + b"Content-Length: "
             + str(len(body)).encode() + b"\r\n\r\n" + body
         )  # fmt: skip
         try:
-            await asyncio.wait_for(conn.head_ready, self.idle_timeout_s)
+            await asyncio.wait_for(conn.head_ready, self.idle_timeout_s)  # type: ignore[arg-type]
         except TimeoutError:
             raise InferenceError(ErrorKind.TIMEOUT, "no response head within the idle timeout") from None
 
-    async def _read(self, conn: _Connection, on_event: OnEvent) -> bool:
-        loop = asyncio.get_running_loop()
-        headers = conn.headers or _Headers()
-        conn.head_ready = None
-        rest, conn.early = bytes(conn.early), bytearray()
-        stream = _Stream(headers, on_event, self.secrets)
-        stream.finished = loop.create_future()
-        if not conn.chunked:
-            stream.length_left = conn.length
-        if conn.status != 200:
-            stream.collect = bytearray()
-        conn.stream = stream
+    async def _read(self, conn: _Connection, on_events: OnEvents) -> bool:
+        r = conn.response
+        assert r is not None
+        events = _Events(r.headers, on_events, self.secrets)
+        events.finished = asyncio.get_running_loop().create_future()
+        status = conn.parser.get_status_code()
+        if status != 200:
+            events.collect = bytearray()
+        conn.events = events
         self._active.add(conn)
-        stream.body += rest
-        if conn.closed and not conn.chunked and conn.length is None:
-            stream.ended = True  # an unframed body that the server already finished by closing
-        self._service(conn)
-        if conn.closed and not stream.finished.done():
-            self._fail(
-                conn,
-                InferenceError(ErrorKind.CONNECTION, "response cut off: the server closed the connection"),
-            )
+        self._service(conn)  # what came with the head, or all of it
         self._ensure_pump()
         try:
-            await stream.finished
+            await events.finished
         finally:
             self._active.discard(conn)
-        if stream.error is not None:
+        if events.error is not None:
             self._discard(conn)
-            raise stream.error
-        if stream.collect is not None:
+            raise events.error
+        if events.collect is not None:
             self._discard(conn)
-            raise _error_response(conn.status, redact(bytes(stream.collect), self.secrets), headers)
+            raise _error_response(status, redact(bytes(events.collect), self.secrets), r.headers)
         self._durations.append(time.monotonic() - conn.started_at)
-        if conn.keep_alive and conn.chunked and not conn.closed:
-            conn.stream = None
-            conn.headers = None
-            conn.idle_since = time.monotonic()
+        if conn.reusable():
+            conn.idle()
             conn.transport.resume_reading()  # type: ignore[union-attr]  # to notice the server closing it
             self._idle.append(conn)
         else:
             self._discard(conn)
-        return stream.done
+        return events.done
 
     def _discard(self, conn: _Connection) -> None:
         self._active.discard(conn)
@@ -460,52 +433,56 @@ class StreamClient:
     # -- decoding ------------------------------------------------------------------------------------------
     def _service(self, conn: _Connection) -> None:
         """Decode what the connection gathered; finish its stream when its body ended."""
-        s = conn.stream
-        if s is None or s.finished is None or s.finished.done():
+        e, r = conn.events, conn.response
+        if e is None or r is None or e.finished is None or e.finished.done():
             return
         try:
-            payload = s.dechunk() if conn.chunked else s.unframed()
-            if s.collect is not None:
-                s.collect += payload
-            else:
-                s.feed(payload)
-            if s.ended and s.collect is None:
-                s.feed(b"\n")  # a last line without its newline
-        except BaseException as e:  # a classified error event, malformed framing or JSON, a bug
-            self._fail(conn, e)
+            if r.error is not None:
+                raise r.error
+            payload = r.take()
+            if e.collect is not None:
+                e.collect += payload
+            elif payload or r.complete:
+                e.feed(payload, final=r.complete)
+        except BaseException as error:  # a classified error event, malformed framing or JSON, a bug
+            self._fail(conn, error)
             return
-        if s.ended and not s.finished.done():
-            s.finished.set_result(None)
+        if r.complete and not e.finished.done():
+            e.finished.set_result(None)
 
     def _fail(self, conn: _Connection, error: BaseException) -> None:
-        s = conn.stream
-        if s is not None and s.finished is not None and not s.finished.done():
-            s.error = error
-            s.finished.set_result(None)
+        e = conn.events
+        if e is not None and e.finished is not None and not e.finished.done():
+            e.error = error
+            e.finished.set_result(None)
 
     def _ensure_pump(self) -> None:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
 
     async def _run_pump(self) -> None:
+        every = min(TIMEOUT_CHECK_S, self.idle_timeout_s / 4)
+        next_check = time.monotonic() + every
         while self._active and not self._closed:
             await asyncio.sleep(self.tick_s)
-            now = time.monotonic()
-            for conn in list(self._active):
-                if conn.stream is None:
-                    continue
+            ready, self._ready = self._ready, []
+            for conn in ready:
+                conn.queued = False
                 self._service(conn)
-                if now - conn.last_data_at > self.idle_timeout_s:
-                    self._fail(
-                        conn, InferenceError(ErrorKind.TIMEOUT, "the stream went silent (idle timeout)")
-                    )
-                elif now - conn.started_at > self.total_timeout_s:
-                    self._fail(
-                        conn, InferenceError(ErrorKind.TIMEOUT, "no complete answer within the timeout")
-                    )
-                elif not conn.closed and conn.transport is not None:
+                if not conn.closed and conn.transport is not None:
                     conn.transport.resume_reading()
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + every
+                self._check_timeouts(now)
             self._adapt_tick()
+
+    def _check_timeouts(self, now: float) -> None:
+        for conn in list(self._active):
+            if now - conn.last_data_at > self.idle_timeout_s:
+                self._fail(conn, InferenceError(ErrorKind.TIMEOUT, "the stream went silent (idle timeout)"))
+            elif now - conn.started_at > self.total_timeout_s:
+                self._fail(conn, InferenceError(ErrorKind.TIMEOUT, "no complete answer within the timeout"))
 
     def _adapt_tick(self) -> None:
         """A twentieth of the time of the shortest answers (their 10th percentile), within [5 ms, 250 ms]."""
