@@ -164,8 +164,8 @@ class StreamedAnswer:
                                 self.reasoning.append(thought)
                                 if not text:
                                     tokens += 1
-                    if len(choice) > 2:  # more than index and delta: finish_reason, token ids
-                        self._finish(choice)
+                    if len(choice) > 2 and (choice.get("finish_reason") or "token_ids" in choice):
+                        self._finish(choice)  # (most events carry `"finish_reason": null`)
                 if self.request_id is None:
                     self.request_id, self.model, self.provider = (
                         event.get("id"),

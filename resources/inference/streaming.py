@@ -136,14 +136,26 @@ class _Events:
             self.on_events(events, self.headers)
 
     def _common(self, text: bytes) -> list[dict] | None:
-        """Events as providers send them, `data: <json>` and a blank line each: one orjson call for the batch (a
-        JSON text holds no raw newline, so the separators cannot occur inside an event). None: anything else."""
-        if not (text.startswith(b"data: ") and text.endswith(b"\n\n")) or b"\r" in text or b"[DONE]" in text:
+        """Events as providers send them, `data: <json>` and a blank line each (the last may be `[DONE]`): one
+        orjson call for the batch. A JSON text holds no raw newline, so a separator cannot occur inside an event,
+        and anything else between events (a comment, another field, a `data:` line on its own) leaves the batch
+        unparsable: None, and it is read line by line, which names what is wrong. Stray whitespace (`\r`) is
+        whitespace to JSON as it is to `strip`, so both paths read the same events."""
+        if not (text.startswith(b"data: ") and text.endswith(b"\n\n")):
             return None
+        body, done = text[6:-2], False
+        if body.endswith(b"[DONE]"):
+            if body == b"[DONE]":
+                self.done = True
+                return []
+            if not body.endswith(b"\n\ndata: [DONE]"):
+                return None
+            body, done = body[:-14], True
         try:
-            events = loads(b"[" + text[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+            events = loads(b"[%b]" % body.replace(b"\n\ndata: ", b","))
         except ValueError:
-            return None  # a comment, another field, a malformed event: line by line, which names it
+            return None
+        self.done = self.done or done
         return [e for e in events if type(e) is dict]
 
     def _lines(self, text: bytes) -> list[dict]:
