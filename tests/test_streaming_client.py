@@ -87,6 +87,17 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def failed_posts(client: StreamClient, n: int) -> list[InferenceError]:
+    """`n` posts that must each fail: their errors, in order (the client closed after)."""
+    errors = []
+    for _ in range(n):
+        with pytest.raises(InferenceError) as e:
+            await client.post(b"{}", lambda ev, h: None)
+        errors.append(e.value)
+    await client.close()
+    return errors
+
+
 def test_framing_split_anywhere_and_events_split_across_chunks():
     payload = sse(*EVENTS, "[DONE]")
     body = HEAD + chunked(payload, [7, 1, 50, 3, 120])
@@ -146,14 +157,7 @@ def test_an_error_status_is_read_whole_and_classified():
 
     async def main():
         async with RawServer(handler) as server:
-            client = StreamClient(server.url(), {}, secrets=(b"secret-key-123",))
-            errors = []
-            for _ in range(2):
-                with pytest.raises(InferenceError) as e:
-                    await client.post(b"{}", lambda ev, h: None)
-                errors.append(e.value)
-            await client.close()
-            return errors
+            return await failed_posts(StreamClient(server.url(), {}, secrets=(b"secret-key-123",)), 2)
 
     rate, busy = run(main())
     assert rate.kind is ErrorKind.RATE_LIMITED and rate.retry_after == 7 and "slow down" in rate.message
@@ -176,14 +180,8 @@ def test_a_cut_a_malformed_event_and_silence_are_classified():
 
     async def main():
         async with RawServer(handler) as server:
-            client = StreamClient(server.url(), {}, idle_timeout_s=0.3)
-            kinds = []
-            for _ in range(3):
-                with pytest.raises(InferenceError) as e:
-                    await client.post(b"{}", lambda ev, h: None)
-                kinds.append(e.value.kind)
-            await client.close()
-            return kinds
+            errors = await failed_posts(StreamClient(server.url(), {}, idle_timeout_s=0.3), 3)
+            return [e.kind for e in errors]
 
     assert run(main()) == [ErrorKind.CONNECTION, ErrorKind.MALFORMED, ErrorKind.TIMEOUT]
 
@@ -313,14 +311,7 @@ def test_broken_http_is_classified_as_malformed():
 
     async def main():
         async with RawServer(handler) as server:
-            client = StreamClient(server.url(), {})
-            errors = []
-            for _ in range(2):
-                with pytest.raises(InferenceError) as e:
-                    await client.post(b"{}", lambda ev, h: None)
-                errors.append(e.value)
-            await client.close()
-            return errors, server.connections
+            return await failed_posts(StreamClient(server.url(), {}), 2), server.connections
 
     errors, connections = run(main())
     assert [e.kind for e in errors] == [ErrorKind.MALFORMED, ErrorKind.MALFORMED], errors
