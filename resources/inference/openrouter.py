@@ -172,10 +172,8 @@ class StreamedAnswer:
                         event.get("model"),
                         event.get("provider"),
                     )
-                if event.get("error"):
-                    raise classify(
-                        200, event, headers
-                    )  # an error after the stream started (429, 5xx, timeouts)
+                if event.get("error"):  # an error after the stream started (429, 5xx, timeouts)
+                    raise classify(200, event, headers)
                 usage = event.get("usage")
                 if isinstance(usage, dict):
                     self.usage = usage

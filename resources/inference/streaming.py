@@ -63,7 +63,6 @@ class _Response:
         "close_delimited",
         "complete",
         "error",
-        "head_done",
         "headers",
         "keep_alive",
         "on_body",
@@ -75,10 +74,8 @@ class _Response:
         self.on_headers_complete = on_head  # httptools looks its callbacks up once, when the parser is made
         self.headers = _Headers()
         self.parts: list[bytes] = []
-        self.on_body = (
-            self.parts.append
-        )  # the C parser appends each piece of payload: no Python frame per chunk
-        self.head_done = False
+        # The C parser appends each piece of payload: no Python frame per chunk.
+        self.on_body = self.parts.append
         self.complete = False  # the body ended: its last chunk, its Content-Length, or the close that ends it
         self.close_delimited = False  # neither chunked nor sized: the body ends when the connection does
         self.keep_alive = False
@@ -263,7 +260,6 @@ class _Connection(asyncio.Protocol):
 
     def _head_complete(self) -> None:
         r = self.response
-        r.head_done = True  # type: ignore[union-attr]
         chunked = "chunked" in r.headers.get("transfer-encoding", "").lower()  # type: ignore[union-attr]
         r.close_delimited = not chunked and "content-length" not in r.headers  # type: ignore[union-attr]
         r.keep_alive = self.parser.should_keep_alive()  # type: ignore[union-attr]  # (llhttp forgets it at the end)
