@@ -7,8 +7,9 @@ As its example's `main.py` does in offline mode, with what the wheel ships: the 
 `training.answer_only_loss=true`, so the export's loss mask is used, and the aux layer ids), the target loaded
 with `load_vlm_or_llm(use_offline_training=True)`, `mtsp.convert` to an EAGLE-3 model, the offline dataset over
 every `*.pt` under the folder (the example's own discovery: `rglob("*.pt")`) and its collator; then a few AdamW
-steps under bf16 autocast (the recipe trains with `bf16: true`, which the HF Trainer runs as autocast). Prints one
-JSON line; never imports the project.
+steps under bf16 autocast where the CPU has bf16 arithmetic (the recipe trains with `bf16: true`, which the HF
+Trainer runs as autocast), in fp32 elsewhere (`driver.training_precision`). Prints one JSON line; never imports the
+project.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from driver import offline, report
+from driver import offline, report, training_precision
 
 offline()  # the frameworks, imported in main(), read these settings at import
 
@@ -99,10 +100,11 @@ def main() -> dict:
 
     model.train()
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+    out["train_dtype"], autocast, cast = training_precision()
     losses = []
     for step in range(a.steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(**batches[step % len(batches)]).loss
+        with autocast():
+            loss = model(**cast(batches[step % len(batches)])).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

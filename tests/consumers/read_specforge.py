@@ -13,7 +13,8 @@
 - `specforge train --config specforge_train.yaml` (its CLI entry point, in a child process) trains the draft for a
   few steps. CPU only: FSDP needs an accelerator (`fsdp_sharding=NO_SHARD` selects SpecForge's DDP path), flex
   attention has no CPU backward (sdpa), and the Triton loss kernel cannot launch without a GPU driver, so the loss
-  is SpecForge's own eager reference of the same kernel.
+  is SpecForge's own eager reference of the same kernel. The draft trains in the config's bf16 where the CPU has
+  bf16 arithmetic, in fp32 (`model.torch_dtype=float32`) elsewhere (`driver.bf16_native`).
 Prints one JSON line; never imports the project.
 """
 
@@ -31,7 +32,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from driver import offline, report
+from driver import bf16_native, offline, report
 
 offline()  # the frameworks, imported in main(), read these settings at import
 
@@ -147,9 +148,11 @@ def main() -> dict:
         overrides = [
             *overrides,
             f"training.max_steps={a.steps}",
+            *([] if bf16_native() else ["model.torch_dtype=float32"]),
             f"data.cache_dir={work / 'cache'}",
             f"output_dir={work / 'run'}",
         ]
+        out["train_dtype"] = "bfloat16" if bf16_native() else "float32"
         metrics = work / "metrics.json"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         child = subprocess.run(
@@ -179,6 +182,16 @@ def train(config: str, metrics_path: str, overrides: list[str]) -> None:
             apply = staticmethod(reference)
 
         eagle3_model.LogSoftmaxLoss = EagerLogSoftmaxLoss
+    if (
+        not bf16_native()
+    ):  # the draft is fp32 (`model.torch_dtype=float32`): the stored bf16 states are cast up
+        forward = eagle3_model.OnlineEagle3Model.forward
+        up = lambda v: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+
+        def forward_fp32(self, *args, **kwargs):
+            return forward(self, *map(up, args), **{k: up(v) for k, v in kwargs.items()})
+
+        eagle3_model.OnlineEagle3Model.forward = forward_fp32
     logged: list[dict] = []
     log = assembly._logger
 

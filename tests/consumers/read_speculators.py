@@ -18,7 +18,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from driver import offline, report
+from driver import offline, report, training_precision
 
 offline()  # the frameworks, imported in main(), read these settings at import
 
@@ -155,12 +155,13 @@ def main() -> dict:
         )  # fmt: skip
         trainer.setup_optimizer()
         model.train()
+        out["train_dtype"], autocast, cast = training_precision()
         epoch = 0
         while len(losses) < a.steps:
             train_loader.batch_sampler.set_epoch(epoch)
             for batch in train_loader:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    _, loss, _ = model(**batch, **train_kwargs)
+                with autocast():
+                    _, loss, _ = model(**cast(batch), **train_kwargs)
                 trainer._optimizers_zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
