@@ -14,9 +14,11 @@ What is easy to get wrong and is therefore computed here, never typed by hand:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import time
@@ -141,11 +143,22 @@ class RunningServer:
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
+        """The whole session the server leads (`launch` starts it in its own): the API server, its engine core and
+        workers. Terminating the API server alone left `VLLM::Worker` processes behind when it did not shut down
+        within the wait."""
+        self._signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        self._signal(signal.SIGKILL)  # what is left of the group (a worker that outlived its parent)
+        self.process.wait()
+
+    def _signal(self, sig: int) -> None:
+        """To the process group the server leads; to the process alone where it leads none (the tests' stand-in
+        for a server started by hand), a no-op once it has exited."""
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            self.process.send_signal(sig)
 
 
 def free_port() -> int:
@@ -169,23 +182,25 @@ def launch(
             start_new_session=True,
         )
     url = f"http://{spec.host}:{spec.port}/v1"
+    server = RunningServer(url, Path(spec.storage_path), spec, proc, log)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"vLLM exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
-            )
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2) as r:
-                if r.status == 200:
-                    models = json.loads(r.read())["data"]
-                    _warm_up(url, models[0]["id"])
-                    return RunningServer(url, Path(spec.storage_path), spec, proc, log)
-        except OSError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"vLLM did not start in {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-4000:]}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{url}/models", timeout=2) as r:
+                    if r.status == 200:
+                        models = json.loads(r.read())["data"]
+                        _warm_up(url, models[0]["id"])
+                        return server
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM did not start in {timeout_s:.0f} s:\n{server.log_tail()}")
+    except BaseException:
+        server.stop()  # with its engine core and workers, whatever stopped the start
+        raise
 
 
 def _warm_up(url: str, model: str) -> None:
