@@ -7,6 +7,9 @@ in its own session, as `launch` starts it, with a worker that ignores SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,13 +44,17 @@ def test_stopping_a_server_stops_the_workers_it_started(tmp_path):
     assert running(worker)
     spec = ServeSpec(model="", aux_layers=[1], num_layers=30, storage_path=str(tmp_path))
     server = RunningServer("http://127.0.0.1:9/v1", tmp_path, spec, leader, tmp_path / "server.log")
-    server.stop()
-    assert leader.returncode is not None
-    deadline = time.monotonic() + 10  # SIGKILL is delivered at once; its exit is observed a moment later
-    while running(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not running(worker)
-    server.stop()  # stopping twice is harmless
+    try:
+        server.stop()
+        assert leader.returncode is not None
+        deadline = time.monotonic() + 10  # SIGKILL is delivered at once; its exit is observed a moment later
+        while running(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(worker)
+        server.stop()  # stopping twice is harmless
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)  # where the stop failed, the worker does not outlive the test
 
 
 def test_a_stand_in_outside_its_own_session_is_stopped_too(tmp_path):
