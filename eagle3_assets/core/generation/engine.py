@@ -213,6 +213,9 @@ CLOSE_OUT_SPENT = 0.9
 # reads in ticks) would otherwise release one large burst, all of it past a provider's cap before its first refusal
 # could come back.
 BURST = 16
+# How often the loop notes that it is free (`_heartbeat`). An answer read long after the last note may have landed
+# at any time since: the budget learns its latency as the earliest it could be (see `_attempt`).
+TICK_S = 0.01
 
 
 def _closing_out(budget: Budget) -> bool:
@@ -255,6 +258,7 @@ class GenerationEngine:
         self._recent: deque = deque(maxlen=64)  # (t, succeeded, attempts, refused) for interval rates
         self._first_dispatch_at: float | None = None
         self._first_dispatch_wall: float | None = None
+        self._tick = time.monotonic()  # the last time the loop was free (`_heartbeat`)
 
     # -- public ---------------------------------------------------------------------------------------------
     async def run(self, lanes: Sequence[Lane]) -> list[EngineReport]:
@@ -265,6 +269,7 @@ class GenerationEngine:
         self.limiter.start_accounting(start)
         flusher = asyncio.create_task(self._flush_loop())
         progress = asyncio.create_task(self._progress_loop(start))
+        heartbeat = asyncio.create_task(self._heartbeat())
         try:
             await self._dispatch()
             await self._drain()
@@ -274,9 +279,9 @@ class GenerationEngine:
             # The flush loop is told to stop, not cancelled: a cancel inside a write would put rows that its
             # thread still writes back in the buffer (written twice), or read as a journal failure.
             self._closing.set()
-            for t in (progress, *self._tasks):
+            for t in (progress, heartbeat, *self._tasks):
                 t.cancel()
-            await asyncio.gather(flusher, progress, *self._tasks, return_exceptions=True)
+            await asyncio.gather(flusher, progress, heartbeat, *self._tasks, return_exceptions=True)
             self._release_unsent()
             for lane in self.lanes:
                 await lane.writer.flush()  # raises if the journal cannot be written: the run fails loudly
@@ -399,6 +404,21 @@ class GenerationEngine:
             timers.append(self.limiter.paused_until - now)
         return max(0.001, min(timers))
 
+    async def _heartbeat(self) -> None:
+        while True:
+            self._tick = time.monotonic()
+            await asyncio.sleep(TICK_S)
+
+    def _earliest_latency(self, now: float, dispatched_at: float) -> float:
+        """The latency the budget learns for an answer read now: as read, unless the loop was held up (its client
+        starved of CPU, a long pass over many answers), when the answer may have landed as early as the loop's
+        last free moment. The budget conditions on latency (long answers land last), so a short answer read late
+        and counted at the time it was read poses as a long one and lowers what the answers still in flight are
+        expected to need: at 2000 in flight on a busy machine the budget overshot by 2-3%. The earliest time errs
+        the other way, on the budget's safe side."""
+        earliest = self._tick + TICK_S
+        return now - dispatched_at if now <= earliest else max(earliest - dispatched_at, 0.001)
+
     def _launch(self, p: _Pending) -> None:
         lane = p.lane
         p.attempts += 1
@@ -440,9 +460,11 @@ class GenerationEngine:
             self._fail(p, err)
             self._count_streak(p, err, dispatched_at)
         else:
-            latency = c.latency_s or (time.monotonic() - dispatched_at)
-            c.latency_s = latency
-            lane.budget.settle(ticket, c.completion_tokens, c.cost_usd, latency)
+            learned = c.latency_s  # where the backend timed the answer itself
+            if not learned:
+                now = time.monotonic()
+                c.latency_s, learned = now - dispatched_at, self._earliest_latency(now, dispatched_at)
+            lane.budget.settle(ticket, c.completion_tokens, c.cost_usd, learned)
             self.limiter.on_success(token)
             self._succeed(p, c, dispatched_at)
         finally:
