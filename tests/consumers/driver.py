@@ -34,14 +34,14 @@ def bf16_native() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def training_precision() -> tuple[str, Callable[[], Any], Callable[[dict], dict]]:
+def training_precision() -> tuple[str, Callable[[], Any], Callable[[Any], Any]]:
     """(compute dtype, autocast context, batch cast) for a few training steps on CPU. The frameworks' recipes train
     under bf16 autocast, and so do the drivers where the CPU has bf16 arithmetic; elsewhere they train in fp32, with
     the stored bf16 states cast up (what is checked is that the framework reads the export and trains on it)."""
     import torch
 
     if bf16_native():
-        return "bfloat16", lambda: torch.autocast("cpu", dtype=torch.bfloat16), lambda batch: batch
+        return "bfloat16", lambda: torch.autocast("cpu", dtype=torch.bfloat16), lambda value: value
 
     def up(value: Any) -> Any:  # a batch nests its tensors in dicts (Model-Optimizer's base model outputs)
         if isinstance(value, dict):

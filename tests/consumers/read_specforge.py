@@ -14,7 +14,7 @@
   few steps. CPU only: FSDP needs an accelerator (`fsdp_sharding=NO_SHARD` selects SpecForge's DDP path), flex
   attention has no CPU backward (sdpa), and the Triton loss kernel cannot launch without a GPU driver, so the loss
   is SpecForge's own eager reference of the same kernel. The draft trains in the config's bf16 where the CPU has
-  bf16 arithmetic, in fp32 (`model.torch_dtype=float32`) elsewhere (`driver.bf16_native`).
+  bf16 arithmetic, in fp32 (`model.torch_dtype=float32`) elsewhere (`driver.training_precision`).
 Prints one JSON line; never imports the project.
 """
 
@@ -32,7 +32,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from driver import bf16_native, offline, report
+from driver import offline, report, training_precision
 
 offline()  # the frameworks, imported in main(), read these settings at import
 
@@ -145,14 +145,14 @@ def main() -> dict:
     }
 
     if a.steps:
+        out["train_dtype"] = train_dtype = training_precision()[0]
         overrides = [
             *overrides,
             f"training.max_steps={a.steps}",
-            *([] if bf16_native() else ["model.torch_dtype=float32"]),
+            *([] if train_dtype == "bfloat16" else [f"model.torch_dtype={train_dtype}"]),
             f"data.cache_dir={work / 'cache'}",
             f"output_dir={work / 'run'}",
         ]
-        out["train_dtype"] = "bfloat16" if bf16_native() else "float32"
         metrics = work / "metrics.json"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         child = subprocess.run(
@@ -182,14 +182,12 @@ def train(config: str, metrics_path: str, overrides: list[str]) -> None:
             apply = staticmethod(reference)
 
         eagle3_model.LogSoftmaxLoss = EagerLogSoftmaxLoss
-    if (
-        not bf16_native()
-    ):  # the draft is fp32 (`model.torch_dtype=float32`): the stored bf16 states are cast up
+    dtype, _, cast = training_precision()
+    if dtype == "float32":  # the draft is fp32 (`model.torch_dtype`): the stored bf16 states are cast up
         forward = eagle3_model.OnlineEagle3Model.forward
-        up = lambda v: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
 
         def forward_fp32(self, *args, **kwargs):
-            return forward(self, *map(up, args), **{k: up(v) for k, v in kwargs.items()})
+            return forward(self, *map(cast, args), **cast(kwargs))
 
         eagle3_model.OnlineEagle3Model.forward = forward_fp32
     logged: list[dict] = []
