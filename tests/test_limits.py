@@ -98,6 +98,45 @@ def test_an_in_flight_cap_is_found_and_held(tmp_path, chat):
     assert 0.6 * 60 <= r.limit_final <= 66 and r.limit_max <= 80, r.limit_trace
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_cold_window_ramps_on_first_tokens_not_on_whole_answers(tmp_path, chat, stream):
+    """Answers of about 3 s (a thinking model's minutes, compressed), first token after a sixteenth of that, no
+    limit below the 600 ceiling. Streamed, the window counts each request when its first token arrives and reaches
+    the ceiling before the first answer lands (on answers alone it held 64 until then: the whole first answer
+    latency at a tenth of the ceiling). Here the ramp is paced by how fast two cores open streams (about 500 a
+    second, provider included), not by the window's doubling. Unstreamed, nothing shows acceptance before the
+    answer: the window grows only on answers and holds its initial 64 until the first one."""
+    n, ceiling = 1800, 600
+    layout = dataset(tmp_path, [f"cold {i}" for i in range(n)])
+    spec = ProviderSpec(latency_median_s=3.0, latency_sigma=0.03, median_tokens=32, sigma=0.1, stream_chunks=16)
+    before_first_answer: list[int] = []
+    with LimitedProvider(spec, process=True) as provider:
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                s = provider.stats()
+                if s["answers"]:
+                    return
+                before_first_answer.append(s["in_flight"])
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            summary = drive(layout, provider.base_url, chat, concurrency=ceiling, retries=0, stream=stream)
+        finally:
+            done.set()
+            sampler.join()
+    assert_all_answered(layout, n, summary)
+    held = max(before_first_answer)
+    if stream:
+        assert held >= 0.9 * ceiling, " ".join(map(str, before_first_answer))
+    else:
+        assert held <= 64, before_first_answer
+    assert summary.report.refused == 0
+
+
 def test_a_limit_that_changes_mid_run_is_tracked_and_the_ceiling_recovered(tmp_path, chat):
     n = 9000
     ceiling = 150  # what two cores drive here, client and provider together (~400 streamed answers/s)

@@ -150,7 +150,7 @@ class EngineReport:
 class _Pending:
     """A prompt being worked on: its request, its lane and what happened to it so far."""
 
-    __slots__ = ("attempts", "faults", "lane", "last_error", "refusals", "request")
+    __slots__ = ("accepted", "attempts", "faults", "lane", "last_error", "refusals", "request")
 
     def __init__(self, request: CompletionRequest, lane: Lane):
         self.request = request
@@ -159,6 +159,7 @@ class _Pending:
         self.faults = 0
         self.refusals = 0
         self.last_error: InferenceError | None = None
+        self.accepted = False  # this attempt's first token counted for the window (AdaptiveLimit.on_accepted)
 
 
 class Lane:
@@ -259,6 +260,12 @@ class GenerationEngine:
         self._first_dispatch_at: float | None = None
         self._first_dispatch_wall: float | None = None
         self._tick = time.monotonic()  # the last time the loop was free (`_heartbeat`)
+        # Attempts in flight during the window's first slow start, by dispatch number: each counts for the window
+        # at its first streamed token (`_credit_accepted`). None once the ramp is over, or when the backend does
+        # not stream (an answer came with no token streamed before it).
+        self._ramp: dict[int, tuple[_Pending, tuple[float, int, int]]] | None = (
+            {} if self.limiter.adaptive else None
+        )
 
     # -- public ---------------------------------------------------------------------------------------------
     async def run(self, lanes: Sequence[Lane]) -> list[EngineReport]:
@@ -407,7 +414,25 @@ class GenerationEngine:
     async def _heartbeat(self) -> None:
         while True:
             self._tick = time.monotonic()
+            if self._ramp:
+                self._credit_accepted()
             await asyncio.sleep(TICK_S)
+
+    def _credit_accepted(self) -> None:
+        """While the window ramps from cold: requests whose first token arrived grow it now, not at their answer.
+        One pass over the ramp's requests per tick, only until the first limit or the ceiling."""
+        limiter = self.limiter
+        if not limiter.ramping:
+            self._ramp = None
+            return
+        ramp = self._ramp
+        accepted = [seq for seq, (p, _) in ramp.items() if p.request.streamed_tokens]
+        for seq in accepted:
+            p, token = ramp.pop(seq)
+            p.accepted = True
+            limiter.on_accepted(token)
+        if accepted:
+            self._wake.set()
 
     def _earliest_latency(self, now: float, dispatched_at: float) -> float:
         """The latency the budget learns for an answer read now: as read, unless the loop was held up (its client
@@ -428,6 +453,9 @@ class GenerationEngine:
         ticket = lane.budget.open(p.request)
         token = self.limiter.on_dispatch()
         lane.in_flight += 1
+        p.accepted = False
+        if self._ramp is not None:
+            self._ramp[token[1]] = (p, token)
         if self._first_dispatch_at is None:
             self._first_dispatch_at, self._first_dispatch_wall = token[0], time.time()
         if lane.ledger is not None:
@@ -465,10 +493,14 @@ class GenerationEngine:
                 now = time.monotonic()
                 c.latency_s, learned = now - dispatched_at, self._earliest_latency(now, dispatched_at)
             lane.budget.settle(ticket, c.completion_tokens, c.cost_usd, learned)
-            self.limiter.on_success(token)
+            self.limiter.on_success(token, grow=not p.accepted)
+            if self._ramp is not None and not p.request.streamed_tokens:
+                self._ramp = None  # answers come whole: acceptance cannot be seen, the ramp rides on answers
             self._succeed(p, c, dispatched_at)
         finally:
             lane.in_flight -= 1
+            if self._ramp is not None:
+                self._ramp.pop(token[1], None)
             self._wake.set()
 
     def _succeed(self, p: _Pending, c: Completion, dispatched_at: float) -> None:

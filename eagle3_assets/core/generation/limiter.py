@@ -10,11 +10,15 @@ Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gr
   request-rate bucket the window sets the rate through Little's law (rate = window / mean latency), and the
   bucket's burst absorbs the random bunching of completions. A separately learned rate would need the latency
   distribution, which is exactly what is unknown until the long answers land.
-- Slow start (+3 per success while the window is full: ×4 per round trip of an answer, until the first refusal, then
-  +1: ×2) reaches a 2000 ceiling from 64 in under three round trips, and reaches a provider's cap in about two. Dispatch stays clocked by answers, and a
-  refusal comes back within a network round trip, far shorter than an answer's, so when a limit is crossed only the
-  few requests sent in that network round trip are refused. (+1 per success, TCP's doubling, spent four round
-  trips of answers below a 600 cap: seconds of a short benchmark, minutes of a thinking model.)
+- Slow start (+3 per success while the window is full: ×4 per round trip, until the first refusal, then +1: ×2)
+  reaches a 2000 ceiling from 64 in under three round trips, and reaches a provider's cap in about two. In the
+  first slow start a streamed request counts when the provider has accepted it (its first token arrived), not when
+  its answer ends: the round trip is then a network round trip and a first token, not a whole answer (the backfill
+  benchmark's 600 cap took 1.8 s to reach on answers, 0.8 s on first tokens; a thinking model's answers take
+  minutes, its first tokens seconds).
+  Each request counts once, at its first token or at its answer. A refusal comes back within a network round trip
+  too, so when a limit is crossed only the few requests sent in that round trip are refused. (+1 per success,
+  TCP's doubling, spent four round trips of answers below a 600 cap.)
 - On congestion the window drops to `beta` times what the provider was accepting at that moment (the requests it
   had accepted and still held), at most once per round: refusals of requests sent before the last decrease say
   nothing new. Congestion means more refusals among the last dispatches than the provider's background refusal
@@ -50,6 +54,10 @@ BLOCK = 128  # dispatches per block of the background refusal rate
 BLOCKS = 16
 PRIOR_BACKGROUND = 0.15  # assumed background refusal share until three blocks are measured
 SLOW_START_GAIN = 3.0  # window added per answer in slow start: ×(1 + gain) per round trip
+# Window added per accepted request in the first slow start: ×2 per round trip of a first token. Acceptances land
+# in bunches (a tick's worth at once), and what the window gains between crossing a limit and hearing its first
+# refusal is refused: ×4 there overshot a 600 cap by hundreds (6.7% of a benchmark's attempts refused).
+ACCEPTED_GAIN = 1.0
 
 
 @dataclass
@@ -149,13 +157,27 @@ class AdaptiveLimit:
         return self.clock(), seq, self.in_flight - 1
 
     # -- outcomes ------------------------------------------------------------------------------------------
-    def on_success(self, token: tuple[float, int, int] | None = None) -> None:
-        """An answer; `token` (from on_dispatch) tells when its request went out."""
+    def on_success(self, token: tuple[float, int, int] | None = None, grow: bool = True) -> None:
+        """An answer; `token` (from on_dispatch) tells when its request went out. `grow=False` for a request
+        that already counted when it was accepted (`on_accepted`)."""
         self._account()
         self.in_flight -= 1
         self.stats.successes += 1
-        if self.adaptive:
-            self._grow(token[0] if token else self._area_at)
+        if self.adaptive and grow:
+            self._grow(token[0] if token else self._area_at, self.in_flight + 1)
+
+    @property
+    def ramping(self) -> bool:
+        """The first slow start: nothing refused yet, the ceiling not reached. Acceptances count only here."""
+        return self.adaptive and self.slow_start and not self.stats.refused and self.limit < self.ceiling
+
+    def on_accepted(self, token: tuple[float, int, int]) -> None:
+        """A request still in flight was accepted (its first streamed token arrived): in the first slow start it
+        grows the window as an answer would, a network round trip and a first token after it went out instead
+        of a whole answer. The caller counts each request once (here or at its answer, not both)."""
+        if self.ramping:
+            self._account()
+            self._grow(token[0], self.in_flight, gain=ACCEPTED_GAIN)
 
     def on_done(self) -> None:
         """An attempt ended without telling anything about capacity (a fault, a cancellation)."""
@@ -226,15 +248,17 @@ class AdaptiveLimit:
             self.stats.global_pauses += 1
 
     # -- growth --------------------------------------------------------------------------------------------
-    def _grow(self, dispatched_at: float) -> None:
+    def _grow(self, dispatched_at: float, held: int, gain: float = SLOW_START_GAIN) -> None:
+        """`held`: the requests in flight as this one's news came, itself included."""
         now = self._area_at  # the clock as of this answer (set by _account)
         dt, self._last_growth_at = now - self._last_growth_at, now
         if self.limit >= self.ceiling:
             return
-        if self.in_flight + 1 < self.window and self._full_at < dispatched_at:
+        if held < self.window and self._full_at < dispatched_at:
             return  # the window was not full during this request's flight: an untested window must not grow
         before = self.limit
-        gain = SLOW_START_GAIN if not self.stats.refused else 1.0  # once refusals appear, probe gently
+        if self.stats.refused:
+            gain = 1.0  # once refusals appear, probe gently
         new = self.limit + gain if self.slow_start else self.limit
         if self.stats.decreases:
             self._epoch_elapsed += min(dt, 1.0)
