@@ -108,7 +108,9 @@ def test_a_cold_window_ramps_on_first_tokens_not_on_whole_answers(tmp_path, chat
     answer: the window grows only on answers and holds its initial 64 until the first one."""
     n, ceiling = 1800, 600
     layout = dataset(tmp_path, [f"cold {i}" for i in range(n)])
-    spec = ProviderSpec(latency_median_s=3.0, latency_sigma=0.03, median_tokens=32, sigma=0.1, stream_chunks=16)
+    spec = ProviderSpec(
+        latency_median_s=3.0, latency_sigma=0.03, median_tokens=32, sigma=0.1, stream_chunks=16
+    )
     before_first_answer: list[int] = []
     with LimitedProvider(spec, process=True) as provider:
         done = threading.Event()
