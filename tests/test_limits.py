@@ -408,6 +408,35 @@ def test_the_budget_margin_counts_what_the_length_model_does_not_know():
     assert max(exact) > 1.1 > 1.05 > max(ours)
 
 
+def _reserved_after_a_speed_up(monkeypatch, pace: bool) -> float:
+    """What is reserved for one request 0.4 s in flight, after 400 answers at 0.3 s + tokens/2000 and 48 at
+    0.02 s + tokens/2000 (the provider sped up: at the new pace it has at least 760 tokens by now)."""
+    import numpy as np
+
+    from eagle3_assets.core.generation import budget as module
+
+    if not pace:
+        monkeypatch.setattr(module, "PACE_MIN", 10**9)
+    rng = np.random.default_rng(3)
+    now = [0.0]
+    budget = module.Budget(4096, 10**9, clock=lambda: now[0])
+    for base, n in ((0.3, 400), (0.02, 48)):
+        for x in np.minimum(np.round(220 * np.exp(rng.normal(0, 0.8, n))), 4096):
+            budget.settle(budget.open(), int(x), None, base + x / 2000)
+    budget.open()
+    now[0] += 0.4
+    return budget.committed_share() * 10**9 - budget.tokens_used
+
+
+def test_a_provider_that_speeds_up_is_read_at_its_new_pace(monkeypatch):
+    """The length model maps elapsed time to length at the pace it learned; once answers come faster (a local
+    server's batch shrinking as budgets close, a loaded machine easing), the requests in flight are longer than
+    that pace says. Read at the recent pace, the reservation covers them; at the learned pace it did not (three
+    60k-token datasets beside busy processes, whose answers came twice as fast at the end, bought up to 1.045x)."""
+    assert _reserved_after_a_speed_up(monkeypatch, pace=True) >= 760
+    assert _reserved_after_a_speed_up(monkeypatch, pace=False) < 760
+
+
 def test_an_answer_longer_than_any_seen_is_reserved_for():
     """Fifty answers of exactly 100 tokens do not prove the next is 100: it is longer than all of them with
     probability 1/51, and only max_tokens bounds it; the reservation carries that mass."""

@@ -41,6 +41,9 @@ _EDGES = np.geomspace(0.01, 7200.0, 150)
 Z = 2.0  # one-sided ≈ 98% bound on the sum of what is in flight
 CURVE_S = 0.1  # how often the Kaplan–Meier curve is rebuilt
 SUM_S = 0.002  # how often the reservation of what is in flight is summed afresh
+PACE_ALPHA = 1 / 32  # weight of each new answer in the recent pace
+PACE_MIN = 16  # answers timed (learned, and in this run) before a pace counts
+PACE_MAX = 4.0  # the most a faster recent pace stretches elapsed times
 
 
 if TYPE_CHECKING:
@@ -61,6 +64,7 @@ class LengthHistory:
         self.q = np.zeros(n)  # Σ tokens²
         self.n = 0
         self.total_tokens = 0.0
+        self.latency = LatencyFit()  # over the answers with a latency: the pace the bins were learned at
 
     def add(self, tokens: float, latency: float | None) -> None:
         b = _bin(latency) if latency is not None and latency > 0 else 0
@@ -69,6 +73,8 @@ class LengthHistory:
         self.q[b] += tokens * tokens
         self.n += 1
         self.total_tokens += tokens
+        if b:
+            self.latency.add(tokens, latency)
 
     def add_many(self, tokens: Sequence[float], latencies: Sequence[float | None]) -> None:
         t = np.asarray(tokens, dtype=float)
@@ -79,6 +85,7 @@ class LengthHistory:
         np.add.at(self.q, b, t * t)
         self.n += len(t)
         self.total_tokens += float(t.sum())
+        self.latency.add_many(t[b > 0], lat[b > 0])
 
     def conditional(self, censored_at: np.ndarray, cap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(E[X | L ≥ e], Var[X | L ≥ e], the standard error of that E) for each bin e, from the Kaplan–Meier
@@ -153,6 +160,23 @@ class CostFit:
         return a, b, max(0.0, resid)
 
 
+class LatencyFit(CostFit):
+    """latency ≈ a + b·tokens (the time to a first token, then seconds per token), by least squares."""
+
+    def predict(self, tokens: float) -> float | None:
+        """The latency expected for an answer of `tokens`; None while latency does not visibly grow with length
+        (then elapsed time says little about length, and there is no pace to read it at)."""
+        if self.n < PACE_MIN:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        vx = self.sxx / self.n - mx * mx
+        if vx <= 1e-9 * max(1.0, mx * mx):
+            return None
+        b = (self.sxy / self.n - mx * my) / vx
+        latency = my + b * (tokens - mx)
+        return latency if b > 0 and latency > 0 else None
+
+
 class Ticket:
     """One attempt in flight: its slot in the budget's arrays, and the request (for streamed-token counts)."""
 
@@ -219,6 +243,9 @@ class Budget:
         self._mean, self._var, self._se = np.full(n, self.max_tokens), np.zeros(n), np.zeros(n)
         self._curve_at = self._summed_at = float("-inf")
         self._curve_n = -1
+        self._recent_s = self._recent_expected_s = 0.0  # this run's answers, exponentially weighted
+        self._recent_n = 0
+        self.pace = 1.0  # elapsed times are read at the pace the length model was learned at (see _pace)
 
     @classmethod
     def for_dataset(cls, dataset: DatasetConfig, prior: PriorUsage) -> Budget:
@@ -255,9 +282,10 @@ class Budget:
         if now - self._curve_at >= CURVE_S or (self.history.n != self._curve_n and self.history.n <= 64):
             self._curve_at, self._curve_n = now, self.history.n
             active = self._active
+            self.pace = self._pace()
             if self.history.n:
                 self._mean, self._var, self._se = self.history.conditional(
-                    now - self._starts[active], self.max_tokens
+                    (now - self._starts[active]) * self.pace, self.max_tokens
                 )
             for t in self._tickets.values():
                 self._floor[t.slot] = getattr(t.request, "streamed_tokens", 0) or 0
@@ -268,12 +296,28 @@ class Budget:
         # Latencies strictly above the elapsed time: the bin holding it also has answers that finished just
         # before it, and counting them biased the reservation low by ~5%.
         bins = np.minimum(
-            np.searchsorted(_EDGES, now - self._starts[active], side="right") + 1, len(self._mean) - 1
+            np.searchsorted(_EDGES, (now - self._starts[active]) * self.pace, side="right") + 1,
+            len(self._mean) - 1,
         )
         r = np.maximum(self._mean[bins], self._floor[active])
         v, e = self._var[bins], self._se[bins]
         self._r[active], self._v[active], self._e[active] = r, v, e
         self._reserved, self._variance, self._error = float(r.sum()), float(v.sum()), float(e.sum())
+
+    def _pace(self) -> float:
+        """How much faster answers come now than over the answers the length model learned from (1 to PACE_MAX).
+
+        The model maps elapsed time to length at the pace it was learned at. When the provider speeds up (a local
+        server's batch shrinking as budgets close, a loaded provider or client easing), a request in flight for a
+        given time is longer than the model says, and the reservation runs low exactly at a budget's end: three
+        60k-token datasets beside three busy processes answered twice as slowly mid-run as at the end, and 18 of
+        180 budgets ended over 1.02x (up to 1.044x). Elapsed times are read at the learned pace, stretched by the
+        speed-up: the latencies the recent answers were expected to take, for their lengths, by a line fitted over
+        all answers learned (a + b·tokens: a mere share of seconds per token would call the long answers that land
+        late a speed-up), against the latencies they took. A slower recent pace does not shrink them."""
+        if self._recent_n < PACE_MIN or self._recent_s <= 0:
+            return 1.0
+        return min(max(self._recent_expected_s / self._recent_s, 1.0), PACE_MAX)
 
     def spent_share(self) -> float:
         """The larger of the shares of the token and the dollar limit already spent."""
@@ -354,7 +398,13 @@ class Budget:
         self._error -= self._e[slot]
         if completion_tokens is not None:
             self.tokens_used += completion_tokens
-            self.history.add(completion_tokens, latency_s if latency_s else self.clock() - ticket.start)
+            latency = latency_s if latency_s else self.clock() - ticket.start
+            expected = self.history.latency.predict(completion_tokens) if latency > 0 else None
+            if expected is not None:
+                self._recent_s += PACE_ALPHA * (latency - self._recent_s)
+                self._recent_expected_s += PACE_ALPHA * (expected - self._recent_expected_s)
+                self._recent_n += 1
+            self.history.add(completion_tokens, latency)
             if cost_usd is not None:
                 self.usd_used += cost_usd
                 self.cost.add(completion_tokens, cost_usd)
