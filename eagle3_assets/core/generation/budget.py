@@ -19,7 +19,9 @@ carries the mean and second moment of the lengths that finished in it; probabili
 seen so far (not yet observed) is placed at `max_tokens`, the only bound known for it, and so is the chance that an
 answer is longer than every one seen beyond its elapsed time (1/(n+1) of n exchangeable answers): a sample of
 heavy-tailed lengths misses its tail most of the time, its mean and variance then run low together. When latency
-does not grow with length the conditioning changes nothing, as it should.
+does not grow with length the conditioning changes nothing, as it should. Elapsed times are read at the pace the
+bins were learned at: when the provider answers faster than it did (as budgets close and load falls), each is
+stretched by the speed-up (`Budget._pace`).
 
 Streaming backends report the tokens each request has produced so far (`CompletionRequest.streamed_tokens`); that
 count is a floor under its reservation. Dollars follow tokens through a linear fit cost = a + b·tokens over the
