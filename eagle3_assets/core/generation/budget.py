@@ -145,16 +145,24 @@ class CostFit:
         self.sxy += float((x * y).sum())
         self.syy += float((y * y).sum())
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, residual variance)."""
+    def _moments(self) -> tuple[float, float, float | None]:
+        """(mean x, mean y, the least-squares slope, or None where x barely varies)."""
         n = self.n
         mx, my = self.sx / n, self.sy / n
         vx = self.sxx / n - mx * mx
         if vx <= 1e-9 * max(1.0, mx * mx):
+            return mx, my, None
+        return mx, my, (self.sxy / n - mx * my) / vx
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, residual variance)."""
+        n = self.n
+        mx, my, slope = self._moments()
+        if slope is None:
             b = my / mx if mx > 0 else 0.0
             a = 0.0 if mx > 0 else my
         else:
-            b = max(0.0, (self.sxy / n - mx * my) / vx)
+            b = max(0.0, slope)
             a = max(0.0, my - b * mx)
         resid = (
             self.syy / n - 2 * a * my - 2 * b * self.sxy / n + a * a + 2 * a * b * mx + b * b * self.sxx / n
@@ -170,13 +178,11 @@ class LatencyFit(CostFit):
         (then elapsed time says little about length, and there is no pace to read it at)."""
         if self.n < PACE_MIN:
             return None
-        mx, my = self.sx / self.n, self.sy / self.n
-        vx = self.sxx / self.n - mx * mx
-        if vx <= 1e-9 * max(1.0, mx * mx):
+        mx, my, b = self._moments()
+        if b is None or b <= 0:
             return None
-        b = (self.sxy / self.n - mx * my) / vx
         latency = my + b * (tokens - mx)
-        return latency if b > 0 and latency > 0 else None
+        return latency if latency > 0 else None
 
 
 class Ticket:
@@ -283,11 +289,10 @@ class Budget:
         # The curve every CURVE_S (it drifts slowly), and at every answer while few are known.
         if now - self._curve_at >= CURVE_S or (self.history.n != self._curve_n and self.history.n <= 64):
             self._curve_at, self._curve_n = now, self.history.n
-            active = self._active
             self.pace = self._pace()
             if self.history.n:
                 self._mean, self._var, self._se = self.history.conditional(
-                    (now - self._starts[active]) * self.pace, self.max_tokens
+                    self._elapsed(now), self.max_tokens
                 )
             for t in self._tickets.values():
                 self._floor[t.slot] = getattr(t.request, "streamed_tokens", 0) or 0
@@ -297,14 +302,15 @@ class Budget:
         active = self._active
         # Latencies strictly above the elapsed time: the bin holding it also has answers that finished just
         # before it, and counting them biased the reservation low by ~5%.
-        bins = np.minimum(
-            np.searchsorted(_EDGES, (now - self._starts[active]) * self.pace, side="right") + 1,
-            len(self._mean) - 1,
-        )
+        bins = np.minimum(np.searchsorted(_EDGES, self._elapsed(now), side="right") + 1, len(self._mean) - 1)
         r = np.maximum(self._mean[bins], self._floor[active])
         v, e = self._var[bins], self._se[bins]
         self._r[active], self._v[active], self._e[active] = r, v, e
         self._reserved, self._variance, self._error = float(r.sum()), float(v.sum()), float(e.sum())
+
+    def _elapsed(self, now: float) -> np.ndarray:
+        """How long each request in flight has run, read at the pace the length model learned (see _pace)."""
+        return (now - self._starts[self._active]) * self.pace
 
     def _pace(self) -> float:
         """How much faster answers come now than over the answers the length model learned from (1 to PACE_MAX).
