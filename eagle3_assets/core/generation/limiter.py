@@ -21,7 +21,10 @@ Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gr
   TCP's doubling, spent four round trips of answers below a 600 cap.)
 - On congestion the window drops to `beta` times what the provider was accepting at that moment (the requests it
   had accepted and still held), at most once per round: refusals of requests sent before the last decrease say
-  nothing new. Congestion means more refusals among the last dispatches than the provider's background refusal
+  nothing new. A refusal below the level of the last one, before the window grew back to it, means the last cut
+  did not end the storm (a request-rate bucket, where what the provider held says little): each further cut of one
+  storm goes deeper (beta², beta³, … down to half), so coming down from a slow start's overshoot takes three or four
+  refused batches, not eight (a 100 requests/s bucket: 3.8-5.5% of attempts refused, from 7.0-9.9%). Congestion means more refusals among the last dispatches than the provider's background refusal
   rate explains (the median share over recent blocks of dispatches, 15% until three blocks are known, with a 3σ
   margin and at least three refusals, over windows of the newest 16, 64 and 256 dispatches). Refusals of a storm
   that triggered a decrease are taken out of the background blocks, or frequent limits would raise the
@@ -58,6 +61,7 @@ SLOW_START_GAIN = 3.0  # window added per answer in slow start: ×(1 + gain) per
 # in bunches (a tick's worth at once), and what the window gains between crossing a limit and hearing its first
 # refusal is refused: ×4 there overshot a 600 cap by hundreds (6.7% of a benchmark's attempts refused).
 ACCEPTED_GAIN = 1.0
+MIN_BETA = 0.5  # the deepest single cut, however long a storm lasts
 
 
 @dataclass
@@ -101,6 +105,8 @@ class AdaptiveLimit:
         self._epoch_elapsed = 0.0  # seconds of window-limited time since the last decrease
         self._last_growth_at = clock()
         self.last_decrease_at = float("-inf")
+        self._k = 0.0
+        self._storm_cuts = 0  # cuts in a row that did not end a storm
         self.paused_until = 0.0
         self.stats = LimiterStats()
         self.stats.limit_trace.append((clock(), self.limit))
@@ -201,8 +207,16 @@ class AdaptiveLimit:
         # (Those in flight now may include later dispatches whose refusals are still on the way, and answers that
         # already landed unnoticed: counting them left the window above the cap through several decreases.)
         accepted = min(self.in_flight, held_before)
+        # Refused below the level of the last refusal, before the window grew back to it: the last cut did not end
+        # the storm. Against an in-flight cap the first cut does (the cap is what the provider held, and the window
+        # next meets it on its way back up); against a request-rate bucket what it held says little (rate = window
+        # / latency), and equal cuts took eight steps, a refused batch each, to come down from a slow start's
+        # overshoot. Each further cut of one storm goes deeper.
+        self._storm_cuts = self._storm_cuts + 1 if self.stats.decreases and self.limit < self.w_max else 0
         self.w_max = max(1.0, min(self.limit, accepted + 1.0))
-        self.limit = max(1.0, self.beta * self.w_max)
+        self.limit = max(1.0, max(MIN_BETA, self.beta ** (1 + self._storm_cuts)) * self.w_max)
+        # Seconds back to w_max on the cubic, from wherever this cut left the window.
+        self._k = ((1.0 - self.limit / self.w_max) / self.c) ** (1.0 / 3.0)
         self.slow_start = False
         self._epoch_elapsed = 0.0
         self._last_growth_at = now
@@ -262,8 +276,7 @@ class AdaptiveLimit:
         new = self.limit + gain if self.slow_start else self.limit
         if self.stats.decreases:
             self._epoch_elapsed += min(dt, 1.0)
-            k = ((1.0 - self.beta) / self.c) ** (1.0 / 3.0)
-            new = max(new, self.w_max * (1.0 + self.c * (self._epoch_elapsed - k) ** 3))
+            new = max(new, self.w_max * (1.0 + self.c * (self._epoch_elapsed - self._k) ** 3))
             if new >= 2.0 * self.w_max:
                 self.slow_start = True  # far past the last limit without a refusal: it went away, probe fast
         self.limit = min(float(self.ceiling), new)
