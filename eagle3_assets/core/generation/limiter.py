@@ -19,22 +19,22 @@ Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gr
   Each request counts once, at its first token or at its answer. A refusal comes back within a network round trip
   too, so when a limit is crossed only the few requests sent in that round trip are refused. (+1 per success,
   TCP's doubling, spent four round trips of answers below a 600 cap.)
-- On congestion the window drops to `beta` times what the provider was accepting at that moment (the requests it
-  had accepted and still held), at most once per round: refusals of requests sent before the last decrease say
-  nothing new. A refusal below the level of the last one, before the window grew back to it, means the last cut
-  did not end the storm (a request-rate bucket, where what the provider held says little): each further cut of one
-  storm goes deeper (beta², beta³, … down to half), so coming down from a slow start's overshoot takes three or four
-  refused batches, not eight (a 100 requests/s bucket: 3.8-5.5% of attempts refused, from 7.0-9.9%). Congestion means more refusals among the last dispatches than the provider's background refusal
-  rate explains (the median share over recent blocks of dispatches, 15% until three blocks are known, with a 3σ
-  margin and at least three refusals, over windows of the newest 16, 64 and 256 dispatches). Refusals of a storm
-  that triggered a decrease are taken out of the background blocks, or frequent limits would raise the
-  background and with it the size of the next storm. A provider that refuses 12% of requests whatever the load (an overloaded
-  upstream behind a router) would otherwise collapse the window the way random loss collapses TCP on a lossy
-  link. Crossing a real limit stands out at once: every slot a refusal frees is refilled and refused again, so
-  refusals storm among the newest dispatches. Then it grows back on a cubic curve anchored at that level: fast while far below, nearly flat
-  around the last level where refusals happened (high utilisation, few probes), and accelerating beyond it; at
-  twice that level it probes exponentially again (slow start), so a limit that rises or goes away is found again
-  within seconds.
+- On congestion the window drops to `beta` times what the provider was accepting at that moment (the requests it had
+  accepted and still held), at most once per round: refusals of requests sent before the last decrease say nothing
+  new. A refusal below the level of the last one, before the window grew back to it, means the last cut did not end
+  the storm (a request-rate bucket, where what the provider held says little): each further cut of one storm goes
+  deeper (beta², beta³, … down to half), so coming down from a slow start's overshoot takes three or four refused
+  batches, not eight (a 100 requests/s bucket: 3.8-5.5% of attempts refused, from 7.0-9.9%). Congestion means more
+  refusals among the last dispatches than the provider's background refusal rate explains (the median share over
+  recent blocks of dispatches, 15% until three blocks are known, with a 3σ margin and at least three refusals, over
+  windows of the newest 16, 64 and 256 dispatches). Refusals of a storm that triggered a decrease are taken out of
+  the background blocks, or frequent limits would raise the background and with it the size of the next storm. A
+  provider that refuses 12% of requests whatever the load (an overloaded upstream behind a router) would otherwise
+  collapse the window the way random loss collapses TCP on a lossy link. Crossing a real limit stands out at once:
+  every slot a refusal frees is refilled and refused again, so refusals storm among the newest dispatches. Then it
+  grows back on a cubic curve anchored at that level: fast while far below, nearly flat around the last level where
+  refusals happened (high utilisation, few probes), and accelerating beyond it; at twice that level it probes
+  exponentially again (slow start), so a limit that rises or goes away is found again within seconds.
 - Growth happens only while the window is used: an answer grows it when the window was full at some moment of that
   request's flight (not only at the instant it landed: answers that land together, as with equal service times,
   each count, where checking fullness at each landing counted only the first of the bunch and left the window
