@@ -220,6 +220,27 @@ class HiddenStatesConfig(Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
 
+class AcceptanceVllmConfig(Strict):
+    """The vLLM server the acceptance step starts itself: the target with the trained draft as EAGLE-3."""
+
+    cpu: bool = False  # vLLM's CPU build (tests, laptops), installed in a cached environment of its own
+    # Interpreter that runs vLLM (GPU builds): default the step's own Python. Ignored with cpu: true.
+    python: str | None = None
+    # GPUs: default every GPU the step sees (CUDA_VISIBLE_DEVICES) as tensor parallel.
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    dtype: str = "auto"  # the server's --dtype; CPU: float32 (bf16 arithmetic is slow without AVX512-BF16)
+    max_model_len: int | None = Field(None, ge=16)  # default: the longest measured prompt plus max_new_tokens
+    kv_cache_gib: int = Field(2, ge=1)  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    start_timeout_s: float = Field(1800.0, gt=0)  # a 1T target takes many minutes to load on 8 GPUs
+    request_timeout_s: float = Field(900.0, gt=0)
+    max_concurrency: int = Field(8, ge=1)  # measured prompts in flight at once
+    # Prompts decoded greedily by the target alone (no draft) and compared token for token with the drafted
+    # outputs: speculative decoding must not change a greedy answer.
+    greedy_check_prompts: int = Field(4, ge=0)
+    extra_args: list[str] = Field(default_factory=list)  # appended to the server command
+
+
 class AcceptanceConfig(Strict):
     """The acceptance gate (asset `acceptance`): a small EAGLE-3 draft trained on the partition, measured against
     the target with greedy speculative decoding."""
@@ -237,6 +258,11 @@ class AcceptanceConfig(Strict):
     compare_source_answers: bool = True  # also train on the dataset's own answers, where the source has them
     device: str = "auto"
     seed: int = 0
+    # transformers: the target in this process measures the draft with a speculative loop of this project's (the
+    # target must fit the step); vllm: the step starts vLLM serving the target with the draft as EAGLE-3 and reads
+    # the engine's own counters (the target never enters this process).
+    engine: Literal["transformers", "vllm"] = "transformers"
+    vllm: AcceptanceVllmConfig = Field(default_factory=AcceptanceVllmConfig)
 
 
 class AutomationConfig(Strict):
