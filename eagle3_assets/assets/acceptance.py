@@ -2,16 +2,67 @@
 states and measured against the target; and its blocking check `acceptance_gate`, which reports the verdict the gate
 computed (once, in `core.acceptance.gate.run_gate`, stored in report.json)."""
 
+from collections.abc import Callable
+
 import dagster as dg
 
 from resources import Project, Storage, Target
 
-from ..core.acceptance.gate import read_report, run_gate
-from ..core.hidden_states.extraction import load_target_model
+from ..config import ProjectConfig
+from ..core.acceptance.gate import GateEngines, read_report, run_gate
+from ..core.acceptance.measure import DraftTarget
+from ..core.hidden_states.export import layer_config
+from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
-from ..core.target.loading import pick_device
+from ..core.target.chat import ChatTokenizer
 from .common import GROUP, MISSING
 from .hidden_states import GPU_STEP_TAGS, extraction_settings
+
+
+def gate_engines(
+    cfg: ProjectConfig, layout: DatasetLayout, chat: ChatTokenizer, log: Callable[[str], None]
+) -> GateEngines:
+    """The draft's pieces of the target (config and embedding, read by tensor name), and the engine that measures
+    it: the target in this process (`acceptance.engine: transformers`) or vLLM started by the step (`vllm`). The
+    source-answers arm's states come from the engine that extracted the partition's own."""
+    from ..core.acceptance.decoding import InProcessFeatures, InProcessMeasurer, SpeculativeDecoder
+    from ..core.hidden_states.extraction import load_target_model
+    from ..core.target.loading import pick_device
+
+    settings = extraction_settings(cfg)
+    t = cfg.target
+    target = DraftTarget.load(settings.model_ref, t.revision, t.trust_remote_code)
+    feature_ids = layer_config(layout.hidden_states_dir, "speculators")["eagle_aux_hidden_state_layer_ids"]
+    stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
+    a = cfg.acceptance
+    if a.engine == "vllm":
+        from resources.vllm import extraction_backend
+        from resources.vllm.acceptance import VllmFeatures, VllmMeasurer
+
+        from ..core.target.loading import cache_root
+
+        # The servers' logs stay on the step's machine (named in any error), out of the partition's outputs.
+        measurer = VllmMeasurer(cfg, stop_ids, cache_root() / "acceptance-servers" / layout.key, log)
+        if extraction_backend(cfg, layout.key) is not None:
+            features = VllmFeatures(cfg.hidden_states.vllm, layout.key, len(feature_ids))
+            return GateEngines(target, measurer, features, t.model)
+        return GateEngines(
+            target,
+            measurer,
+            None,
+            t.model,
+            "with acceptance.engine vllm the source answers' states come from the hidden-states servers "
+            "(hidden_states.engine: vllm); this partition's were extracted in process",
+        )
+    device = pick_device(a.device)
+    model = load_target_model(settings)
+    decoder = SpeculativeDecoder(model, feature_ids, stop_ids, device)
+    return GateEngines(
+        target,
+        InProcessMeasurer(decoder, a.draft_tokens, a.max_new_tokens),
+        InProcessFeatures(model, feature_ids, device),
+        t.model,
+    )
 
 
 def _part(report: dict, name: str) -> dict:
@@ -44,12 +95,10 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         target: dg.ResourceParam[Target],
     ) -> dg.MaterializeResult:
         cfg = project.cfg
-        device = pick_device(cfg.acceptance.device)
-        model = load_target_model(extraction_settings(cfg))
+        chat = target.chat_tokenizer()
         with storage.stage(context.partition_key, "acceptance") as layout:
-            result = run_gate(
-                layout, cfg.acceptance, model, target.chat_tokenizer(), device, log=context.log.info
-            )
+            engines = gate_engines(cfg, layout, chat, context.log.info)
+            result = run_gate(layout, cfg.acceptance, engines, chat, log=context.log.info)
         r = result.report
         source = r["source_answers"]
         return dg.MaterializeResult(
@@ -58,6 +107,8 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
             ),
             metadata={
                 "draft_tokens": r["draft_tokens"],
+                "engine": r["engine"],
+                "greedy_check": dg.MetadataValue.json(r["greedy_check"]),
                 **_part(r, "train"),
                 **_part(r, "heldout"),
                 **_part(r, "untrained"),

@@ -25,6 +25,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
 CONNECTOR_MODULE = "eagle3_hidden_states_connector"
@@ -38,10 +39,17 @@ def vllm_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
 
 @dataclass
 class ServeSpec:
+    """One server of the target. `mode` says what it serves beside generation: `extract` the hidden states
+    (the extraction's servers), `eagle3` a draft (`draft_model`, k = `num_speculative_tokens`: the acceptance
+    step's own server), `plain` nothing (greedy answers of the target alone)."""
+
     model: str  # a folder or a hub id, as the server loads it
     aux_layers: list[int]
     num_layers: int
     storage_path: str  # where the connector writes (shared with the extraction)
+    mode: Literal["extract", "eagle3", "plain"] = "extract"
+    draft_model: str | None = None  # mode eagle3: the draft's folder (config.json + model.safetensors)
+    num_speculative_tokens: int = 1
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -64,14 +72,26 @@ class ServeSpec:
     def layer_ids(self) -> list[int]:
         return vllm_layer_ids(self.aux_layers, self.num_layers)
 
-    def speculative_config(self) -> dict:
+    def speculative_config(self) -> dict | None:
+        if self.mode == "plain":
+            return None
+        if self.mode == "eagle3":
+            if not self.draft_model:
+                raise ValueError("an eagle3 server needs draft_model (the draft's folder)")
+            return {
+                "method": "eagle3",
+                "model": self.draft_model,
+                "num_speculative_tokens": self.num_speculative_tokens,
+            }
         return {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}},
         }
 
-    def kv_transfer_config(self) -> dict:
+    def kv_transfer_config(self) -> dict | None:
+        if self.mode != "extract":
+            return None
         return {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
@@ -88,9 +108,13 @@ class ServeSpec:
             "--host", self.host,
             "--port", str(self.port),
             "--dtype", self.dtype,
-            "--speculative-config", json.dumps(self.speculative_config(), separators=(",", ":")),
-            "--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":")),
         ]  # fmt: skip
+        for flag, value in (
+            ("--speculative-config", self.speculative_config()),
+            ("--kv-transfer-config", self.kv_transfer_config()),
+        ):
+            if value is not None:
+                args += [flag, json.dumps(value, separators=(",", ":"))]
         if self.served_model_name:
             args += ["--served-model-name", self.served_model_name]
         if self.max_model_len:
@@ -187,7 +211,7 @@ def launch(
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{server.log_tail()}")
+                raise RuntimeError(f"vLLM exited with {proc.returncode} (log: {log}):\n{server.log_tail()}")
             try:
                 with urllib.request.urlopen(f"{url}/models", timeout=2) as r:
                     if r.status == 200:
@@ -197,7 +221,7 @@ def launch(
             except OSError:
                 pass
             time.sleep(1)
-        raise RuntimeError(f"vLLM did not start in {timeout_s:.0f} s:\n{server.log_tail()}")
+        raise RuntimeError(f"vLLM did not start in {timeout_s:.0f} s (log: {log}):\n{server.log_tail()}")
     except BaseException:
         server.stop()  # with its engine core and workers, whatever stopped the start
         raise

@@ -374,11 +374,17 @@ def train(
     return TrainStats(optimizer_steps, seen, first, final, accs, time.perf_counter() - t0)
 
 
-def save_checkpoint(model: Eagle3Draft, folder: Path, aux_layer_ids: list[int], target: str) -> None:
-    """config.json + model.safetensors in the layout SGLang serves EAGLE-3 drafts from (SpecForge's output):
-    `LlamaForCausalLMEagle3` with `draft_vocab_size` and the aux layer ids in `eagle_config`; and its vocabulary
-    maps as SpecForge's `vocab_mapping.pt`, so that SpecForge can warm-start from it without deriving other maps
-    (which would leave the trained `lm_head` rows pointing at other tokens)."""
+SGLANG_CONFIG = "config.sglang.json"  # the same draft's config with the layer ids as SGLang reads them
+
+
+def save_checkpoint(model: Eagle3Draft, folder: Path, layer_ids: list[int], target: str) -> None:
+    """config.json + model.safetensors as vLLM serves an EAGLE-3 draft (`LlamaForCausalLMEagle3`, the tensors
+    SpecForge writes), and its vocabulary maps as SpecForge's `vocab_mapping.pt`, so that SpecForge can warm-start
+    from it without deriving other maps (which would leave the trained `lm_head` rows pointing at other tokens).
+
+    `layer_ids` are `output_hidden_states` indices (id k: the input of decoder layer k), which is how vLLM reads
+    `eagle_aux_hidden_state_layer_ids`; SGLang adds one to each id it reads, so the same list would feed it other
+    layers: `config.sglang.json` beside it carries SGLang's list (serve the folder with it as config.json)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -386,9 +392,14 @@ def save_checkpoint(model: Eagle3Draft, folder: Path, aux_layer_ids: list[int], 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     torch.save({"d2t": state["d2t"], "t2d": state["t2d"]}, folder / VOCAB_MAPPING_FILE)
-    config = draft_config(s, aux_layer_ids, "float32")
-    config["eagle3_assets"] = {"target": target, "shape": asdict(s)}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, ids in (("config.json", list(layer_ids)), (SGLANG_CONFIG, [i - 1 for i in layer_ids])):
+        config = draft_config(s, ids, "float32")
+        config["eagle3_assets"] = {
+            "target": target,
+            "shape": asdict(s),
+            "output_hidden_states_ids": list(layer_ids),
+        }
+        (folder / name).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_checkpoint(folder: Path, embedding: torch.Tensor) -> Eagle3Draft:

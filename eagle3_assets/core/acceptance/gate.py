@@ -11,14 +11,16 @@ acceptance, days before a GPU training run would reveal them.
   afresh from prompts.parquet: the answer's span starts right after the rendered generation prompt and ends on the
   end-of-turn token (a truncated answer at the sequence end). A mask off by one cannot move acceptance measurably in
   a few minutes of training, but it is wrong data all the same, so the gate fails on it explicitly.
-- Measurement: greedy speculative decoding from each prompt with k draft tokens per target forward. The features are
-  the target's own `output_hidden_states` at the ids the speculators export declares (an independent path from the
-  extraction hooks), the draft's own states carry its later steps (EAGLE-3's chain), and the target verifies all k
-  drafts in one forward with its KV cache. Acceptance length = tokens produced per verifying forward (accepted + 1);
-  per-position rates are conditional (position i counted only where 1..i-1 were accepted).
+- Training: the draft trains from the stored states and ids with two pieces of the target only, its config and
+  its embedding (`measure.DraftTarget`, read from the checkpoint by tensor name): the target never has to fit here.
+- Measurement: greedy speculative decoding from each prompt with k draft tokens per target forward, by the engine
+  the config names (`measure.DraftMeasurer`): this process's loop (`decoding`), or vLLM serving the target with the
+  draft as EAGLE-3, its own counters read before and after each part (`resources.vllm.acceptance`). Acceptance
+  length = tokens produced per verifying forward (accepted + 1); per-position rates are conditional. A sample of
+  heldout prompts is also decoded by the target alone: greedy output with the draft must equal it.
 - Source answers: the same draft, trained on the dataset's own assistant turns (tokenized with the same template,
-  features from the target's forward over them), is measured on the same heldout prompts: the difference is what
-  regeneration buys.
+  features from the target over them: `measure.FeatureSource`), is measured on the same heldout prompts: the
+  difference is what regeneration buys.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +42,14 @@ from ..storage.files import write_json
 from ..storage.layout import DatasetLayout
 from ..target.chat import Answer, ChatTokenizer, TemplateError
 from ..tokens.turns import row_prompts
+from .measure import (
+    DraftMeasurer,
+    DraftTarget,
+    FeatureSource,
+    Measured,
+    PromptSet,
+    greedy_differences,
+)
 
 
 @dataclass
@@ -49,26 +60,6 @@ class GateSample:
     loss_mask: np.ndarray
     source_answer: str | None = None
     aux: Any = None  # the auxiliary hidden states (torch), kept for the samples the draft trains on
-
-
-@dataclass
-class PartMeasure:
-    """Acceptance of one draft on a set of prompts."""
-
-    acceptance_length: float
-    per_position: list[float]
-    n_prompts: int
-    n_steps: int
-    new_tokens: int
-
-    @classmethod
-    def from_rounds(cls, rounds: list[int], k: int, n_prompts: int, new_tokens: int) -> PartMeasure:
-        per = []
-        for i in range(1, k + 1):
-            tried = sum(1 for a in rounds if a >= i - 1)
-            per.append(sum(1 for a in rounds if a >= i) / tried if tried else 0.0)
-        mean = float(np.mean([a + 1 for a in rounds])) if rounds else 0.0
-        return cls(round(mean, 4), [round(p, 4) for p in per], n_prompts, len(rounds), new_tokens)
 
 
 def split_ids(ids: Sequence[str], n_train: int, n_heldout: int) -> tuple[list[str], list[str]]:
@@ -111,121 +102,6 @@ def rendered_prompts(chat: ChatTokenizer, samples: Sequence[GateSample]) -> list
         chat.tok(chat.render(chat.template_messages(s.messages), True), add_special_tokens=False)["input_ids"]
         for s in samples
     ]
-
-
-class SpeculativeDecoder:
-    """Greedy speculative decoding of the target with an EAGLE-3 draft, counting accepted drafts per forward."""
-
-    def __init__(self, model: Any, feature_ids: Sequence[int], stop_ids: set[int], device: str):
-        self.model = model
-        self.feature_ids = list(feature_ids)
-        self.stop_ids = stop_ids
-        self.device = device
-        import inspect
-
-        # transformers 5.24 renamed `past_key_values` to `cache`; older versions know only the first.
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-
-    def _target(self, ids: list[int], cache: Any) -> tuple[Any, Any]:
-        import torch
-
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
-            **{self._cache_arg: cache},
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        hs = out.hidden_states
-        feats = torch.cat([hs[j][0] for j in self.feature_ids], -1).float()
-        return out.logits[0].argmax(-1), feats
-
-    def decode(self, draft: Any, prompt: list[int], k: int, max_new: int) -> tuple[list[int], list[int]]:
-        """Accepted drafts per verifying forward, and the tokens generated (exactly the target's greedy answer,
-        whatever the draft proposes: the draft only changes how many forwards it takes)."""
-        import torch
-        from transformers import DynamicCache
-
-        from .drafter import StepKV
-
-        cache = DynamicCache()
-        with torch.no_grad():
-            nxt, feats = self._target(prompt, cache)
-            tokens = [*prompt, int(nxt[-1])]
-            n_new = 1
-            # Draft rows 0..p-1: row t holds token t+1 and the target's state at t.
-            rows = torch.arange(len(prompt), device=self.device)
-            ctx: StepKV | None = None
-            last, ctx = self._extend(draft, tokens, feats, rows, ctx)
-            rounds: list[int] = []
-            while n_new < max_new and tokens[-1] not in self.stop_ids:
-                n = len(tokens) - 2  # the last draft row
-                drafts = self._draft(draft, last, ctx, tokens[-1], n, k)
-                verify, feats = self._target([tokens[-1], *drafts], cache)
-                accepted = 0
-                while accepted < k and int(verify[accepted]) == drafts[accepted]:
-                    accepted += 1
-                new = [*drafts[:accepted], int(verify[accepted])]
-                rounds.append(accepted)
-                for i, t in enumerate(new):  # stop at an end of turn inside what was accepted
-                    if t in self.stop_ids:
-                        new = new[: i + 1]
-                        break
-                tokens.extend(new)
-                n_new += len(new)
-                extra = cache.get_seq_length() - (len(tokens) - 1)  # the rejected drafts' positions
-                if extra > 0:
-                    cache.crop(-extra)
-                rows = torch.arange(n + 1, n + 1 + len(new), device=self.device)
-                last, ctx = self._extend(draft, tokens, feats[: len(new)], rows, ctx)
-        return rounds, tokens[len(prompt) :]
-
-    def _extend(self, draft: Any, tokens: list[int], feats: Any, rows: Any, ctx: Any) -> tuple[Any, Any]:
-        """Step-0 rows for the new positions (token t+1, target state t), appended to the draft's context."""
-        import torch
-
-        from .drafter import StepKV
-
-        toks = torch.tensor([tokens[int(t) + 1] for t in rows], device=self.device)
-        past = 0 if ctx is None else ctx.k.shape[1]
-        n = len(rows)
-        mask = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
-        mask[:, past:] = torch.tril(mask[:, past:])
-        out, kv = draft.step(toks, draft.fc(feats), rows, mask, ctx)
-        ctx = kv if ctx is None else StepKV(torch.cat([ctx.k, kv.k], 1), torch.cat([ctx.v, kv.v], 1))
-        return out[-1:], ctx
-
-    def _draft(self, draft: Any, last: Any, ctx: Any, bonus: int, n: int, k: int) -> list[int]:
-        """k draft tokens after `bonus` (the token at row n + 1): step 0's output, then the chain."""
-        import torch
-
-        out = last
-        y = int(draft.to_target(draft.logits(out).argmax(-1))[0])
-        drafts = [y]
-        chain: list[Any] = []
-        mask = torch.ones(1, ctx.k.shape[1], dtype=torch.bool, device=self.device)
-        for j in range(1, k):
-            out, kv = draft.step(
-                torch.tensor([y], device=self.device),
-                out,
-                torch.tensor([n + j], device=self.device),
-                mask,
-                ctx,
-                chain,
-            )
-            chain.append(kv)
-            y = int(draft.to_target(draft.logits(out).argmax(-1))[0])
-            drafts.append(y)
-        return drafts
-
-    def measure(self, draft: Any, prompts: Sequence[list[int]], k: int, max_new: int) -> PartMeasure:
-        rounds: list[int] = []
-        new = 0
-        for p in prompts:
-            r, generated = self.decode(draft, p, k, max_new)
-            rounds.extend(r)
-            new += len(generated)
-        return PartMeasure.from_rounds(rounds, k, len(prompts), new)
 
 
 @dataclass
@@ -281,16 +157,17 @@ def _aux_window(sample: dict[str, Any], window: int) -> Any:
 
 @dataclass
 class DraftBench:
-    """What every draft of one gate run shares: its shape and vocabulary, the target's frozen embedding, the
-    speculative decoder that measures it, and the training settings."""
+    """What every draft of one gate run shares: its shape and vocabulary, the target's frozen embedding, the engine
+    that measures it, and the training settings."""
 
     shape: Any
     embedding: Any
     vocab: Any
-    decoder: SpeculativeDecoder
+    measurer: DraftMeasurer
     settings: AcceptanceConfig
-    device: str
     log: Callable[[str], None]
+    layer_ids: list[int] = field(default_factory=list)  # output_hidden_states ids (vLLM's reading)
+    target_name: str = ""
 
     def fresh(self) -> Any:
         """A draft at initialisation (the same seed every time: the untrained floor and every fit start here)."""
@@ -318,16 +195,22 @@ class DraftBench:
         )
         return draft, stats
 
-    def measure(self, draft: Any, prompts: Sequence[list[int]], what: str) -> PartMeasure:
+    def measure(
+        self, draft: Any, folder: Path, parts: dict[str, PromptSet], what: str
+    ) -> dict[str, Measured]:
+        """The parts measured with the draft (saved in `folder` first: an engine serves it from there)."""
+        from .drafter import save_checkpoint
+
+        save_checkpoint(draft, folder, self.layer_ids, self.target_name)
         t0 = time.perf_counter()
-        r = self.decoder.measure(
-            draft.to(self.device).eval(), prompts, self.settings.draft_tokens, self.settings.max_new_tokens
-        )
-        self.log(
-            f"acceptance: {what}: {r.acceptance_length:.2f} tokens per target forward over {r.n_steps} steps "
-            f"({time.perf_counter() - t0:.0f} s)"
-        )
-        return r
+        out = self.measurer.measure(draft, folder, parts)
+        for name, m in out.items():
+            self.log(
+                f"acceptance: {what}, {name} prompts: {m.part.acceptance_length:.2f} tokens per target forward "
+                f"over {m.part.n_steps} steps ({self.measurer.engine})"
+            )
+        self.log(f"acceptance: {what} measured in {time.perf_counter() - t0:.0f} s")
+        return out
 
 
 def as_train_samples(samples: Sequence[GateSample], window: int) -> list[Any]:
@@ -361,26 +244,35 @@ def boundary_problems(
     return problems
 
 
-def run_gate(
-    layout: DatasetLayout,
-    settings: AcceptanceConfig,
-    model: Any,
-    chat: ChatTokenizer,
-    device: str,
-    log: Callable[[str], None] = print,
-) -> GateResult:
-    """Train, measure, write <B>/acceptance/report.json and the draft checkpoint, and decide the gate: the verdict
-    is computed here, once, and stored in the report (the asset and its check read it)."""
-    from ..hidden_states.draft_format import DraftShape, build_draft_vocab, count_tokens
-    from ..hidden_states.export import layer_config
-    from .drafter import save_checkpoint
+@dataclass
+class GateEngines:
+    """What the gate runs on: the draft's pieces of the target, the engine that measures drafts, and where the
+    source-answers arm gets the target's states (None: that arm is skipped, saying why)."""
 
-    t_start = time.perf_counter()
-    k = settings.draft_tokens
-    folder = layout.hidden_states_dir
-    feature_ids = layer_config(folder, "speculators")["eagle_aux_hidden_state_layer_ids"]
-    layer_ids = layer_config(folder, "specforge")["eagle_aux_hidden_state_layer_ids"]
-    reader = HiddenStatesReader(folder)
+    target: DraftTarget
+    measurer: DraftMeasurer
+    features: FeatureSource | None
+    target_name: str = ""
+    no_features_why: str = ""
+
+
+@dataclass
+class GateInputs:
+    """The partition's samples as the gate splits them, with their rendered prompts and boundary problems."""
+
+    train: list[GateSample]
+    heldout: list[GateSample]
+    train_prompts: PromptSet
+    heldout_prompts: PromptSet
+    problems: dict[str, str]
+    window: int
+
+
+def gate_inputs(
+    layout: DatasetLayout, settings: AcceptanceConfig, chat: ChatTokenizer, stop_ids: set[int]
+) -> GateInputs:
+    """Split, load (training samples with their aux window), render the prompts and check the boundaries."""
+    reader = HiddenStatesReader(layout.hidden_states_dir)
     all_ids = reader.ids()
     train_ids, heldout_ids = split_ids(all_ids, settings.train_prompts, settings.heldout_prompts)
     if not train_ids or not heldout_ids:
@@ -388,74 +280,92 @@ def run_gate(
             f"{layout.key}: {len(all_ids)} samples with hidden states; the gate needs at least 2 "
             "(some to train on, some held out)"
         )
-    window = settings.max_new_tokens + (settings.ttt_steps or k) + 1
-    train_samples = load_samples(layout, train_ids, reader, aux_window=window, chat=chat)
-    heldout_samples = load_samples(layout, heldout_ids, reader, chat=chat)
+    window = settings.max_new_tokens + (settings.ttt_steps or settings.draft_tokens) + 1
+    train = load_samples(layout, train_ids, reader, aux_window=window, chat=chat)
+    heldout = load_samples(layout, heldout_ids, reader, chat=chat)
+    prompts = rendered_prompts(chat, train + heldout)
+    return GateInputs(
+        train,
+        heldout,
+        PromptSet(train_ids, prompts[: len(train)]),
+        PromptSet(heldout_ids, prompts[len(train) :]),
+        boundary_problems(train + heldout, prompts, stop_ids),
+        window,
+    )
+
+
+def run_gate(
+    layout: DatasetLayout,
+    settings: AcceptanceConfig,
+    engines: GateEngines,
+    chat: ChatTokenizer,
+    log: Callable[[str], None] = print,
+) -> GateResult:
+    """Train, measure, write <B>/acceptance/report.json and the draft checkpoint, and decide the gate: the verdict
+    is computed here, once, and stored in the report (the asset and its check read it)."""
+    import shutil
+
+    from ..hidden_states.draft_format import DraftShape, build_draft_vocab, count_tokens
+    from ..hidden_states.export import layer_config
+
+    t_start = time.perf_counter()
+    k = settings.draft_tokens
+    feature_ids = layer_config(layout.hidden_states_dir, "speculators")["eagle_aux_hidden_state_layer_ids"]
     stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
-
-    # Boundaries, against the template rendered afresh.
-    checked = train_samples + heldout_samples
-    prompts = rendered_prompts(chat, checked)
-    problems = boundary_problems(checked, prompts, stop_ids)
-    train_prompts, heldout_prompts = prompts[: len(train_samples)], prompts[len(train_samples) :]
-
-    regenerated = as_train_samples(train_samples, window)
-    labels = [s.input_ids[s.loss_mask > 0] for s in train_samples]
-    vocab = build_draft_vocab(
-        count_tokens(labels), model.config.get_text_config().vocab_size, settings.draft_vocab_size
-    )
+    data = gate_inputs(layout, settings, chat, stop_ids)
+    regenerated = as_train_samples(data.train, data.window)
+    labels = [s.input_ids[s.loss_mask > 0] for s in data.train]
+    vocab = build_draft_vocab(count_tokens(labels), engines.target.vocab_size, settings.draft_vocab_size)
     bench = DraftBench(
-        shape=DraftShape.from_target(model.config, len(vocab)),
-        embedding=model.get_input_embeddings().weight.detach().float().cpu(),
+        shape=DraftShape.from_target(engines.target.config, len(vocab)),
+        embedding=engines.target.embedding,
         vocab=vocab,
-        decoder=SpeculativeDecoder(model, feature_ids, stop_ids, device),
+        measurer=engines.measurer,
         settings=settings,
-        device=device,
         log=log,
+        layer_ids=list(feature_ids),
+        target_name=engines.target_name,
     )
-
+    scratch = layout.acceptance_dir / ".drafts"  # the drafts measured but not kept (served from a folder)
     seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    untrained = bench.measure(bench.fresh(), heldout_prompts, "untrained draft on heldout prompts")
-    seconds["measure_untrained"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    draft, stats = bench.fit(regenerated, "regenerated answers")
-    seconds["train"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    # The fit is measured on as many training prompts as are held out (enough to see it, at half the cost).
-    train_m = bench.measure(draft, train_prompts[: len(heldout_prompts)], "trained draft on training prompts")
-    heldout_m = bench.measure(draft, heldout_prompts, "trained draft on heldout prompts")
-    seconds["measure_trained"] = time.perf_counter() - t0
-    save_checkpoint(draft, layout.draft_dir, layer_ids, str(getattr(model, "name_or_path", "")))
-
-    source_part: dict[str, Any]
-    with_source = [s for s in train_samples if s.source_answer and s.source_answer.strip()]
-    if not settings.compare_source_answers:
-        source_part = {"skipped": "acceptance.compare_source_answers is false"}
-    elif len(with_source) < max(2, len(train_samples) // 2):
-        source_part = {
-            "skipped": f"{len(with_source)} of {len(train_samples)} training prompts have an answer in the source"
-        }
-    else:
+    try:
         t0 = time.perf_counter()
-        original = source_samples(with_source, chat, model, feature_ids, device, window)
-        src_draft, src_stats = bench.fit(original, "source answers")
-        source_part = {
-            "n_samples": len(original),
-            "heldout": asdict(
-                bench.measure(src_draft, heldout_prompts, "source-answer draft on heldout prompts")
-            ),
-            "train_final_loss": round(src_stats.final_loss, 4),
-        }
-        seconds["source_answers"] = time.perf_counter() - t0
-
+        untrained = bench.measure(
+            bench.fresh(), scratch / "untrained", {"heldout": data.heldout_prompts}, "untrained draft"
+        )
+        seconds["measure_untrained"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        draft, stats = bench.fit(regenerated, "regenerated answers")
+        seconds["train"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        # The fit is measured on as many training prompts as are held out (enough to see it, at half the cost).
+        n_fit = len(data.heldout_prompts.ids)
+        trained = bench.measure(
+            draft,
+            layout.draft_dir,
+            {"train": data.train_prompts.head(n_fit), "heldout": data.heldout_prompts},
+            "trained draft",
+        )
+        seconds["measure_trained"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        checked = data.heldout_prompts.head(settings.vllm.greedy_check_prompts)
+        greedy = greedy_differences(
+            checked, trained["heldout"].outputs[: len(checked.ids)], engines.measurer.greedy(checked)
+        )
+        seconds["greedy_check"] = time.perf_counter() - t0
+        source_part = source_answers_part(bench, engines, data, chat, scratch, seconds)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     seconds["total"] = time.perf_counter() - t_start
     report = {
         "draft_tokens": k,
-        "train": asdict(train_m),
-        "heldout": asdict(heldout_m),
-        "untrained": asdict(untrained),
+        "engine": engines.measurer.engine,
+        "max_new_tokens": settings.max_new_tokens,
+        "train": asdict(trained["train"].part),
+        "heldout": asdict(trained["heldout"].part),
+        "untrained": asdict(untrained["heldout"].part),
         "source_answers": source_part,
+        "greedy_check": greedy,
         "training": {
             "optimizer_steps": stats.steps,
             "ttt_steps": settings.ttt_steps or k,
@@ -467,18 +377,14 @@ def run_gate(
             "draft_vocab_size": bench.shape.draft_vocab_size,
         },
         "boundaries": {
-            "checked": len(checked),
-            "bad": len(problems),
-            "examples": dict(list(problems.items())[:5]),
+            "checked": len(data.train) + len(data.heldout),
+            "bad": len(data.problems),
+            "examples": dict(list(data.problems.items())[:5]),
         },
-        "draft": {
-            "path": str(layout.draft_dir.relative_to(layout.acceptance_dir)),
-            "layout": "SGLang/SpecForge EAGLE-3 draft (LlamaForCausalLMEagle3: config.json + model.safetensors)",
-            "eagle_aux_hidden_state_layer_ids": layer_ids,
-        },
+        "draft": draft_report(layout, feature_ids),
         "feature_ids_output_hidden_states": list(feature_ids),
-        "heldout_ids": heldout_ids,
-        "device": device,
+        "heldout_ids": data.heldout_prompts.ids,
+        "device": getattr(engines.measurer, "device", engines.measurer.engine),
         "seconds": {k_: round(v, 1) for k_, v in seconds.items()},
     }
     passed, reasons = gate_verdict(report, settings)
@@ -489,6 +395,56 @@ def run_gate(
     }
     write_json(report, layout.acceptance_report)
     return GateResult(report, passed, reasons)
+
+
+def draft_report(layout: DatasetLayout, feature_ids: Sequence[int]) -> dict[str, Any]:
+    """Where the draft is and which layers each engine must read (the same list means other layers to SGLang)."""
+    from .drafter import SGLANG_CONFIG
+
+    return {
+        "path": str(layout.draft_dir.relative_to(layout.acceptance_dir)),
+        "layout": "EAGLE-3 draft (LlamaForCausalLMEagle3: config.json + model.safetensors)",
+        "eagle_aux_hidden_state_layer_ids": list(feature_ids),
+        "layer_ids_convention": "output_hidden_states indices, as vLLM reads config.json",
+        "sglang": {
+            "config": SGLANG_CONFIG,
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in feature_ids],
+            "how": f"SGLang adds one to each id: serve the folder with {SGLANG_CONFIG} as its config.json",
+        },
+    }
+
+
+def source_answers_part(
+    bench: DraftBench,
+    engines: GateEngines,
+    data: GateInputs,
+    chat: ChatTokenizer,
+    scratch: Path,
+    seconds: dict[str, float],
+) -> dict[str, Any]:
+    """The same draft trained on the dataset's own answers, measured on the same heldout prompts."""
+    settings = bench.settings
+    with_source = [s for s in data.train if s.source_answer and s.source_answer.strip()]
+    if not settings.compare_source_answers:
+        return {"skipped": "acceptance.compare_source_answers is false"}
+    if len(with_source) < max(2, len(data.train) // 2):
+        return {
+            "skipped": f"{len(with_source)} of {len(data.train)} training prompts have an answer in the source"
+        }
+    if engines.features is None:
+        return {"skipped": engines.no_features_why}
+    t0 = time.perf_counter()
+    original = source_samples(with_source, chat, engines.features, data.window)
+    src_draft, src_stats = bench.fit(original, "source answers")
+    measured = bench.measure(
+        src_draft, scratch / "source", {"heldout": data.heldout_prompts}, "source-answer draft"
+    )
+    seconds["source_answers"] = time.perf_counter() - t0
+    return {
+        "n_samples": len(original),
+        "heldout": asdict(measured["heldout"].part),
+        "train_final_loss": round(src_stats.final_loss, 4),
+    }
 
 
 def gate_verdict(report: dict[str, Any], settings: AcceptanceConfig) -> tuple[bool, list[str]]:
@@ -531,32 +487,28 @@ def crop_to_window(sample: Any, window: int) -> Any:
 
 
 def source_samples(
-    samples: Sequence[GateSample],
-    chat: ChatTokenizer,
-    model: Any,
-    feature_ids: Sequence[int],
-    device: str,
-    window: int,
+    samples: Sequence[GateSample], chat: ChatTokenizer, features: FeatureSource, window: int
 ) -> list[Any]:
     """The dataset's own answers as training samples: tokenized with the target's template, features from the
-    target's forward over them (the same independent path the measurement uses)."""
+    target over them."""
     import torch
 
     from .drafter import TrainSample
 
     convs = [(list(s.messages), Answer(str(s.source_answer), None, True)) for s in samples]
-    out = []
-    for res in chat.tokenize(convs):
-        if isinstance(res, TemplateError):
-            continue
-        ids = torch.from_numpy(res.input_ids.astype(np.int64))
-        with torch.no_grad():
-            hs = model(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states
-        aux = torch.cat([hs[j][0] for j in feature_ids], -1).float().cpu()
-        out.append(
-            crop_to_window(TrainSample(ids, torch.from_numpy(res.loss_mask.astype(np.int64)), aux), window)
+    rows = [r for r in chat.tokenize(convs) if not isinstance(r, TemplateError)]
+    states = features.aux_states([r.input_ids for r in rows])
+    return [
+        crop_to_window(
+            TrainSample(
+                torch.from_numpy(r.input_ids.astype(np.int64)),
+                torch.from_numpy(r.loss_mask.astype(np.int64)),
+                aux,
+            ),
+            window,
         )
-    return out
+        for r, aux in zip(rows, states, strict=True)
+    ]
 
 
 def read_report(layout: DatasetLayout) -> dict[str, Any] | None:

@@ -91,8 +91,9 @@ def vocab_mapping(draft_ids: Any, vocab_size: int) -> tuple[Any, Any]:
 
 
 def draft_config(s: DraftShape, aux_layer_ids: list[int], dtype: str) -> dict[str, Any]:
-    """The `config.json` of an EAGLE-3 draft of shape `s`, as SGLang serves and SpecForge trains it
-    (`LlamaForCausalLMEagle3`, one decoder layer, aux layer ids in SGLang's convention: decoder-layer outputs)."""
+    """The `config.json` of an EAGLE-3 draft of shape `s` (`LlamaForCausalLMEagle3`, one decoder layer), with
+    the aux layer ids as given: the caller picks the engine's reading (vLLM: `output_hidden_states` indices;
+    SGLang and SpecForge: decoder-layer outputs, one less)."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
