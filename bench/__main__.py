@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [engine|limits|backfill|multiturn|storage|tokens|hidden|vllm|acceptance] [--quick]`: run benchmarks and print ratio tables."""
+"""`make bench` / `python -m bench [engine|limits|backfill|multiturn|storage|tokens|hidden|vllm|acceptance|served_gate] [--quick]`: run benchmarks and print ratio tables."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ SUITES = {
     "hidden": "bench.hidden_states_throughput",
     "vllm": "bench.vllm_hidden_states",
     "acceptance": "bench.acceptance",
+    "served_gate": "bench.served_gate",
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 

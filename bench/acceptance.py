@@ -46,6 +46,7 @@ def _partition(folder: Path, limit: int) -> tuple[object, Path]:
 def run(quick: bool = False) -> dict:
     import torch
 
+    from eagle3_assets.assets.acceptance import gate_engines
     from eagle3_assets.assets.hidden_states import extraction_settings
     from eagle3_assets.core.acceptance.gate import load_samples, rendered_prompts, run_gate
     from eagle3_assets.core.hidden_states.extraction import load_target_model
@@ -65,7 +66,8 @@ def run(quick: bool = False) -> dict:
         model = load_target_model(extraction_settings(cfg))
         chat = Target(cfg).chat_tokenizer()
         device = pick_device(settings.device)
-        gate = run_gate(layout, settings, model, chat, device, log=lambda m: None)
+        engines = gate_engines(cfg, layout, chat, log=lambda m: None)
+        gate = run_gate(layout, settings, engines, chat, log=lambda m: None)
         r = gate.report
 
         # Baseline: plain greedy decoding of the prompts the gate measured, as many new tokens.

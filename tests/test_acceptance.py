@@ -15,7 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3_assets.assets.acceptance import gate_engines
 from eagle3_assets.config import load_config
+from eagle3_assets.core.acceptance.decoding import SpeculativeDecoder
 from eagle3_assets.core.acceptance.drafter import (
     Eagle3Draft,
     StepKV,
@@ -24,7 +26,6 @@ from eagle3_assets.core.acceptance.drafter import (
     ttt_forward,
 )
 from eagle3_assets.core.acceptance.gate import (
-    SpeculativeDecoder,
     load_samples,
     rendered_prompts,
     run_gate,
@@ -112,7 +113,13 @@ def test_the_targets_own_answers_pass_the_gate_and_the_draft_loads_back(gated):
     folder = layout.acceptance_dir / "draft"
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]  # SmolLM2: [1, L//2-1, L-4]
+    # vLLM reads the ids as output_hidden_states indices (decoder outputs [1, 14, 26] + 1), SGLang as layer outputs.
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    sglang = json.loads((folder / "config.sglang.json").read_text())
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert report["engine"] == "transformers" and report["max_new_tokens"] == GATE["max_new_tokens"]
+    assert report["heldout"]["prompt_ids"] == report["heldout_ids"]
+    assert report["greedy_check"]["equal"] == report["greedy_check"]["prompts"] == 3
     state = load_file(str(folder / "model.safetensors"))
     h, vd = cfg["hidden_size"], cfg["draft_vocab_size"]
     assert state["fc.weight"].shape == (h, 3 * h)
@@ -238,7 +245,9 @@ def test_wrong_data_fails_the_gate(gated, tmp_path, corrupt, reason):
     shutil.copytree(layout.dir, copy.dir, ignore=shutil.ignore_patterns("acceptance", "exports"))
     _rewrite(copy.hidden_states_dir, corrupt)
     settings = config.acceptance.model_copy(update={"compare_source_answers": False})
-    result = run_gate(copy, settings, load_target_model_for(config), _chat(config), "cpu", log=lambda m: None)
+    chat = _chat(config)
+    engines = gate_engines(config, copy, chat, log=lambda m: None)
+    result = run_gate(copy, settings, engines, chat, log=lambda m: None)
     assert not result.passed
     assert any(reason in r for r in result.reasons), result.reasons
     report = json.loads((copy.acceptance_dir / "report.json").read_text())

@@ -225,6 +225,10 @@ class VllmMeasurer:
 
     @staticmethod
     def _failure(server: RunningServer, what: str) -> ServedAcceptanceError:
+        import subprocess
+
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a dying server: give its exit a moment to show
+            server.process.wait(2)
         if server.process.poll() is not None:
             return ServedAcceptanceError(
                 f"the acceptance vLLM server died (exit {server.process.returncode}; log: {server.log}):\n"

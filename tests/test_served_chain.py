@@ -1,0 +1,145 @@
+"""The chain past generation for a target that never enters the process: the shipped defaults plus
+`hidden_states.engine: vllm` (the session's real vLLM server, CPU build) and `acceptance.engine: vllm` (the step
+starts vLLM itself with each draft as EAGLE-3). A guard fails the test when hidden_states or acceptance loads the
+whole target or runs a forward of it here; only pieces of the checkpoint (the embedding, the first layers) may be.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import psutil
+import pytest
+import yaml
+
+from . import vllm_server
+from .conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+NUM_LAYERS = 30  # SmolLM2-135M
+
+
+@pytest.fixture(scope="module")
+def server() -> vllm_server.VllmServer:
+    reason = vllm_server.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return vllm_server.server()
+
+
+class FullTargetGuard:
+    """Refuses to load the whole target and records the depth of every decoder forward in this process."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        import transformers
+        from transformers.models.llama import modeling_llama
+
+        from eagle3_assets.core.target import loading
+
+        self.depths: list[int] = []
+        forward = modeling_llama.LlamaModel.forward
+
+        def counted(model, *args, **kwargs):
+            self.depths.append(len(model.layers))
+            return forward(model, *args, **kwargs)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"the whole target was loaded in the step's process: {args[:1]}")
+
+        monkeypatch.setattr(modeling_llama.LlamaModel, "forward", counted)
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+        monkeypatch.setattr(loading, "load_model", refuse)
+        loading.shared_model.cache_clear()
+
+    def full_forwards(self) -> int:
+        return sum(1 for d in self.depths if d >= NUM_LAYERS)
+
+
+def _served_config(root, server) -> dict:
+    cfg = yaml.safe_load((REPO / "eagle3.yaml").read_text())
+    cfg["hidden_states"] = {
+        "engine": "vllm",
+        "vllm": {"base_urls": [server.base_url], "storage_path": str(server.storage)},
+    }
+    cfg["acceptance"] = {"engine": "vllm", "vllm": {"cpu": True}}
+    return cfg
+
+
+def _eagle3_servers() -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "vllm.entrypoints" in cmd and '"method":"eagle3"' in cmd:
+            found.append(p.info["pid"])
+    return found
+
+
+def test_hidden_states_and_acceptance_run_with_the_target_served_only(server, tmp_path, monkeypatch):
+    import dagster as dg
+
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import (
+        ACCEPTANCE_JOB,
+        HIDDEN_STATES_JOB,
+        TRAINING_DATA_JOB,
+        build_definitions,
+    )
+
+    shutil.copytree(REPO / "prompts", tmp_path / "prompts")
+    path = tmp_path / "eagle3.yaml"
+    path.write_text(yaml.safe_dump(_served_config(tmp_path, server)))
+    config = load_config(path)
+    defs = build_definitions(config, str(path))
+    with dg.instance_for_test() as instance:
+        run = defs.resolve_job_def(TRAINING_DATA_JOB).execute_in_process(  # the embedded backend generates
+            partition_key="B3", instance=instance, run_config={"ops": {"responses": {"config": {"limit": 8}}}}
+        )
+        assert run.success
+        guard = FullTargetGuard(monkeypatch)
+        results = {}
+        for job in (HIDDEN_STATES_JOB, ACCEPTANCE_JOB):
+            results[job] = defs.resolve_job_def(job).execute_in_process(
+                partition_key="B3", instance=instance, raise_on_error=False
+            )
+            assert results[job].success, [e.message for e in results[job].all_events if e.is_failure]
+    assert guard.full_forwards() == 0, guard.depths
+    assert guard.depths, "the spot check recomputed nothing"
+
+    checks = {e.check_name: e for r in results.values() for e in r.get_asset_check_evaluations()}
+    assert all(c.passed for c in checks.values()), {k: c.metadata for k, c in checks.items() if not c.passed}
+    assert {"hidden_states_spot_check", "acceptance_gate"} <= set(checks)
+
+    layout_dir = config.storage_root / "B3" / "acceptance"
+    report = json.loads((layout_dir / "report.json").read_text())
+    k = report["draft_tokens"]
+    assert report["engine"] == "vllm" and report["max_new_tokens"] == config.acceptance.max_new_tokens
+    for part in ("train", "heldout", "untrained"):
+        p = report[part]
+        c = p["counters"]
+        assert c["num_drafts"] > 0 and c["num_draft_tokens"] == k * c["num_drafts"]
+        assert p["acceptance_length"] == round(1 + c["num_accepted_tokens"] / c["num_drafts"], 4)
+        assert len(p["prompt_ids"]) == p["n_prompts"] and len(c["accepted_per_position"]) == k
+    assert (
+        report["untrained"]["counters"]["num_accepted_tokens"]
+        <= report["untrained"]["counters"]["num_drafts"]
+    )
+    assert report["gate"]["passed"], report["gate"]
+    # The source-answers arm: its states extracted by the hidden-states server, its draft served by vLLM.
+    assert report["source_answers"]["heldout"]["counters"]["num_drafts"] > 0
+    # Speculative decoding changed no greedy answer.
+    g = report["greedy_check"]
+    assert g["prompts"] >= 1 and g["equal"] == g["prompts"], g
+    # The draft: vLLM's layer ids in config.json (the layers it was trained on), SGLang's beside it.
+    draft = layout_dir / "draft"
+    assert json.loads((draft / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [
+        2,
+        15,
+        27,
+    ]
+    sglang = json.loads((draft / "config.sglang.json").read_text())
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert _eagle3_servers() == []  # every server the step started is gone, engine core and workers included
