@@ -45,13 +45,17 @@ def _child(config: str, engine: str, quick: bool) -> None:
     cfg = cfg.model_copy(update={"acceptance": cfg.acceptance.model_copy(update={**update, "vllm": vllm})})
     layout = DatasetLayout(cfg.storage_root, "B3")
     chat = Target(cfg).chat_tokenizer()
+    import psutil
+
+    base_mb = psutil.Process().memory_info().rss / 2**20  # imports and the tokenizer: what every step holds
     t0 = time.perf_counter()
     gate = run_gate(
         layout, cfg.acceptance, gate_engines(cfg, layout, chat, log=lambda m: None), chat, log=print
     )
     wall = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print("RESULT " + json.dumps({"wall_s": wall, "peak_rss_mb": peak_kib / 1024, "report": gate.report}))
+    result = {"wall_s": wall, "peak_rss_mb": peak_kib / 1024, "base_rss_mb": base_mb, "report": gate.report}
+    print("RESULT " + json.dumps(result))
 
 
 def _servers_peak(pid: int, stop: threading.Event, out: list[float]) -> None:
@@ -96,6 +100,8 @@ def run(quick: bool = False) -> dict:
         rows[e] = {
             "wall_s": round(r["wall_s"], 1),
             "step_peak_rss_mb": round(r["peak_rss_mb"]),
+            "step_base_rss_mb": round(r["base_rss_mb"]),
+            "gate_rss_increment_mb": round(r["peak_rss_mb"] - r["base_rss_mb"]),
             "servers_peak_rss_mb": round(r["servers_peak_rss_mb"]),
             "acceptance_length": {p: rep[p]["acceptance_length"] for p in ("train", "heldout", "untrained")},
             "greedy_check": f"{rep['greedy_check']['equal']}/{rep['greedy_check']['prompts']}",
