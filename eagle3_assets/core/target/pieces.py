@@ -35,8 +35,6 @@ class CheckpointPieces:
     def find(cls, model_ref: str, revision: str | None = None) -> CheckpointPieces:
         """The checkpoint of a local folder or of the hub cache (never downloading: a 1T checkpoint is fetched by
         whoever provisions the machine, `huggingface-cli download`, not by a step)."""
-        from ..hidden_states.shards import local_checkpoint
-
         root = local_checkpoint(model_ref, revision)
         if root is None:
             raise CheckpointError(
@@ -166,6 +164,19 @@ class CheckpointPieces:
         if any(b.is_meta for b in model.buffers()):  # rotary tables etc., recomputed off the meta device
             _rebuild_buffers(model)
         return model.float().eval()
+
+
+def local_checkpoint(model_ref: str, revision: str | None) -> Path | None:
+    """The checkpoint folder on this machine (a local folder, or the hub cache), never downloading. Here because the
+    target stage may not import a later one (tests/test_layering.py): hidden_states.shards has the same function."""
+    if Path(model_ref).is_dir():
+        return Path(model_ref)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_ref, revision=revision, local_files_only=True))
+    except Exception:
+        return None
 
 
 def _match_param(name: str, own: set[str]) -> str | None:
