@@ -76,6 +76,7 @@ def _eagle3_servers() -> list[int]:
     return found
 
 
+@pytest.mark.timeout(2400)  # four vLLM starts and a draft's training on two cores, beside the suite's other servers
 def test_hidden_states_and_acceptance_run_with_the_target_served_only(server, tmp_path, monkeypatch):
     import dagster as dg
 

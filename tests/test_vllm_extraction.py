@@ -124,6 +124,8 @@ def _project(root: Path, server, **hidden) -> Path:
     path = make_project(
         root,
         {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
+        # The answers are canned, not the target's greedy ones: the spot check's head rule reads them as sampled.
+        sampling={"temperature": 0.7},
         hidden_states={
             "engine": "vllm",
             "dtype": "float32",
@@ -427,6 +429,8 @@ def test_vllm_serve_prints_the_server_command_for_the_configured_target(tmp_path
     path = make_project(
         tmp_path,
         {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
+        # The answers are canned, not the target's greedy ones: the spot check's head rule reads them as sampled.
+        sampling={"temperature": 0.7},
         hidden_states={"engine": "vllm", "vllm": {"storage_path": "/shared/hs", "model": "t"}},
     )
     args = [
