@@ -21,8 +21,16 @@ def _resources(args: argparse.Namespace):
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     """Everything a paid run needs, checked without sending a request."""
+    from .core.target.pairing import pairing_preflight
+
     cfg, res = _resources(args)
     problems = list(res["target"].problems())
+    warnings: list[str] = []
+    if not problems:  # else the tokenizer is never loaded (unpinned remote code must not run)
+        warnings += res["target"].warnings()
+        pairing = pairing_preflight(cfg)  # tokenizer and model, and the hidden-states servers, agree
+        problems += pairing.problems
+        warnings += pairing.warnings
     if not problems:
         backend = res["inference"].create_backend(res["target"].chat_tokenizer())
         problems += asyncio.run(backend.preflight())
@@ -30,7 +38,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         source = cfg.resolve_path(cfg.datasets[key].source)
         if not source.exists():
             problems.append(f"datasets.{key}.source: {source} does not exist")
-    for warning in res["target"].warnings():
+    for warning in warnings:
         print(f"warning: {warning}")
     if problems:
         print("preflight failed:\n- " + "\n- ".join(problems))

@@ -19,6 +19,7 @@ from ..core.generation.run import DatasetJob, GenerationPlan, GenerationSummary,
 from ..core.report import validation
 from ..core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 from ..core.storage.versions import content_version, rows_version
+from ..core.target.pairing import pairing_preflight
 from .common import GROUP, check_each_partition, check_result, counts_table
 
 
@@ -145,6 +146,12 @@ def build_responses_asset(
         # preflight that passed before for these files is remembered (Target.problems).
         chat = target.deferred_chat_tokenizer()
         settings = inference.engine_settings(config.max_concurrency)
+        preflight = target.problems()
+        if not preflight:  # tokenizer and model belong together (a passed comparison is remembered too)
+            pairing = pairing_preflight(cfg)
+            preflight += pairing.problems
+            for warning in pairing.warnings:
+                context.log.warning(warning)
         with ExitStack() as stack:
             # Append-only: after a failure too, every answer that was paid for is stored.
             layouts = {k: stack.enter_context(storage.stage(k, "responses", append_only=True)) for k in keys}
@@ -169,7 +176,7 @@ def build_responses_asset(
                 chat,
                 settings,
                 log=context.log.info,
-                extra_preflight=target.problems(),
+                extra_preflight=preflight,
             )
         sent = [s.report.first_dispatch_wall for s in summaries.values() if s.report]
         first = min((t for t in sent if t is not None), default=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from functools import lru_cache
@@ -140,16 +141,33 @@ def is_hub_reference(ref: str, base_dir: str | Path | None = None) -> bool:
     return not ref.startswith(BUILTIN_PREFIX) and not Path(resolve(ref, base_dir)).exists()
 
 
+_PLACEHOLDER = re.compile(r"replace|placeholder|todo|fixme|changeme|your[-_ ]|xxx|[<>{}\s]", re.IGNORECASE)
+
+
+def is_placeholder_revision(revision: str) -> bool:
+    """A revision that was never filled in (`REPLACE-WITH-A-COMMIT-SHA`, `<sha>`, ...): a shipped recipe names
+    the key, and only the user can say which snapshot they reviewed. A hex string is never one."""
+    return not re.fullmatch(r"[0-9a-fA-F]{7,40}", revision) and bool(_PLACEHOLDER.search(revision))
+
+
 def pin_problems(target: Any, base_dir: str | Path | None = None) -> list[str]:
     """Remote code from the hub runs in this process: it must be pinned to a revision (a commit), or a push to
-    the repo changes what runs. `target.revision` pins the tokenizer, the model and their code alike."""
-    if not target.trust_remote_code or target.revision:
+    the repo changes what runs. `target.revision` pins the tokenizer, the model and their code alike; a
+    placeholder left in it (a recipe's) is refused before the hub is asked for a revision that does not exist."""
+    placeholder = bool(target.revision) and is_placeholder_revision(target.revision)
+    if not placeholder and (not target.trust_remote_code or target.revision):
         return []
-    hub = [ref for ref in {target.tokenizer, target.model} if is_hub_reference(ref, base_dir)]
+    hub = sorted(ref for ref in {target.tokenizer, target.model} if is_hub_reference(ref, base_dir))
     if not hub:
         return []
+    if placeholder:
+        return [
+            f"target.revision is the placeholder {target.revision!r}: replace it with the commit hash of the "
+            f"snapshot of {', '.join(hub)} whose code and files you reviewed (the 40-hex sha of the repo's "
+            "commit history), or point target.tokenizer and target.model at a local copy"
+        ]
     return [
-        f"target.trust_remote_code is true for {', '.join(sorted(hub))} from the hub with no target.revision: pin "
+        f"target.trust_remote_code is true for {', '.join(hub)} from the hub with no target.revision: pin "
         "the commit whose code you reviewed (target.revision: <sha>) or use a local copy "
         "(README, section 'Configuration: eagle3.yaml')"
     ]
