@@ -164,7 +164,8 @@ class VllmMeasurer:
 
     @contextlib.contextmanager
     def serving(self, parts: Sequence[PromptSet], draft: Path | None) -> Iterator[RunningServer]:
-        """A started server; its whole process group stopped on the way out, whatever ends the block."""
+        """A started server; its whole process group stopped on the way out, whatever ends the block. Its log
+        stays on this machine only when the block failed."""
         longest = max((len(p) for ps in parts for p in ps.prompts), default=16)
         spec = self.spec(draft, longest)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -181,6 +182,7 @@ class VllmMeasurer:
             yield server
         finally:
             server.stop()
+        log_path.unlink(missing_ok=True)  # kept only where something went wrong (the error names it)
 
     # -- requests --------------------------------------------------------------------------------------------
     def _generate(self, server: RunningServer, prompts: PromptSet) -> list[list[int]]:
