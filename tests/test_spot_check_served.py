@@ -31,7 +31,7 @@ from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.loading import load_model
 from eagle3_assets.core.target.pieces import CheckpointError, CheckpointPieces
 
-from .conftest import make_project
+from .conftest import FullTargetGuard, make_project
 from .test_hidden_states import QUESTIONS, write_tokens
 
 H, L = 576, 30  # SmolLM2-135M
@@ -125,31 +125,6 @@ def shift_rows(*keys: str, by: int = 1) -> Callable[[dict], None]:
 def check(folder: Path, pieces: CheckpointPieces, decoding=None) -> rules.Verdict:
     ids = sorted(HiddenStatesReader(folder).ids())
     return rules.spot_check_pieces(folder, pieces, ids, decoding or rules.AnswerDecoding.of(0.0))
-
-
-class FullTargetGuard:
-    """Refuses to load the whole target and records the depth of every decoder forward in this process."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        import transformers
-        from transformers.models.llama import modeling_llama
-
-        from eagle3_assets.core.target import loading
-
-        self.depths: list[int] = []
-        forward = modeling_llama.LlamaModel.forward
-
-        def counted(model, *args, **kwargs):
-            self.depths.append(len(model.layers))
-            return forward(model, *args, **kwargs)
-
-        def refuse(*args, **kwargs):
-            raise AssertionError(f"the whole target was loaded in the check's process: {args[:1]}")
-
-        monkeypatch.setattr(modeling_llama.LlamaModel, "forward", counted)
-        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-        monkeypatch.setattr(loading, "load_model", refuse)
-        monkeypatch.setattr(loading, "shared_model", refuse)
 
 
 # -- from pieces, with states made in process ------------------------------------------------------------------

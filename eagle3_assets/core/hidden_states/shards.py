@@ -29,6 +29,7 @@ import polars as pl
 
 from ..storage.files import atomic_write, remove_stale_temporaries, write_parquet
 from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+from ..target.pieces import local_checkpoint
 
 FORMAT = "eagle3-assets/hidden-states/v1"
 INDEX_SCHEMA = {
@@ -483,18 +484,6 @@ def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str 
         lambda tmp: save_file({"weight": weight}, str(tmp), metadata={"kind": kind, "eps": str(eps)}),
     )
     return True
-
-
-def local_checkpoint(model_ref: str, revision: str | None) -> Path | None:
-    """The target's checkpoint folder on this machine (a local folder, or the hub cache), never downloading."""
-    if Path(model_ref).is_dir():
-        return Path(model_ref)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model_ref, revision=revision, local_files_only=True))
-    except Exception:
-        return None
 
 
 # -- reading one sample -------------------------------------------------------------------------------------

@@ -167,8 +167,7 @@ class CheckpointPieces:
 
 
 def local_checkpoint(model_ref: str, revision: str | None) -> Path | None:
-    """The checkpoint folder on this machine (a local folder, or the hub cache), never downloading. Here because the
-    target stage may not import a later one (tests/test_layering.py): hidden_states.shards has the same function."""
+    """The checkpoint folder on this machine (a local folder, or the hub cache), never downloading."""
     if Path(model_ref).is_dir():
         return Path(model_ref)
     try:
