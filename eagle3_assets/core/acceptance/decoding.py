@@ -133,6 +133,7 @@ class InProcessMeasurer:
         self.decoder = decoder
         self.k = k
         self.max_new = max_new
+        self.device = decoder.device
 
     def measure(self, draft: Any, folder: Path, parts: Mapping[str, PromptSet]) -> dict[str, Measured]:
         draft = draft.to(self.decoder.device).eval()

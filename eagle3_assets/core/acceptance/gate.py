@@ -384,7 +384,7 @@ def run_gate(
         "draft": draft_report(layout, feature_ids),
         "feature_ids_output_hidden_states": list(feature_ids),
         "heldout_ids": data.heldout_prompts.ids,
-        "device": getattr(engines.measurer, "device", engines.measurer.engine),
+        "device": engines.measurer.device,
         "seconds": {k_: round(v, 1) for k_, v in seconds.items()},
     }
     passed, reasons = gate_verdict(report, settings)

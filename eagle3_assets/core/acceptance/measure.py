@@ -113,6 +113,7 @@ class Measured:
 
 class DraftMeasurer(Protocol):
     engine: str
+    device: str  # where the target runs, as the report says it
 
     def measure(self, draft: Any, folder: Path, parts: Mapping[str, PromptSet]) -> dict[str, Measured]:
         """Greedy speculative decoding of each part with the draft (the module, saved in `folder`)."""
