@@ -73,7 +73,7 @@ def run(quick: bool = False) -> dict:
         # Baseline: plain greedy decoding of the prompts the gate measured, as many new tokens.
         heldout = load_samples(layout, r["heldout_ids"], chat=chat)
         prompts = rendered_prompts(chat, heldout)
-        stop = sorted(i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None)
+        stop = sorted(chat.stop_ids)
         t0 = time.perf_counter()
         with torch.no_grad():
             for p in prompts:

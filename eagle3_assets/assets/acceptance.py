@@ -33,7 +33,7 @@ def gate_engines(
     t = cfg.target
     target = DraftTarget.load(settings.model_ref, t.revision, t.trust_remote_code)
     feature_ids = layer_config(layout.hidden_states_dir, "speculators")["eagle_aux_hidden_state_layer_ids"]
-    stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
+    stop_ids = chat.stop_ids
     a = cfg.acceptance
     if a.engine == "vllm":
         from resources.vllm import extraction_backend

@@ -311,7 +311,7 @@ def run_gate(
     t_start = time.perf_counter()
     k = settings.draft_tokens
     feature_ids = layer_config(layout.hidden_states_dir, "speculators")["eagle_aux_hidden_state_layer_ids"]
-    stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
+    stop_ids = chat.stop_ids
     data = gate_inputs(layout, settings, chat, stop_ids)
     regenerated = as_train_samples(data.train, data.window)
     labels = [s.input_ids[s.loss_mask > 0] for s in data.train]
@@ -399,6 +399,7 @@ def run_gate(
 
 def draft_report(layout: DatasetLayout, feature_ids: Sequence[int]) -> dict[str, Any]:
     """Where the draft is and which layers each engine must read (the same list means other layers to SGLang)."""
+    from ..hidden_states.draft_format import sglang_layer_ids
     from .drafter import SGLANG_CONFIG
 
     return {
@@ -408,7 +409,7 @@ def draft_report(layout: DatasetLayout, feature_ids: Sequence[int]) -> dict[str,
         "layer_ids_convention": "output_hidden_states indices, as vLLM reads config.json",
         "sglang": {
             "config": SGLANG_CONFIG,
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in feature_ids],
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(list(feature_ids)),
             "how": f"SGLang adds one to each id: serve the folder with {SGLANG_CONFIG} as its config.json",
         },
     }

@@ -164,6 +164,11 @@ class ChatTokenizer:
             )
         self.eot_id = self.encoder.control_ids.get(self.eot_token)
 
+    @property
+    def stop_ids(self) -> set[int]:
+        """The ids that end an answer: the template's end-of-turn token and the tokenizer's eos."""
+        return {i for i in (self.eot_id, self.tok.eos_token_id) if i is not None}
+
     def fingerprint(self) -> str:
         """What decides the ids of a conversation besides its text: the template, its options, the vocabulary."""
         import hashlib

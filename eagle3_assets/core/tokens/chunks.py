@@ -157,7 +157,7 @@ def tokenize_chunk(
     history_refs = (
         chunk["history_refs"].to_list() if "history_refs" in chunk.columns else [None] * chunk.height
     )
-    stop_ids = {i for i in (chat.eot_id, chat.tok.eos_token_id) if i is not None}
+    stop_ids = chat.stop_ids
     summary = TokensSummary()
     out: dict[str, list] = {
         k: [] for k in TOKENS_SCHEMA if k not in ("input_ids", "loss_mask", "n_tokens", "n_loss_tokens")
