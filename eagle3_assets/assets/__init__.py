@@ -6,6 +6,7 @@ import dagster as dg
 from .acceptance import build_acceptance_asset, build_acceptance_checks
 from .hidden_states import build_hidden_states_asset, build_hidden_states_checks
 from .prompts import build_prompts_asset
+from .quarantine import build_quarantine_checks
 from .report import build_report_asset, build_report_checks
 from .responses import build_responses_asset, build_responses_checks
 from .tokens import build_tokens_asset, build_tokens_checks
@@ -29,4 +30,5 @@ def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefi
         *build_report_checks(partitions),
         *build_hidden_states_checks(partitions),
         *build_acceptance_checks(partitions),
+        *build_quarantine_checks(partitions),
     ]

@@ -33,6 +33,8 @@ def build_prompts_asset(
         source = cfg.resolve_path(ds.source)
         with storage.stage(key, "prompts") as layout:
             result = write_prompts(source, layout, ds)
+        for q in result.set_aside:
+            context.log.warning(f"{key}: set aside {q.describe()}; written again from the source")
         context.log.info(
             f"{key}: {result.outcomes['ok']} prompts from {result.n_source_rows} rows of {source}"
         )
@@ -50,6 +52,8 @@ def build_prompts_asset(
                 "quarantine_reasons": counts_table(reasons, "reason"),
                 "path": dg.MetadataValue.path(str(layout.prompts)),
                 "quarantine_path": dg.MetadataValue.path(str(layout.quarantine)),
+                # Damaged earlier outputs moved to quarantine/prompts/ before they were written again.
+                "damaged_files_set_aside": len(result.set_aside),
             },
         )
 

@@ -62,6 +62,8 @@ def build_tokens_asset(
                 "mismatch_kinds": counts_table(dict(s.mismatch_kinds), "mismatch"),
                 "ids_source": counts_table(dict(s.ids_source), "source"),
                 "template_check": template_check,
+                # Damaged earlier outputs moved to quarantine/tokens/ and rebuilt in this run.
+                "damaged_files_set_aside": len(s.set_aside),
                 "path": dg.MetadataValue.path(str(layout.tokens)),
             },
         )

@@ -20,11 +20,12 @@ import polars as pl
 from ..prompts.ingest import RowError, content_id, iter_source_rows, normalise_row
 from ..storage.files import write_parquet
 from ..storage.layout import DatasetLayout
+from ..storage.tables import IMPORT_REJECTED_SCHEMA
 from ..target.chat import ChatTokenizer
 from .journal import JournalWriter, ResponseJournal
 from .protocol import Completion
 
-REJECTED_SCHEMA = {"source_row": pl.Int64, "reason": pl.String}
+REJECTED_SCHEMA = IMPORT_REJECTED_SCHEMA
 
 
 @dataclass

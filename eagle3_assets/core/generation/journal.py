@@ -11,7 +11,14 @@ from typing import Any
 import polars as pl
 
 from ..storage.layout import DatasetLayout
-from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable, empty_columns
+from ..storage.quarantine import Quarantined, sweep_parquet
+from ..storage.tables import (
+    FAILURE_SCHEMA,
+    IMPORT_REJECTED_SCHEMA,
+    RESPONSE_SCHEMA,
+    JournalTable,
+    empty_columns,
+)
 from .budget import CostFit, LengthHistory, PriorUsage
 from .ledger import LOST_SCHEMA, DispatchLedger, bought_and_unstored, lost_rows
 from .protocol import Completion
@@ -26,14 +33,128 @@ class LostCharge:
     usd: float = 0.0
 
 
+# The columns a part cannot do without (older parts may lack the others; readers add them as nulls).
+RESPONSE_REQUIRED = ("id", "content", "finish_reason", "completion_tokens")
+FAILURE_REQUIRED = ("id", "error_kind", "permanent")
+LOST_REQUIRED = ("run_id", "estimated_tokens", "estimated_usd")
+STAGE = "responses"  # the quarantine folder of what the journal sets aside
+
+
+@dataclass
+class SetAside:
+    """What the journal found damaged and set aside in this object's lifetime (for the stage's metadata)."""
+
+    files: list[Quarantined]
+    answers: int  # answers the set-aside response parts held (from their tally): asked again
+    answers_unknown: (
+        int  # response parts whose rows no tally knew (their prompts are asked again all the same)
+    )
+    charged_tokens: float  # completion tokens charged to the budget for answers paid and lost
+    charged_usd: float
+
+    def describe(self) -> str:
+        if not self.files:
+            return "nothing"
+        unknown = f" (+{self.answers_unknown} parts of unknown size)" if self.answers_unknown else ""
+        return (
+            f"{len(self.files)} damaged files set aside; {self.answers:,} answers they held are asked again"
+            f"{unknown}; {self.charged_tokens:,.0f} tokens they cost stay charged to the budget"
+        )
+
+
 class ResponseJournal:
     """The responses, failures and dispatch ledgers of one dataset (their folders are its layout's)."""
 
     def __init__(self, layout: DatasetLayout):
-        self.responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
-        self.failures = JournalTable(layout.failures_dir, FAILURE_SCHEMA)
+        self.layout = layout
+        tally = layout.journal_dir  # what each part held, kept where the parts are not (`JournalTable.sweep`)
+        self.responses = JournalTable(
+            layout.responses_dir,
+            RESPONSE_SCHEMA,
+            required=RESPONSE_REQUIRED,
+            tally_file=tally / "tally-responses.json",
+            tally=("completion_tokens", "cost_usd"),
+        )
+        self.failures = JournalTable(
+            layout.failures_dir,
+            FAILURE_SCHEMA,
+            required=FAILURE_REQUIRED,
+            tally_file=tally / "tally-failures.json",
+        )
         self.ledger_dir = layout.journal_dir
-        self.lost = JournalTable(layout.lost_dir, LOST_SCHEMA)
+        self.lost = JournalTable(
+            layout.lost_dir,
+            LOST_SCHEMA,
+            required=LOST_REQUIRED,
+            tally_file=tally / "tally-lost.json",
+            tally=("estimated_tokens", "estimated_usd"),
+        )
+        self.quarantined: list[Quarantined] = []  # what `sweep` set aside so far
+        self._charged = [0.0, 0.0]
+
+    # -- damaged files ----------------------------------------------------------------------------------------
+    def sweep(self) -> list[Quarantined]:
+        """Set aside every journal file that cannot be read (responses, failures, lost charges, import rejects),
+        before anything reads them. The answers a response part held become unanswered, so the next dispatch asks
+        them again; what they cost stays charged (`lost/`, from the part's tally), unless the run that wrote the
+        part left its dispatch ledger, which then charges them as bought and unstored. A set-aside part of
+        `lost/` is charged again from its tally. Call with the dataset's lock held."""
+        d = self.layout.dir
+        found = self.responses.sweep(d, STAGE)
+        for q in found:
+            self._charge_lost_answers(q)
+        lost = self.lost.sweep(d, STAGE)
+        for q in lost:
+            self._carry_lost_charges(q)
+        found += lost + self.failures.sweep(d, STAGE)
+        imports = (
+            sorted(self.layout.imports_dir.glob("*.parquet")) if self.layout.imports_dir.is_dir() else []
+        )
+        found += sweep_parquet(d, imports, STAGE, IMPORT_REJECTED_SCHEMA, list(IMPORT_REJECTED_SCHEMA))
+        self.quarantined.extend(found)
+        return found
+
+    def set_aside(self) -> SetAside:
+        parts = [q for q in self.quarantined if q.path.startswith(f"{self.layout.responses_dir.name}/")]
+        return SetAside(
+            files=list(self.quarantined),
+            answers=sum(q.rows or 0 for q in parts),
+            answers_unknown=sum(q.rows is None for q in parts),
+            charged_tokens=self._charged[0],
+            charged_usd=self._charged[1],
+        )
+
+    def _charge_lost_answers(self, q: Quarantined) -> None:
+        run_id = q.details.get("run_id")
+        if not q.rows or (run_id and (self.ledger_dir / f"dispatch-{run_id}.log").exists()):
+            return  # unknown size, or the run's own ledger will charge these ids as bought and unstored
+        self._append_charges(
+            q, q.rows, q.details.get("completion_tokens", 0.0), q.details.get("cost_usd", 0.0)
+        )
+
+    def _carry_lost_charges(self, q: Quarantined) -> None:
+        if q.rows:
+            self._append_charges(
+                q, q.rows, q.details.get("estimated_tokens", 0.0), q.details.get("estimated_usd", 0.0)
+            )
+
+    def _append_charges(self, q: Quarantined, n: int, tokens: float, usd: float) -> None:
+        """`n` charges of a set-aside file's spend into `lost/` (id null: no prompt is named, the file is)."""
+        now = time.time()
+        self.lost.append(
+            pl.DataFrame(
+                {
+                    "id": [None] * n,
+                    "run_id": [f"set aside: {q.moved_to}"] * n,
+                    "estimated_tokens": [float(tokens) / n] * n,
+                    "estimated_usd": [float(usd or 0.0) / n] * n,
+                    "created_at": [now] * n,
+                },
+                schema=LOST_SCHEMA,
+            )
+        )
+        self._charged[0] += float(tokens)
+        self._charged[1] += float(usd or 0.0)
 
     def ledger(self, run_id: str) -> DispatchLedger:
         return DispatchLedger(self.ledger_dir, run_id)
@@ -97,7 +218,9 @@ class ResponseJournal:
     def finalize(self) -> tuple[int, int]:
         """Make the tables what the contract says, at a cost proportional to what this run added: the run's own
         parts fold into one file, failures (small) drop the ids that now have an answer, and the whole response
-        table is compacted only when duplicates exist (a crash during a fold) or it has grown too many files."""
+        table is compacted only when duplicates exist (a crash during a fold) or it has grown too many files.
+        Damaged files are set aside first (`sweep`)."""
+        self.sweep()
         self.responses.fold(self.responses.written)
         self.responses.written.clear()
         rows, keys = self.responses.row_count()
@@ -108,6 +231,7 @@ class ResponseJournal:
 
     def compact(self) -> tuple[int, int]:
         """The occasional full compaction (eagle3 compact): one file per table."""
+        self.sweep()
         return self.responses.compact(keep="first"), self.failures.compact(
             keep="last", drop_keys=self.done_ids()
         )

@@ -50,8 +50,8 @@ def bought_and_unstored(path: Path, stored: Callable[[str], set[str]]) -> tuple[
     last: dict[str, bytes] = {}
     for line in path.read_bytes().splitlines():
         kind, _, rid = line.partition(b"\t")
-        if rid:
-            last[rid.decode()] = kind
+        if rid and kind in (b"d", b"e"):  # anything else is damage (a cut or foreign line): not an attempt
+            last[rid.decode(errors="replace")] = kind
     open_ids = {rid for rid, kind in last.items() if kind == b"d"}
     return run_id, sorted(open_ids - stored(run_id)) if open_ids else []
 

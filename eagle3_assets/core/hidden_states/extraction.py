@@ -41,6 +41,7 @@ from .shards import (
     row_budget,
     save_final_norm,
     save_final_norm_from_checkpoint,
+    set_aside_damaged,
     shard_files,
     write_index,
 )
@@ -147,7 +148,11 @@ def prepare(
     sizes = model_config(settings)
     tokens = pl.read_parquet(layout.tokens, columns=["id", "input_ids"])
     per_token = bytes_per_token(sizes["hidden_size"], settings.store_dtype)
+    set_aside = set_aside_damaged(layout.dir, folder)  # their samples are planned again like any missing one
+    for q in set_aside:
+        log(f"{layout.key}: set aside {q.describe()}")
     work = plan_work(tokens, folder, settings.hidden.shard_bytes, per_token, settings.hidden.max_seq_len)
+    work.set_aside = set_aside
     for name in work.stale_shards:
         (folder / name).unlink(missing_ok=True)
     write_json(
@@ -313,6 +318,8 @@ def _packing_verdict(capture: HiddenStateCapture, model: Any) -> tuple[bool, flo
 
 
 def finish(layout: DatasetLayout) -> pl.DataFrame:
+    """Rebuild the index from the shards (a damaged shard that appeared since the plan is set aside first)."""
+    set_aside_damaged(layout.dir, layout.hidden_states_dir)
     return write_index(layout.hidden_states_dir)
 
 

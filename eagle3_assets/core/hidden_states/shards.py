@@ -29,6 +29,13 @@ import polars as pl
 
 from ..storage.files import atomic_write, remove_stale_temporaries, write_parquet
 from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+from ..storage.quarantine import (
+    Quarantined,
+    quarantine,
+    safetensors_header,
+    safetensors_problem,
+    sweep_parquet,
+)
 from ..target.pieces import local_checkpoint
 
 FORMAT = "eagle3-assets/hidden-states/v1"
@@ -135,10 +142,13 @@ def shard_files(folder: Path) -> list[Path]:
 
 
 def finished_shards(folder: Path) -> dict[str, dict[str, Any]]:
-    """Shard file name -> metadata, for every complete shard (temporaries are never named *.safetensors)."""
+    """Shard file name -> metadata, for every complete shard (temporaries are never named *.safetensors). A shard
+    cut short keeps a readable header, so its length is checked against the header too."""
     out = {}
     for path in shard_files(folder):
         try:
+            if safetensors_problem(path) is not None:
+                continue
             meta = read_shard_metadata(path)
         except Exception:  # unreadable: not ours or damaged outside our control; recompute its samples
             continue
@@ -155,6 +165,27 @@ def build_index(folder: Path) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=INDEX_SCHEMA)
 
 
+INDEX_REQUIRED = ["id", "shard", "position", "n_tokens"]
+
+
+def set_aside_damaged(partition_dir: Path, folder: Path, stage: str = "hidden_states") -> list[Quarantined]:
+    """Move damaged shards (cut short, not safetensors) and a damaged index to the partition's quarantine folder:
+    their samples then count as not extracted and are recomputed; the index is rebuilt from the shards."""
+    out = []
+    for path in shard_files(folder):
+        why = safetensors_problem(path)
+        if why is None:
+            continue
+        header, _ = safetensors_header(path)  # a shard cut short may still name the samples it held
+        try:
+            rows = len(json.loads(header["__metadata__"]["samples"])) if header else None
+        except (KeyError, TypeError, ValueError):
+            rows = None
+        out.append(quarantine(partition_dir, path, why, stage, rows=rows))
+    out += sweep_parquet(partition_dir, [folder / HIDDEN_STATES_INDEX], stage, INDEX_SCHEMA, INDEX_REQUIRED)
+    return out
+
+
 def write_index(folder: Path) -> pl.DataFrame:
     index = build_index(folder)
     write_parquet(index, folder / HIDDEN_STATES_INDEX)
@@ -167,6 +198,7 @@ class WorkPlan:
     done_ids: set[str]
     stale_shards: list[str]
     skipped: dict[str, str] = field(default_factory=dict)  # id -> reason
+    set_aside: list[Quarantined] = field(default_factory=list)  # damaged shards / index moved to quarantine/
 
 
 def plan_work(

@@ -18,6 +18,7 @@ import polars as pl
 
 from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
+from ..storage.quarantine import Quarantined, parquet_problem, sweep_parquet
 
 # A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept, its
 # `tool_call_id`/`name` are not (the stored message is role and content only).
@@ -61,6 +62,9 @@ class IngestResult:
     quarantine: pl.DataFrame
     n_source_rows: int
     outcomes: Counter = field(default_factory=Counter)
+    set_aside: list[Quarantined] = field(
+        default_factory=list
+    )  # damaged earlier outputs, moved to quarantine/
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
@@ -329,6 +333,24 @@ def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -
             f"dataset source {source} does not exist; fix datasets.<key>.source in the config"
         )
     result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt)
+    # The outputs are rewritten from the source anyway; a damaged one is set aside first, so that what happened
+    # is on record (the check and the report list it) rather than silently overwritten.
+    result.set_aside = sweep_parquet(
+        layout.dir, [layout.prompts], "prompts", PROMPT_SCHEMA, ["id", "messages"]
+    )
+    result.set_aside += sweep_parquet(
+        layout.dir, [layout.quarantine], "prompts", QUARANTINE_SCHEMA, ["reason"]
+    )
     write_parquet(result.prompts, layout.prompts)
     write_parquet(result.quarantine, layout.quarantine)
     return result
+
+
+def ensure_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> list[Quarantined]:
+    """For a stage that reads prompts.parquet: when it is damaged (or missing) and the source is there, set it aside
+    and write it again from the source, so that no later stage fails on it. Returns what was set aside."""
+    if layout.prompts.exists() and parquet_problem(layout.prompts, PROMPT_SCHEMA, ["id", "messages"]) is None:
+        return []
+    if not source.exists():
+        return []  # the reader's own error names the missing file
+    return write_prompts(source, layout, dataset).set_aside

@@ -20,6 +20,7 @@ from ...config import DatasetConfig
 from ..generation.conversations import TEMPLATE_REST, assistant_slots, split_turn_id
 from ..storage.files import write_json, write_text
 from ..storage.layout import DatasetLayout
+from ..storage.quarantine import parquet_problem, quarantined
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 
 HIST_BINS = 12
@@ -80,8 +81,9 @@ def share_chart(counts: dict[str, int], width: int = 30) -> str:
 
 
 def _read(path: Path, columns: list[str] | None = None) -> pl.DataFrame | None:
-    """The columns of a stage's output; columns an older version did not write come back as nulls."""
-    if not path.exists():
+    """The columns of a stage's output; columns an older version did not write come back as nulls. A damaged file
+    reads as missing (its own stage sets it aside and rebuilds it; `damaged_files` lists what was set aside)."""
+    if not path.exists() or parquet_problem(path) is not None:
         return None
     if columns is None:
         return pl.read_parquet(path)
@@ -201,6 +203,11 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> dict[str, Any
         "token_lengths": {},
         "token_length_histogram": [],
         "completion_token_lengths": percentiles(responses["completion_tokens"].drop_nulls().to_numpy()),
+        # Files a stage found damaged and set aside (quarantine/<stage>/), each with where it was and why.
+        "damaged_files": [
+            {"path": q.path, "stage": q.stage, "reason": q.reason, "rows": q.rows, "moved_to": q.moved_to}
+            for q in quarantined(layout.dir)
+        ],
         "outputs": {
             "dir": str(layout.dir),
             "tokens": str(layout.tokens),
@@ -296,6 +303,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"| token rows / errors | {r['n_tokens_rows']:,} / {r['n_tokens_errors']} |",
         f"| reference match | {rate_text} |",
         f"| duplicate ids | {r['duplicate_ids']} |",
+        f"| damaged files set aside | {len(r.get('damaged_files') or [])} |",
         "",
         "## Token lengths (prompt + answer)",
         "",
@@ -319,6 +327,14 @@ def render_markdown(r: dict[str, Any]) -> str:
     ]
     if r["mismatch_kinds"]:
         lines += ["", "## Reference mismatches", "", "```", share_chart(r["mismatch_kinds"]), "```"]
+    if r.get("damaged_files"):
+        lines += ["", "## Damaged files set aside", "", "| file | stage | reason | rows held | now at |"]
+        lines += ["| --- | --- | --- | --- | --- |"]
+        lines += [
+            f"| {d['path']} | {d['stage']} | {d['reason']} | {d['rows'] if d['rows'] is not None else '?'} "
+            f"| {d['moved_to']} |"
+            for d in r["damaged_files"]
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -203,3 +203,16 @@ def answer_quality(report: dict[str, Any], max_truncated: float, max_degenerate:
             "empty_answers": report["empty_answers"],
         },
     )
+
+
+def damaged_files(records: list) -> Verdict:
+    """Files a stage found damaged and set aside (`core.storage.quarantine.Quarantined`): passes when there are
+    none; otherwise lists each with its reason (a warning: the stage went on without it, rebuilt or asked again)."""
+    return Verdict(
+        not records,
+        {
+            "damaged_files": len(records),
+            "rows_they_held": sum(q.rows or 0 for q in records),
+            "files": "\n".join(q.describe() for q in records) or "none",
+        },
+    )

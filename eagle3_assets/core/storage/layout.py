@@ -10,6 +10,7 @@ from pathlib import Path
 HIDDEN_STATES_INDEX = "index.parquet"
 FINAL_NORM = "final_norm.safetensors"
 EXTRACTION_PLAN = "plan.json"
+QUARANTINE_DIR = "quarantine"  # damaged files set aside, one sub-folder per stage
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class DatasetLayout:
     def quarantine(self) -> Path:
         """Source rows the prompts stage could not use, each with its reason."""
         return self.dir / "quarantine.parquet"
+
+    def damaged_dir(self, stage: str | None = None) -> Path:
+        """Files a stage found damaged and set aside, each with a JSON record of why (`core.storage.quarantine`):
+        `quarantine/<stage>/`, or the whole folder."""
+        base = self.dir / QUARANTINE_DIR
+        return base / stage if stage else base
 
     # -- responses: the journal (append-only part files) and what generation keeps beside it
     @property
@@ -120,15 +127,24 @@ class DatasetLayout:
         prompts = [rel(self.prompts), rel(self.quarantine)]
         tokens = [rel(self.tokens), rel(self.tokens_errors)]
         hidden = [rel(self.hidden_states_dir)]
+        damaged = rel(self.damaged_dir())  # every stage's set-aside files (their records are read together)
+
+        def aside(stage: str) -> str:
+            return rel(self.damaged_dir(stage))
+
         paths = {
-            "prompts": ([], prompts),
-            "responses": ([rel(self.prompts), *journal], [*journal, rel(self.imports_dir)]),
-            "tokens": ([rel(self.prompts), rel(self.responses_dir), *tokens], tokens),
+            "prompts": ([], [*prompts, aside("prompts")]),
+            "responses": (
+                [rel(self.prompts), *journal],
+                [*journal, rel(self.imports_dir), aside("responses")],
+            ),
+            "tokens": ([rel(self.prompts), rel(self.responses_dir), *tokens], [*tokens, aside("tokens")]),
             "validation_report": (
-                [*prompts, *journal, *tokens],
+                [*prompts, *journal, *tokens, damaged],
                 [rel(self.report_json), rel(self.report_md)],
             ),
-            "hidden_states": ([rel(self.tokens), *hidden], hidden),
+            "hidden_states": ([rel(self.tokens), *hidden], [*hidden, aside("hidden_states")]),
+            "quarantine": ([damaged], []),
             "exports": (hidden, [rel(self.dir / "exports")]),
             "acceptance": (
                 [rel(self.prompts), rel(self.responses_dir), *hidden, rel(self.acceptance_dir)],
@@ -140,8 +156,14 @@ class DatasetLayout:
         return paths[stage]
 
     def journal_paths(self) -> list[str]:
-        """The journal folders, pushed at every flush of a running generation."""
-        return [self._rel(self.responses_dir), self._rel(self.failures_dir), self._rel(self.journal_dir)]
+        """The journal folders, pushed at every flush of a running generation (with the journal's set-aside
+        files: a push uploads them before it deletes the damaged originals, so the store never loses one)."""
+        return [
+            self._rel(self.responses_dir),
+            self._rel(self.failures_dir),
+            self._rel(self.journal_dir),
+            self._rel(self.damaged_dir("responses")),
+        ]
 
     def _rel(self, path: Path) -> str:
         name = str(path.relative_to(self.dir))

@@ -8,16 +8,18 @@ one row per key; a crash inside it at worst leaves a duplicate that readers and 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from .files import remove_stale_temporaries, sink_parquet, write_parquet
+from .files import remove_stale_temporaries, sink_parquet, write_json, write_parquet
+from .quarantine import Quarantined, has_parquet_magic, parquet_problem, quarantine
 
 RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.String,
@@ -55,6 +57,14 @@ FAILURE_SCHEMA: dict[str, pl.DataType] = {
 }
 
 
+# Rows `eagle3 import-responses` could not use (imports/*.parquet).
+IMPORT_REJECTED_SCHEMA: dict[str, pl.DataType] = {"source_row": pl.Int64, "reason": pl.String}
+
+TALLY = (
+    "tally.json"  # beside a table's parts: rows and sums per part, what a part held once it cannot be read
+)
+
+
 class BusyError(RuntimeError):
     """Another process is writing this table (it would send the same prompts and pay twice)."""
 
@@ -62,15 +72,34 @@ class BusyError(RuntimeError):
 class JournalTable:
     """A folder of Parquet parts with a key column; the union of the parts is the table."""
 
-    def __init__(self, folder: Path, schema: dict[str, pl.DataType], key: str = "id"):
+    def __init__(
+        self,
+        folder: Path,
+        schema: dict[str, pl.DataType],
+        key: str = "id",
+        required: Sequence[str] | None = None,
+        tally_file: Path | None = None,
+        tally: Sequence[str] = (),
+    ):
         self.folder = Path(folder)
         self.schema = schema
         self.key = key
+        self.required = list(required) if required is not None else [key]  # a part without these is damaged
+        # Rows per part, and the sums of the `tally` columns, kept in `tally_file` (a JSON outside the folder, so
+        # the folder holds only parts). A part later found damaged can no longer say what it held; the tally can
+        # (the answers to ask again, the tokens they cost).
+        self.tally_file = Path(tally_file) if tally_file is not None else None
+        self.tally_columns = list(tally)
         self._seq = 0
         self.written: list[str] = []  # part files this object appended (a run folds its own parts at the end)
 
     # -- reading --------------------------------------------------------------------------------------------
     def files(self) -> list[Path]:
+        """The parts, without any that is cut short or not Parquet at all (the owning stage's `sweep` sets those
+        aside; every other reader skips them rather than failing)."""
+        return [p for p in self._all_files() if has_parquet_magic(p)]
+
+    def _all_files(self) -> list[Path]:
         if not self.folder.is_dir():
             return []
         return sorted(p for p in self.folder.glob("*.parquet") if not p.name.startswith("."))
@@ -108,6 +137,7 @@ class JournalTable:
         name = f"part-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.parquet"
         path = write_parquet(df.select(list(self.schema)), self.folder / name)
         self.written.append(name)
+        self._tally({name: self._tally_entry(df.lazy())}, prune=False)
         return path
 
     def compact(self, keep: str = "first", drop_keys: Iterable[str] | None = None) -> int:
@@ -126,10 +156,10 @@ class JournalTable:
         rows = lf.select(pl.len()).collect().item()
         if len(files) == 1 and rows == pl.scan_parquet(files[0]).select(pl.len()).collect().item():
             return rows
-        if rows:
-            sink_parquet(lf, self.folder / f"data-{time.time_ns():020d}.parquet")
+        new = sink_parquet(lf, self.folder / f"data-{time.time_ns():020d}.parquet") if rows else None
         for f in files:
             f.unlink(missing_ok=True)
+        self._tally({new.name: self._tally_entry(pl.scan_parquet(new))} if new else {})
         return rows
 
     def fold(self, names: Iterable[str]) -> Path | None:
@@ -144,7 +174,67 @@ class JournalTable:
         )
         for p in paths:
             p.unlink(missing_ok=True)
+        self._tally({merged.name: self._tally_entry(pl.scan_parquet(merged))})
         return merged
+
+    # -- damage ---------------------------------------------------------------------------------------------
+    def sweep(self, partition_dir: Path, stage: str) -> list[Quarantined]:
+        """Set aside every part that cannot be read as this table (cut short, not Parquet, wrong schema), each
+        with what the tally knew it held. Parts this object wrote itself are whole (atomic writes) and skipped."""
+        own = set(self.written)
+        damaged = [
+            (p, why)
+            for p in self._all_files()
+            if p.name not in own and (why := parquet_problem(p, self.schema, self.required)) is not None
+        ]
+        if not damaged:
+            return []
+        tally = self.read_tally()
+        out = []
+        for p, why in damaged:
+            entry = tally.get(p.name) or {}
+            details = {"run_id": entry.get("run_id"), **entry.get("sums", {})} if entry else {}
+            out.append(quarantine(partition_dir, p, why, stage, rows=entry.get("rows"), details=details))
+        self._tally({})
+        return out
+
+    def read_tally(self) -> dict[str, dict[str, Any]]:
+        """Part name -> {rows, run_id, sums}: what each part held when it was written."""
+        path = self.tally_file
+        try:
+            return json.loads(path.read_text()) if path is not None and path.exists() else {}
+        except (OSError, ValueError):
+            return {}  # a damaged tally only loses what damaged parts held; it is rewritten at the next write
+
+    def _tally_entry(self, lf: pl.LazyFrame) -> dict[str, Any]:
+        cols = self.tally_columns
+        have = lf.collect_schema()
+        exprs = [pl.len().alias("__rows")]
+        exprs += [pl.col(c).cast(pl.Float64).sum().alias(c) for c in cols if c in have]
+        if "run_id" in have:
+            exprs.append(pl.col("run_id").unique().alias("__runs").implode())
+        row = lf.select(exprs).collect().row(0, named=True)
+        runs = [r for r in (row.get("__runs") or []) if r is not None]
+        return {
+            "rows": int(row["__rows"]),
+            "run_id": runs[0] if len(runs) == 1 else None,
+            "sums": {c: float(row[c] or 0.0) for c in cols if c in row},
+        }
+
+    def _tally(self, new: dict[str, dict[str, Any]], prune: bool = True) -> None:
+        """Add `new` entries and (`prune`) drop those of parts that are gone; an append does not list the folder,
+        the run's fold does. Best effort: it never fails a write."""
+        if self.tally_file is None:
+            return
+        try:
+            tally = self.read_tally()
+            tally.update(new)
+            if prune:
+                names = {p.name for p in self._all_files()}
+                tally = {k: v for k, v in tally.items() if k in names}
+            write_json(dict(sorted(tally.items())), self.tally_file)
+        except OSError:
+            pass
 
     def row_count(self) -> tuple[int, int]:
         """(rows, distinct keys) from the key column alone."""

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from ...config import TokensConfig
 from ..storage.files import available_cores, write_parquet
 from ..storage.layout import DatasetLayout
+from ..storage.quarantine import parquet_problem, sweep_parquet
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..storage.versions import file_version
 from ..target.chat import ChatTokenizer
@@ -57,6 +58,7 @@ PROGRESS_EVERY_S = 10.0
 # The version of the reference comparison's verdicts: a new one re-keys every row once (2: the model's own splits).
 COMPARISON = 2
 RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids"]
+STAGE = "tokens"  # its quarantine folder
 
 
 def response_batches(
@@ -69,6 +71,8 @@ def response_batches(
     for path in table.files():
         if parts is not None and path.name not in parts:
             continue
+        if parquet_problem(path, RESPONSE_SCHEMA, ["id"]) is not None:
+            continue  # damaged: the responses stage sets it aside and asks its prompts again
         for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
             df = pl.from_arrow(batch)
             for name in RESPONSE_COLUMNS:  # parts from older versions may lack a column
@@ -107,6 +111,15 @@ def build_tokens(
     fingerprint = (
         f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}|compare={COMPARISON}"
     )
+    # Damaged outputs of an earlier build are set aside and rebuilt (a missing tokens.parquet is a full build).
+    set_aside = sweep_parquet(
+        layout.dir, [layout.tokens], STAGE, TOKENS_SCHEMA, ["id", "input_ids", "loss_mask"]
+    )
+    set_aside += sweep_parquet(
+        layout.dir, [layout.tokens_errors], STAGE, TOKENS_ERRORS_SCHEMA, ["id", "reason"]
+    )
+    for q in set_aside:
+        log(f"tokens: set aside {q.describe()}; rebuilding it")
     prompts = with_turn_prompts(pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat)
     # A conversation row is named by its last stored turn: a top-up that adds a turn renames it, so the old row
     # must go (a full pass drops rows whose id is no longer current; an append would keep both).
@@ -184,6 +197,7 @@ def build_tokens(
             # Every current row is already written and nothing written is stale: the outputs stand as they are.
             summary = summarize(layout)
             summary.workers = workers or available_cores()
+            summary.set_aside = set_aside
             return summary
         # No earlier token row is stale (a top-up, or nothing new after a compaction): the new rows (maybe none;
         # the file then gets the new state, so the next top-up reads only new parts again) are appended.
@@ -194,6 +208,7 @@ def build_tokens(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(layout)
+    summary.set_aside = set_aside
     summary.n_tokenized = counter["todo"]
     summary.workers = workers or available_cores()
     return summary
