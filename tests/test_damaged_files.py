@@ -548,3 +548,17 @@ def test_on_an_object_store_a_damaged_tokens_table_is_rebuilt(remote_project, ch
     assert parquet_problem(fresh.layout("B1").tokens) is None
     assert stored["B1/tokens.parquet"][:4] == b"PAR1"
     assert any(k.startswith("B1/quarantine/tokens/") and k.endswith(".json") for k in stored)
+
+
+def test_parts_written_before_the_tally_existed_are_tallied_once(tmp_path, chat):
+    layout, _ = dataset(tmp_path / "data", tmp_path)
+    answer(layout, chat, limit=5)
+    part = only_file(layout.responses_dir)
+    answer(layout, chat)
+    (layout.journal_dir / "tally-responses.json").unlink()  # as an older version left the journal
+    answer(layout, chat)  # nothing to ask; the tally is rebuilt from the parts
+    damage(part, "truncated")
+    again, _ = answer(layout, chat)
+    assert len(again.asked) == 5
+    assert quarantined(layout.dir, "responses")[0].rows == 5
+    assert ResponseJournal(layout).prior_usage().completion_tokens == (N + 5) * 5

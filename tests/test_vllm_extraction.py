@@ -419,7 +419,7 @@ def test_through_dagster_one_served_step_extracts_every_shard_and_the_five_check
     md = result.asset_materializations_for_node("hidden_states")[-1].metadata
     assert md["samples"].value == 16 and md["shards"].value >= 2
     checks = {e.check_name: e for e in result.get_asset_check_evaluations()}
-    assert len(checks) == 5 and all(c.passed for c in checks.values()), {
+    assert len(checks) == 6 and all(c.passed for c in checks.values()), {  # 5 + quarantined_files
         k: c.metadata for k, c in checks.items() if not c.passed
     }
     assert checks["hidden_states_spot_check"].metadata["compute_dtype"].value == "float32"

@@ -5,6 +5,7 @@ import polars as pl
 
 from resources import Project, Storage, Target
 
+from ..core.prompts.ingest import ensure_prompts
 from ..core.report import validation
 from ..core.storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..core.storage.versions import rows_version
@@ -40,6 +41,12 @@ def build_tokens_asset(
             "proven verbatim once" if chat.verbatim_problem is None else f"every row: {chat.verbatim_problem}"
         )
         context.log.info(f"{key}: template text check: {template_check}")
+        # A damaged prompts.parquet (the prompts stage has not run since) is set aside and written again from the
+        # source, as the prompts stage would, rather than failing this stage.
+        ds = cfg.dataset(key)
+        with storage.stage(key, "prompts") as prompts_layout:
+            for q in ensure_prompts(cfg.resolve_path(ds.source), prompts_layout, ds):
+                context.log.warning(f"{key}: set aside {q.describe()}; written again from the source")
         with storage.stage(key, "tokens") as layout:
             s = build_tokens(layout, chat, cfg.tokens, log=context.log.info)
         rate = s.match_rate

@@ -112,6 +112,8 @@ class ResponseJournal:
         )
         found += sweep_parquet(d, imports, STAGE, IMPORT_REJECTED_SCHEMA, list(IMPORT_REJECTED_SCHEMA))
         self.quarantined.extend(found)
+        self.responses.fill_tally()  # so that a part damaged later can still be accounted for
+        self.lost.fill_tally()
         return found
 
     def set_aside(self) -> SetAside:

@@ -347,10 +347,11 @@ def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -
 
 
 def ensure_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> list[Quarantined]:
-    """For a stage that reads prompts.parquet: when it is damaged (or missing) and the source is there, set it aside
-    and write it again from the source, so that no later stage fails on it. Returns what was set aside."""
-    if layout.prompts.exists() and parquet_problem(layout.prompts, PROMPT_SCHEMA, ["id", "messages"]) is None:
+    """For a stage that reads prompts.parquet: when it is damaged and the source is there, set it aside and write
+    it again from the source (as the prompts stage would), so that no later stage fails on it. A missing one is left
+    to the prompts stage. Returns what was set aside."""
+    if not layout.prompts.exists() or not source.exists():
         return []
-    if not source.exists():
-        return []  # the reader's own error names the missing file
+    if parquet_problem(layout.prompts, PROMPT_SCHEMA, ["id", "messages"]) is None:
+        return []
     return write_prompts(source, layout, dataset).set_aside

@@ -198,6 +198,18 @@ class JournalTable:
         self._tally({})
         return out
 
+    def fill_tally(self) -> int:
+        """Tally the readable parts the tally does not know (written before it existed, or a tally that was lost):
+        the small columns of those parts only, once. Returns how many were added."""
+        if self.tally_file is None:
+            return 0
+        tally = self.read_tally()
+        missing = [p for p in self.files() if p.name not in tally]
+        if not missing:
+            return 0
+        self._tally({p.name: self._tally_entry(pl.scan_parquet(p)) for p in missing})
+        return len(missing)
+
     def read_tally(self) -> dict[str, dict[str, Any]]:
         """Part name -> {rows, run_id, sums}: what each part held when it was written."""
         path = self.tally_file
