@@ -121,7 +121,8 @@ def assert_set_aside(layout: DatasetLayout, stage: str, was: str, kind: str, row
         record.reason
     )
     assert (layout.dir / record.moved_to).exists()
-    assert json.loads((layout.dir / (record.moved_to + ".json")).read_text())["path"] == was
+    (saved,) = layout.damaged_records(stage).glob("*.json")
+    assert saved.name == Path(record.moved_to).name + ".json" and json.loads(saved.read_text())["path"] == was
     if rows is not None:
         assert record.rows == rows
     verdict = validation.damaged_files(records)

@@ -69,7 +69,8 @@ def test_every_stage_path_is_one_of_the_layout(tmp_path):
             layout.prompts, layout.quarantine, layout.responses_dir, layout.failures_dir, layout.journal_dir,
             layout.imports_dir, layout.tokens, layout.tokens_errors, layout.report_json, layout.report_md,
             layout.hidden_states_dir, layout.acceptance_dir, layout.export_dir("x").parent,
-            layout.damaged_dir(), *(layout.damaged_dir(s) for s in ("prompts", "responses", "tokens", "hidden_states")),
+            *(layout.damaged_dir(s) for s in ("prompts", "responses", "tokens", "hidden_states")),
+            *(layout.damaged_records(s) for s in ("prompts", "responses", "tokens", "hidden_states")),
         )
     }  # fmt: skip
     for stage in (

@@ -5,15 +5,13 @@ import dagster as dg
 from resources import Storage
 
 from ..core.report import validation
-from ..core.storage.quarantine import quarantined
+from ..core.storage.quarantine import QUARANTINE_STAGES, quarantined
 from .common import check_each_partition, check_result
-
-# The assets whose stage checks its own files and sets damaged ones aside (`quarantine/<stage>/`).
-STAGES = ("prompts", "responses", "tokens", "hidden_states")
 
 
 def build_quarantine_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
-    return [_check(stage, partitions) for stage in STAGES]
+    """One per asset whose stage checks its own files and sets damaged ones aside (`quarantine/<stage>/`)."""
+    return [_check(stage, partitions) for stage in QUARANTINE_STAGES]
 
 
 def _check(stage: str, partitions: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:

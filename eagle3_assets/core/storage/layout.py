@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .quarantine import QUARANTINE_DIR, QUARANTINE_STAGES, RECORDS
+
 # Inside the hidden_states folder (the shard format's own files; shards are `shard-*.safetensors`).
 HIDDEN_STATES_INDEX = "index.parquet"
 FINAL_NORM = "final_norm.safetensors"
 EXTRACTION_PLAN = "plan.json"
-QUARANTINE_DIR = "quarantine"  # damaged files set aside, one sub-folder per stage
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class DatasetLayout:
         `quarantine/<stage>/`, or the whole folder."""
         base = self.dir / QUARANTINE_DIR
         return base / stage if stage else base
+
+    def damaged_records(self, stage: str) -> Path:
+        """The records of what `stage` set aside (apart from the files: readers fetch only these)."""
+        return self.damaged_dir(stage) / RECORDS
 
     # -- responses: the journal (append-only part files) and what generation keeps beside it
     @property
@@ -127,7 +132,7 @@ class DatasetLayout:
         prompts = [rel(self.prompts), rel(self.quarantine)]
         tokens = [rel(self.tokens), rel(self.tokens_errors)]
         hidden = [rel(self.hidden_states_dir)]
-        damaged = rel(self.damaged_dir())  # every stage's set-aside files (their records are read together)
+        records = [rel(self.damaged_records(s)) for s in QUARANTINE_STAGES]  # what the check and report read
 
         def aside(stage: str) -> str:
             return rel(self.damaged_dir(stage))
@@ -140,11 +145,11 @@ class DatasetLayout:
             ),
             "tokens": ([rel(self.prompts), rel(self.responses_dir), *tokens], [*tokens, aside("tokens")]),
             "validation_report": (
-                [*prompts, *journal, *tokens, damaged],
+                [*prompts, *journal, *tokens, *records],
                 [rel(self.report_json), rel(self.report_md)],
             ),
             "hidden_states": ([rel(self.tokens), *hidden], [*hidden, aside("hidden_states")]),
-            "quarantine": ([damaged], []),
+            "quarantine": (records, []),
             "exports": (hidden, [rel(self.dir / "exports")]),
             "acceptance": (
                 [rel(self.prompts), rel(self.responses_dir), *hidden, rel(self.acceptance_dir)],

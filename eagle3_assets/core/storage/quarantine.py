@@ -26,6 +26,9 @@ import polars as pl
 from .files import write_json
 
 QUARANTINE_DIR = "quarantine"  # inside a partition's folder: one sub-folder per stage
+RECORDS = "records"  # inside a stage's: the JSON records, apart from the files (a check reads only these)
+# The stages that check their files and set damaged ones aside.
+QUARANTINE_STAGES = ("prompts", "responses", "tokens", "hidden_states")
 MAGIC = b"PAR1"
 
 
@@ -152,6 +155,12 @@ def quarantine_dir(partition_dir: Path, stage: str | None = None) -> Path:
     return base / stage if stage else base
 
 
+def records_dir(partition_dir: Path, stage: str) -> Path:
+    """Where a stage's records are: apart from the files, so that a reader of the records (a check, the report)
+    of an object-store root fetches a few small JSON objects, not the damaged shards beside them."""
+    return quarantine_dir(partition_dir, stage) / RECORDS
+
+
 def quarantine(
     partition_dir: Path,
     path: Path,
@@ -160,8 +169,8 @@ def quarantine(
     rows: int | None = None,
     details: dict[str, Any] | None = None,
 ) -> Quarantined:
-    """Move `path` into the stage's quarantine folder and write its record beside it (`<name>.json`). The move is
-    a rename within the partition, so it is atomic: the file is either where it was or set aside, never lost."""
+    """Move `path` into the stage's quarantine folder and write its record (`records/<name>.json`). The move is a
+    rename within the partition, so it is atomic: the file is either where it was or set aside, never lost."""
     partition_dir = Path(partition_dir)
     folder = quarantine_dir(partition_dir, stage)
     folder.mkdir(parents=True, exist_ok=True)
@@ -181,18 +190,15 @@ def quarantine(
     )
     # The record first: a crash between the two leaves a record of a file still in place (the next sweep moves it
     # and writes another), never a moved file without its reason.
-    write_json(asdict(record), target.with_name(target.name + ".json"))
+    write_json(asdict(record), records_dir(partition_dir, stage) / f"{target.name}.json")
     os.replace(path, target)
     return record
 
 
 def quarantined(partition_dir: Path, stage: str | None = None) -> list[Quarantined]:
     """Every record under the partition's quarantine folder (or one stage's), oldest first."""
-    base = quarantine_dir(partition_dir, stage)
-    if not base.is_dir():
-        return []
     out = []
-    for p in sorted(base.rglob("*.json")):
+    for p in sorted(quarantine_dir(partition_dir).glob(f"{stage or '*'}/{RECORDS}/*.json")):
         try:
             raw = json.loads(p.read_text())
             out.append(Quarantined(**raw))
