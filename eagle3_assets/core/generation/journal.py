@@ -46,9 +46,7 @@ class SetAside:
 
     files: list[Quarantined]
     answers: int  # answers the set-aside response parts held (from their tally): asked again
-    answers_unknown: (
-        int  # response parts whose rows no tally knew (their prompts are asked again all the same)
-    )
+    answers_unknown: int  # response parts no tally knew (their prompts are asked again all the same)
     charged_tokens: float  # completion tokens charged to the budget for answers paid and lost
     charged_usd: float
 
@@ -100,13 +98,9 @@ class ResponseJournal:
         part left its dispatch ledger, which then charges them as bought and unstored. A set-aside part of
         `lost/` is charged again from its tally. Call with the dataset's lock held."""
         d = self.layout.dir
-        found = self.responses.sweep(d, STAGE)
-        for q in found:
-            self._charge_lost_answers(q)
-        lost = self.lost.sweep(d, STAGE)
-        for q in lost:
-            self._carry_lost_charges(q)
-        found += lost + self.failures.sweep(d, STAGE)
+        found = self.responses.sweep(d, STAGE, self._charge_lost_answers)
+        found += self.lost.sweep(d, STAGE, self._carry_lost_charges)
+        found += self.failures.sweep(d, STAGE)
         imports = (
             sorted(self.layout.imports_dir.glob("*.parquet")) if self.layout.imports_dir.is_dir() else []
         )
@@ -126,28 +120,29 @@ class ResponseJournal:
             charged_usd=self._charged[1],
         )
 
-    def _charge_lost_answers(self, q: Quarantined) -> None:
-        run_id = q.details.get("run_id")
-        if not q.rows or (run_id and (self.ledger_dir / f"dispatch-{run_id}.log").exists()):
+    def _charge_lost_answers(self, path: str, entry: dict) -> None:
+        """A damaged response part's answers were paid for: charge what its tally says they cost."""
+        run_id, rows, sums = entry.get("run_id"), entry.get("rows"), entry.get("sums", {})
+        if not rows or (run_id and (self.ledger_dir / f"dispatch-{run_id}.log").exists()):
             return  # unknown size, or the run's own ledger will charge these ids as bought and unstored
-        self._append_charges(
-            q, q.rows, q.details.get("completion_tokens", 0.0), q.details.get("cost_usd", 0.0)
-        )
+        self._append_charges(path, rows, sums.get("completion_tokens", 0.0), sums.get("cost_usd", 0.0))
 
-    def _carry_lost_charges(self, q: Quarantined) -> None:
-        if q.rows:
+    def _carry_lost_charges(self, path: str, entry: dict) -> None:
+        """A damaged part of `lost/` held charges: they are carried over (a budget gains no room from damage)."""
+        rows, sums = entry.get("rows"), entry.get("sums", {})
+        if rows:
             self._append_charges(
-                q, q.rows, q.details.get("estimated_tokens", 0.0), q.details.get("estimated_usd", 0.0)
+                path, rows, sums.get("estimated_tokens", 0.0), sums.get("estimated_usd", 0.0)
             )
 
-    def _append_charges(self, q: Quarantined, n: int, tokens: float, usd: float) -> None:
+    def _append_charges(self, path: str, n: int, tokens: float, usd: float) -> None:
         """`n` charges of a set-aside file's spend into `lost/` (id null: no prompt is named, the file is)."""
         now = time.time()
         self.lost.append(
             pl.DataFrame(
                 {
                     "id": [None] * n,
-                    "run_id": [f"set aside: {q.moved_to}"] * n,
+                    "run_id": [f"set aside: {path}"] * n,
                     "estimated_tokens": [float(tokens) / n] * n,
                     "estimated_usd": [float(usd or 0.0) / n] * n,
                     "created_at": [now] * n,

@@ -11,7 +11,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -178,9 +178,16 @@ class JournalTable:
         return merged
 
     # -- damage ---------------------------------------------------------------------------------------------
-    def sweep(self, partition_dir: Path, stage: str) -> list[Quarantined]:
+    def sweep(
+        self,
+        partition_dir: Path,
+        stage: str,
+        before_move: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> list[Quarantined]:
         """Set aside every part that cannot be read as this table (cut short, not Parquet, wrong schema), each
-        with what the tally knew it held. Parts this object wrote itself are whole (atomic writes) and skipped."""
+        with what the tally knew it held. Parts this object wrote itself are whole (atomic writes) and skipped.
+        `before_move(part name, tally entry)` runs before each move: a charge it records survives a crash in
+        between (the part is then set aside, and charged, once more: never less)."""
         own = set(self.written)
         damaged = [
             (p, why)
@@ -193,6 +200,8 @@ class JournalTable:
         out = []
         for p, why in damaged:
             entry = tally.get(p.name) or {}
+            if before_move is not None:
+                before_move(str(p.relative_to(partition_dir)), entry)
             details = {"run_id": entry.get("run_id"), **entry.get("sums", {})} if entry else {}
             out.append(quarantine(partition_dir, p, why, stage, rows=entry.get("rows"), details=details))
         self._tally({})
