@@ -397,6 +397,51 @@ def test_the_quarantined_files_check_warns_in_a_run(tmp_path):
     assert pl.read_parquet(tmp_path / "data" / "B1" / "prompts.parquet").height == 3
 
 
+def test_after_a_kill_a_cut_part_no_longer_bricks_the_partition(tmp_path):
+    """The issue's case through Dagster on the embedded model: the newest part of responses/ cut to half (and
+    tokens.parquet with it); the next run of the training-data job succeeds, asks the part's prompts again, and
+    the warning checks and the report say what was set aside."""
+    import dagster as dg
+
+    from eagle3_assets.definitions import TRAINING_DATA_JOB, build_definitions
+
+    texts = ["Name a colour.", "What is 2 plus 2?", "Say hello.", "Name a fruit."]
+    path = make_project(tmp_path, {"B1": {"rows": user_rows(texts), "max_tokens": 8}})
+    defs = build_definitions(load_config(path), str(path))
+    job = defs.resolve_job_def(TRAINING_DATA_JOB)
+    root = tmp_path / "data" / "B1"
+
+    def run(limit=None):
+        with dg.instance_for_test() as instance:
+            result = job.execute_in_process(
+                partition_key="B1",
+                instance=instance,
+                raise_on_error=False,
+                run_config={"ops": {"responses": {"config": {"limit": limit}}}} if limit else None,
+            )
+        assert result.success, [e.message for e in result.all_events if e.is_failure]
+        return {(e.asset_key.path[-1], e.check_name): e for e in result.get_asset_check_evaluations()}
+
+    run(limit=2)
+    first = only_file(root / "responses")
+    held = set(pl.read_parquet(first)["id"])
+    checks = run()
+    assert checks[("responses", "quarantined_files")].passed
+    damage(first, "truncated")
+    damage(root / "tokens.parquet", "truncated")
+    checks = run()
+    for asset in ("responses", "tokens"):
+        ev = checks[(asset, "quarantined_files")]
+        assert not ev.passed and ev.severity == dg.AssetCheckSeverity.WARN, asset
+    assert checks[("prompts", "quarantined_files")].passed
+    answered = pl.concat([pl.read_parquet(p) for p in (root / "responses").glob("*.parquet")])
+    assert sorted(answered["id"]) == sorted(f"p{i:03d}" for i in range(4)) and held
+    assert pl.read_parquet(root / "tokens.parquet").height == 4
+    report = json.loads((root / "report.json").read_text())
+    assert {d["path"] for d in report["damaged_files"]} == {f"responses/{first.name}", "tokens.parquet"}
+    assert "Damaged files set aside" in (root / "report.md").read_text()
+
+
 # -- an object-store root -------------------------------------------------------------------------------------
 BUCKET = "eagle3-damage"
 
