@@ -317,7 +317,7 @@ def _shards(folder: Path) -> None:
     write_index(folder)
 
 
-@pytest.mark.parametrize("kind", ["truncated", "not_safetensors"])
+@pytest.mark.parametrize("kind", ["truncated", "not_safetensors", "wrong_schema"])
 def test_a_damaged_shard_is_set_aside_and_its_samples_planned_again(tmp_path, kind):
     layout = DatasetLayout(tmp_path, "B1").ensure()
     folder = layout.hidden_states_dir
@@ -326,12 +326,20 @@ def test_a_damaged_shard_is_set_aside_and_its_samples_planned_again(tmp_path, ki
     shard = folder / "shard-a.safetensors"
     if kind == "truncated":
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    else:
+        assert safetensors_problem(shard) is not None
+    elif kind == "not_safetensors":
         shard.write_bytes(b"not a safetensors file" + os.urandom(64))
-    assert safetensors_problem(shard) is not None
+        assert safetensors_problem(shard) is not None
+    else:  # a whole safetensors file, of something else
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"weight": torch.zeros(3)}, str(shard), metadata={"format": "pt"})
+        assert safetensors_problem(shard) is None
     set_aside = set_aside_damaged(layout.dir, folder)
     assert [q.path for q in set_aside] == ["hidden_states/shard-a.safetensors"]
     assert set_aside[0].rows == (2 if kind == "truncated" else None)  # a cut shard still names its samples
+    assert ("wrong schema" in set_aside[0].reason) == (kind == "wrong_schema")
     tokens = pl.DataFrame(
         {"id": ["p000", "p001", "p002"], "input_ids": [list(range(k, k + 4)) for k in (0, 1, 0)]},
         schema={"id": pl.String, "input_ids": pl.List(pl.Int32)},

@@ -168,12 +168,32 @@ def build_index(folder: Path) -> pl.DataFrame:
 INDEX_REQUIRED = ["id", "shard", "position", "n_tokens"]
 
 
+SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "cu_seqlens")
+
+
+def shard_problem(path: Path) -> str | None:
+    """Why `path` is not a whole shard of this format, or None: a whole safetensors file (`safetensors_problem`)
+    with this format's metadata and tensors."""
+    why = safetensors_problem(path)
+    if why is not None:
+        return why
+    header, _ = safetensors_header(path)
+    meta = (header or {}).get("__metadata__") or {}
+    if meta.get("format") != FORMAT:
+        return f"wrong schema: metadata format {meta.get('format')!r}, expected {FORMAT!r}"
+    missing = [t for t in SHARD_TENSORS if t not in (header or {})]
+    if missing:
+        return f"wrong schema: no tensor {', '.join(missing)}"
+    return None
+
+
 def set_aside_damaged(partition_dir: Path, folder: Path, stage: str = "hidden_states") -> list[Quarantined]:
-    """Move damaged shards (cut short, not safetensors) and a damaged index to the partition's quarantine folder:
-    their samples then count as not extracted and are recomputed; the index is rebuilt from the shards."""
+    """Move damaged shards (cut short, not safetensors, not this format) and a damaged index to the partition's
+    quarantine folder: their samples then count as not extracted and are recomputed; the index is rebuilt from the
+    shards."""
     out = []
     for path in shard_files(folder):
-        why = safetensors_problem(path)
+        why = shard_problem(path)
         if why is None:
             continue
         header, _ = safetensors_header(path)  # a shard cut short may still name the samples it held
