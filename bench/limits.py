@@ -19,9 +19,10 @@ from pathlib import Path
 
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane, run_loop
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.protocol import CompletionRequest
+from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
 from tests.limited_provider import LimitedProvider, ProviderSpec, goodput

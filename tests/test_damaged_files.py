@@ -616,3 +616,18 @@ def test_parts_written_before_the_tally_existed_are_tallied_once(tmp_path, chat)
     assert len(again.asked) == 5
     assert quarantined(layout.dir, "responses")[0].rows == 5
     assert ResponseJournal(layout).prior_usage().completion_tokens == (N + 5) * 5
+
+
+def test_wiring_the_summary_counts_what_was_set_aside_and_asked_again(tmp_path, chat):
+    from eagle3_assets.assets.responses import summary_metadata
+
+    layout, _ = dataset(tmp_path / "data", tmp_path)
+    answer(layout, chat, limit=5)
+    part = only_file(layout.responses_dir)
+    answer(layout, chat)
+    damage(part, "truncated")
+    again, summary = answer(layout, chat)
+    assert summary.set_aside.answers == 5 == len(again.asked)
+    md = summary_metadata(summary, 4)
+    assert md["damaged_files_set_aside"] == 1 and md["answers_asked_again"] == 5
+    assert md["set_aside_tokens_charged"] == 25

@@ -4,10 +4,16 @@ does not start, one that dies mid-part). The real engine runs in tests/test_serv
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import stat
 import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +146,70 @@ def test_a_server_that_dies_mid_part_names_its_log_and_is_stopped(tmp_path):
     with pytest.raises(ServedAcceptanceError, match=r"died \(exit .*; log: .*\.log\)") as e:
         measurer.greedy(PromptSet(["a"], [[1, 2]]))
     assert "out of memory" in str(e.value)
+
+
+HANGING = """
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+served = []
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send({"data": [{"id": "target"}]} if self.path.endswith("/models") else {})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        served.append(body)
+        if len(served) > 1:  # a measured request: a thinking target's answer, minutes long
+            open(PID_FILE, "w").write(str(os.getpid()))
+            time.sleep(600)
+        self._send({"choices": [{"token_ids": [1]}]})
+
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_terminate_mid_part_stops_the_server_the_step_started(tmp_path):
+    """Dagster's Terminate is a SIGINT in the step's process: the server (its whole process group) goes with it."""
+    pid_file = tmp_path / "server.pid"
+    server = f"PID_FILE = {str(pid_file)!r}\n" + HANGING
+    measurer = VllmMeasurer(
+        _project(tmp_path, _script(tmp_path, server)), [2], tmp_path / "work", log=lambda m: None
+    )
+
+    def interrupt_when_serving() -> None:
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_serving, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        measurer.greedy(PromptSet(["a"], [[1, 2]]))
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid), "the acceptance server outlived the terminated step"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(FileNotFoundError):  # a zombie waiting for its parent counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return False

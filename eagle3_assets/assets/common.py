@@ -5,9 +5,12 @@ from typing import Any
 
 import dagster as dg
 import polars as pl
+from dagster._core.execution.backfill import BulkActionStatus
+from dagster._core.storage.tags import BACKFILL_ID_TAG
 
 from resources import Storage
 
+from ..core.generation.stopping import StopProbe
 from ..core.report.validation import Verdict
 
 GROUP = "eagle3"
@@ -69,3 +72,27 @@ def check_each_partition(
         description="evaluated per partition (a run over several partitions); each partition's result is "
         "recorded under its partition",
     )
+
+
+def operator_stop(context: dg.OpExecutionContext) -> StopProbe:
+    """Whether the operator stopped this run where no signal has come yet: the run is being terminated, or the
+    backfill it belongs to was cancelled (which the backfill daemon passes on to its runs only at its next pass,
+    up to 30 s later). On a cancelled backfill this run asks to be terminated itself, as the daemon would, so that
+    it ends CANCELED."""
+    instance, run_id = context.instance, context.run_id
+    backfill_id = context.run.tags.get(BACKFILL_ID_TAG)
+    asked: list[str] = []
+
+    def probe() -> str | None:
+        run = instance.get_run_by_id(run_id)
+        if run is not None and run.status in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED):
+            return "the run is being terminated"
+        backfill = instance.get_backfill(backfill_id) if backfill_id else None
+        if backfill is None or backfill.status not in (BulkActionStatus.CANCELING, BulkActionStatus.CANCELED):
+            return None
+        if not asked:
+            asked.append(run_id)
+            instance.run_coordinator.cancel_run(run_id)
+        return f"backfill {backfill_id} was cancelled"
+
+    return probe

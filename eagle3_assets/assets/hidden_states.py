@@ -17,6 +17,7 @@ from resources import Project, Storage
 from resources.vllm import extraction_backend
 
 from ..config import ProjectConfig
+from ..core.generation.stopping import watching
 from ..core.hidden_states import checks as rules
 from ..core.hidden_states.extraction import (
     ExtractionSettings,
@@ -30,7 +31,7 @@ from ..core.hidden_states.extraction import (
     why_target_cannot_run_here,
 )
 from ..core.storage.versions import rows_version
-from .common import GROUP, MISSING, check_result
+from .common import GROUP, MISSING, check_result, operator_stop
 
 # One GPU per shard step when the run uses k8s_job_executor (ignored by the other executors).
 GPU_STEP_TAGS = {
@@ -77,7 +78,7 @@ def _extract_unit(context: dg.OpExecutionContext, unit: str, project: Project, s
     key = context.partition_key
     served = extraction_backend(project.cfg, key)
     names = None if unit == ALL_SHARDS else [unit]
-    with storage.stage(key, "hidden_states") as layout:
+    with storage.stage(key, "hidden_states") as layout, watching(operator_stop(context)):
         stats = extract(layout, extraction_settings(project.cfg), names, log=context.log.info, served=served)
     return {
         "samples": stats.samples,

@@ -16,11 +16,13 @@ import polars as pl
 from resources import Inference, Project, Storage, Target
 
 from ..core.generation.run import DatasetJob, GenerationPlan, GenerationSummary, generate_datasets
+from ..core.generation.stopping import watching
+from ..core.prompts.ingest import ensure_prompts
 from ..core.report import validation
 from ..core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 from ..core.storage.versions import content_version, rows_version
 from ..core.target.pairing import pairing_preflight
-from .common import GROUP, check_each_partition, check_result, counts_table
+from .common import GROUP, check_each_partition, check_result, counts_table, operator_stop
 
 
 class ResponsesRunConfig(dg.Config):
@@ -48,6 +50,10 @@ def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
         "lost_in_flight": s.lost_in_flight + s.prior.lost_requests,
         "cost_usd_total": round(s.prior.cost_usd + (r.cost_usd if r else 0.0), 6),
         "run_id": s.run_id,
+        # Damaged journal files set aside (quarantine/responses/), and the answers they held, asked again.
+        "damaged_files_set_aside": len(s.set_aside.files) if s.set_aside else 0,
+        "answers_asked_again": s.set_aside.answers if s.set_aside else 0,
+        "set_aside_tokens_charged": round(s.set_aside.charged_tokens) if s.set_aside else 0,
     }
     if r:
         md.update(
@@ -152,6 +158,12 @@ def build_responses_asset(
             preflight += pairing.problems
             for warning in pairing.warnings:
                 context.log.warning(warning)
+        # A damaged prompts.parquet is written again from the source, as the prompts stage would.
+        for k in keys:
+            ds = cfg.dataset(k)
+            with storage.stage(k, "prompts") as prompts_layout:
+                for q in ensure_prompts(cfg.resolve_path(ds.source), prompts_layout, ds):
+                    context.log.warning(f"{k}: set aside {q.describe()}; written again from the source")
         with ExitStack() as stack:
             # Append-only: after a failure too, every answer that was paid for is stored.
             layouts = {k: stack.enter_context(storage.stage(k, "responses", append_only=True)) for k in keys}
@@ -170,14 +182,15 @@ def build_responses_asset(
                 )
                 for k in keys
             ]
-            summaries = generate_datasets(
-                jobs,
-                inference.create_backend(chat),
-                chat,
-                settings,
-                log=context.log.info,
-                extra_preflight=preflight,
-            )
+            with watching(operator_stop(context)):
+                summaries = generate_datasets(
+                    jobs,
+                    inference.create_backend(chat),
+                    chat,
+                    settings,
+                    log=context.log.info,
+                    extra_preflight=preflight,
+                )
         sent = [s.report.first_dispatch_wall for s in summaries.values() if s.report]
         first = min((t for t in sent if t is not None), default=None)
         timeline = startup_timeline(context, step_started, first)

@@ -19,7 +19,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from ..side_env import clean_env
 from .server import RunningServer, ServeSpec, free_port, launch
 
 SERVED_NAME = "target"
+WAIT_TICK_S = 0.5
 _METRIC = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
 _POSITION = re.compile(r'position="(\d+)"')
 
@@ -186,8 +187,23 @@ class VllmMeasurer:
 
     # -- requests --------------------------------------------------------------------------------------------
     def _generate(self, server: RunningServer, prompts: PromptSet) -> list[list[int]]:
-        with ThreadPoolExecutor(self.settings.vllm.max_concurrency) as pool:
-            return list(pool.map(lambda p: self._complete(server, p), prompts.prompts))
+        pool = ThreadPoolExecutor(self.settings.vllm.max_concurrency)
+        futures = [pool.submit(self._complete, server, p) for p in prompts.prompts]
+        try:
+            pending = set(futures)
+            while pending:
+                # Never an unbounded wait: a stop signal that lands on another thread (Dagster's Terminate is
+                # sent from one) is handled only when this thread runs again.
+                done, pending = wait(pending, timeout=WAIT_TICK_S, return_when=FIRST_EXCEPTION)
+                for f in done:
+                    f.result()  # the first failure ends the part
+        except BaseException:
+            # Terminated (or failed) mid-part: no waiting here for answers that may take minutes; the server is
+            # stopped next (`serving`), which ends the requests still in flight.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return [f.result() for f in futures]
 
     def _complete(self, server: RunningServer, prompt: list[int]) -> list[int]:
         body = {
@@ -251,9 +267,9 @@ class VllmFeatures:
         self.n_aux = n_aux
 
     def aux_states(self, samples: Sequence[np.ndarray]) -> list[Any]:
-        import asyncio
+        from eagle3_assets.core.generation.stopping import run_loop
 
-        return asyncio.run(self._extract(samples))
+        return run_loop(self._extract(samples))
 
     async def _extract(self, samples: Sequence[np.ndarray]) -> list[Any]:
         import asyncio

@@ -44,7 +44,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from .budget import Budget, Ticket
 from .journal import JournalWriter
@@ -67,16 +66,6 @@ FATAL_ADVICE = {
 }
 
 
-def run_loop(coro: Any) -> Any:
-    """Run the engine's coroutine on uvloop where it is installed (its C event loop halves the loop's own cost per
-    socket read, which is most of a streamed event's), else on asyncio's."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 @dataclass
 class EngineSettings:
     max_concurrency: int  # the ceiling; the adaptive window finds what the provider sustains below it
@@ -92,6 +81,9 @@ class EngineSettings:
     refused_delay_max_s: float = 30.0
     # After a stop, requests already in flight get this long to land (they may be paid for).
     fatal_grace_s: float = 5.0
+    # After the operator's stop (Terminate), a shorter grace: the operator wants the spending to end now; what is
+    # cancelled is charged by the ledger and asked again by the next run.
+    terminate_grace_s: float = 2.0
     # This many identical permanent errors with no answer in between stop the run as a configuration problem.
     streak_limit: int = 25
     # A provider that refuses every request this long, with no answer at all, stops the run (prompts retryable).
@@ -117,7 +109,7 @@ class EngineReport:
     finish_reasons: Counter = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
-    stop_reason: str = "done"  # done | budget | fatal
+    stop_reason: str = "done"  # done | budget | fatal | terminated
     fatal_message: str | None = None
     unanswered: int = 0  # prompts taken from the queue that ended the run with no answer and no failure row
     limit_final: int = 0
@@ -248,6 +240,7 @@ class GenerationEngine:
         self._seq = itertools.count()
         self._turn = 0  # the lane whose turn it is to dispatch next (round robin)
         self._fatal: InferenceError | None = None
+        self.terminated = False  # the operator stopped the run (`terminate`)
         self._journal_error: BaseException | None = None
         self._configuration_stop = False
         self._streak_sig: tuple | None = None
@@ -306,10 +299,26 @@ class GenerationEngine:
         for lane in self.lanes:
             if self._fatal is None and lane.budget_stop:
                 lane.report.stop_reason = "budget"
+            if self.terminated:
+                lane.report.stop_reason = "terminated"
         self._log_progress(start, final=True)
         if self._fatal is not None:
             raise FatalRunError(f"stopped: {self.lanes[0].report.fatal_message}")
         return [lane.report for lane in self.lanes]
+
+    def terminate(self) -> None:
+        """The operator's stop: nothing more is sent; what is in flight gets `terminate_grace_s` to land, then is
+        cancelled; the journal is flushed as after any stop. Safe to call before `run` (nothing is sent then)."""
+        if self.terminated:
+            return
+        self.terminated = True
+        in_flight = sum(lane.in_flight for lane in self.lanes)
+        self.log(
+            f"terminated by the operator: sending nothing more; {in_flight:,} requests in flight get "
+            f"{self.settings.terminate_grace_s:g} s to land, then are cancelled (charged, asked again next run)"
+        )
+        self._stop.set()
+        self._wake.set()
 
     def record_skipped(self, lane: Lane, request_id: str, kind: str, message: str) -> None:
         """A prompt that could not even be turned into a request (e.g. its template fails): a permanent failure."""
@@ -620,7 +629,8 @@ class GenerationEngine:
         if not self._tasks:
             return
         if self._stop.is_set():
-            _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.fatal_grace_s)
+            grace = self.settings.terminate_grace_s if self.terminated else self.settings.fatal_grace_s
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

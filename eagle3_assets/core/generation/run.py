@@ -21,9 +21,10 @@ from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
-from .engine import EngineReport, EngineSettings, GenerationEngine, Lane, run_loop
-from .journal import JournalWriter, ResponseJournal
+from .engine import EngineReport, EngineSettings, GenerationEngine, Lane
+from .journal import JournalWriter, ResponseJournal, SetAside
 from .protocol import CompletionRequest, InferenceBackend, Sampling
+from .stopping import run_loop
 
 PROMPT_CHUNK = 1024
 
@@ -59,6 +60,8 @@ class GenerationSummary:
     run_id: str
     lost_in_flight: int = 0  # requests bought and never stored (a crash, or a stop's cancelled stragglers)
     busy: str | None = None  # why the dataset was skipped: another process is generating it
+    # Damaged journal files set aside (core.storage.quarantine); the answers they held are asked again.
+    set_aside: SetAside | None = None
 
 
 def _requests(
@@ -187,6 +190,7 @@ def _close(prepared: _Prepared, lane: Lane | None) -> None:
         s.report = lane.report
         s.lost_in_flight += _settle(prepared.journal, prepared.budget)
     s.n_responses, s.n_failures = prepared.journal.finalize()
+    s.set_aside = prepared.journal.set_aside()
     if s.report is not None:
         s.stop_reason = s.report.stop_reason
 
@@ -202,7 +206,10 @@ def _prepare(
     left to send within the budget."""
     plan = job.plan
     prompts = pl.read_parquet(job.layout.prompts, columns=["id", "messages"])
-    journal.finalize()  # fold what a crashed run left behind
+    journal.finalize()  # fold what a crashed run left behind (and set damaged files aside)
+    aside = journal.set_aside()
+    if aside.files:
+        log(f"{plan.key}: {aside.describe()}: " + "; ".join(q.describe() for q in aside.files))
     prior = journal.prior_usage()
     budget = Budget.for_dataset(plan.dataset, prior)
     lost_before = _settle(journal, budget)  # requests a crashed run had in flight: bought, never stored
@@ -236,6 +243,7 @@ def _prepare(
         stop_reason="done",
         run_id=run_id,
         lost_in_flight=lost_before,
+        set_aside=aside,
     )
     if todo.height == 0:
         log(f"{plan.key}: all {prompts.height:,} prompts are answered or permanently failed; nothing to send")
@@ -351,7 +359,7 @@ def _run(
                 _requests(prepared.todo, job.plan, chat if backend.wants_prompt_ids else None, skip)
             )
         lanes.append(lane)
-    run_loop(_run_engine(engine, lanes, backend, log, extra_preflight))
+    run_loop(_run_engine(engine, lanes, backend, log, extra_preflight), on_stop=engine.terminate)
 
 
 def _render_one(chat: ChatTokenizer) -> Callable[[list[dict]], list[int] | Exception]:
@@ -380,6 +388,8 @@ async def _run_engine(
         await backend.close()
         raise PreflightError("preflight failed, nothing was sent:\n- " + "\n- ".join(problems))
     try:
+        if engine.terminated:  # stopped during the preflight: nothing is sent
+            return
         await backend.start()
         names = ", ".join(lane.key for lane in lanes)
         log(f"{names}: {backend.name} ready in {time.monotonic() - started:.1f}s")

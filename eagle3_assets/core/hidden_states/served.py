@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..generation.engine import EngineSettings, GenerationEngine, Lane, run_loop
+from ..generation.engine import EngineSettings, GenerationEngine, Lane
 from ..generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceBackend
+from ..generation.stopping import run_loop
 from .shards import ExtractionStats, Sample, ShardPlan, ShardWriter, write_shard
 
 
@@ -217,17 +218,21 @@ def extract_served(
     total = sum(len(p.ids) for p in plans)
     started = time.monotonic()
 
+    runner = GenerationEngine(backend, engine, log)
+
     async def go() -> None:
+        if runner.terminated:
+            return
         await backend.start()
         try:
             lane = Lane("hidden_states", requests_for(plans, samples), total, NoBudget(), assembler)  # type: ignore[arg-type]
-            await GenerationEngine(backend, engine, log).run([lane])
+            await runner.run([lane])
         finally:
             await backend.close()
 
     with _one_compute_thread():
         try:
-            run_loop(go())
+            run_loop(go(), on_stop=runner.terminate)
         finally:
             writer.close()  # every completed shard is on disk (or the error surfaces) before this returns
     result = assembler.result

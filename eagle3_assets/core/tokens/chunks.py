@@ -46,7 +46,8 @@ class TokensSummary:
     errors: Counter = field(default_factory=Counter)
     workers: int = 1
     n_tokenized: int = 0  # rows tokenized in this run (new or changed); the others were kept
-    set_aside: list = field(default_factory=list)  # damaged earlier outputs moved to quarantine/ (Quarantined)
+    # Damaged earlier outputs moved to quarantine/ (Quarantined).
+    set_aside: list = field(default_factory=list)
 
     @property
     def match_rate(self) -> float | None:
