@@ -195,6 +195,10 @@ def test_terminate_and_cancel_through_graphql_stop_spending_within_seconds(tmp_p
             assert 0 < len(stored_b1) < n
             assert len(b1_hits) - len(stored_b1) <= concurrency  # cut off in flight, at most the window
             assert canceled_after < 60, canceled_after
+            last = max(h.at for h in b1_hits) - terminated_at
+            print(
+                f"\nterminateRuns: last request {last:+.2f} s after it, CANCELED after {canceled_after:.1f} s"
+            )
 
             # 2. A backfill of two datasets (one run), cancelled from the UI: the daemon terminates its run.
             backfill = dev.launch_backfill(["prompts", "responses"], ["B2", "B3"], title="cancel me")
@@ -219,6 +223,7 @@ def test_terminate_and_cancel_through_graphql_stop_spending_within_seconds(tmp_p
                 dev,
             )
             assert status["status"] == "CANCELED", status
+            print(f"cancelPartitionBackfill: CANCELED after {time.monotonic() - cancelled_at:.1f} s")
             generating = [r for r in status["runs"] if r["status"] != "SUCCESS"]
             assert generating and all(r["status"] == "CANCELED" for r in generating), status
             for key in ("B2", "B3"):
@@ -226,6 +231,9 @@ def test_terminate_and_cancel_through_graphql_stop_spending_within_seconds(tmp_p
                 late = [h for h in hits if h.at > cancelled_at + 8]
                 assert late == [], f"{key}: {len(late)} requests after the backfill was cancelled"
                 assert len(_stored(tmp_path, key)) < n
+                print(
+                    f"  {key}: last request {max(h.at for h in hits) - cancelled_at:+.2f} s after the cancel"
+                )
 
             # 3. The next run finishes B1 and pays again at most what the terminated run had in flight.
             launched = dev.launch_run("training_data", "B1", {})
@@ -233,3 +241,4 @@ def test_terminate_and_cancel_through_graphql_stop_spending_within_seconds(tmp_p
     prompts = [h.prompt for h in provider.hits_for("B1 question")]
     assert set(prompts) == set(texts["B1"])
     assert len(prompts) - len(set(prompts)) <= concurrency
+    print(f"B1 paid twice after the terminate: {len(prompts) - len(set(prompts))} (window {concurrency})")

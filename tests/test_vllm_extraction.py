@@ -188,6 +188,7 @@ class FlakyProxy:
         self.spoil = list(spoil or [])
         self.answered = 0
         self.deaths = 0
+        self.requests_at: list[float] = []  # when each POST arrived
         # Spoil only answers whose requests began after the death's revival: an answer spoiled while the death
         # aborts its connection never reaches the client, and the spoil would be spent unseen.
         self._revived = die_after is None
@@ -222,6 +223,8 @@ class FlakyProxy:
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         self._transports.add(request.transport)
+        if request.method == "POST":
+            self.requests_at.append(time.monotonic())
         spoilable = self._revived
         body = await request.read()
         async with (
@@ -518,3 +521,39 @@ def test_data_parallel_replicas_share_the_samples(server, chat, tmp_path):
     assert index.height == 16 == stats.samples
     answered = [r.answered for r in replicas]
     assert sum(answered) == 16 and min(answered) >= 4, answered
+
+
+def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(server, chat, tmp_path):
+    """Dagster's Terminate is a SIGINT in the step's process: no request leaves after it, the shards completed are
+    kept, and the next extraction sends only the samples of the shards that were not finished."""
+    from eagle3_assets.core.generation.stopping import RunTerminated
+
+    layout = write_tokens(chat, tmp_path, repeat=4)  # 32 samples
+    proxy = FlakyProxy(server.base_url)
+    stopped: dict = {}
+
+    def interrupt() -> None:
+        while len(proxy.requests_at) < 10:
+            time.sleep(0.01)
+        stopped["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        vllm = VllmExtractionConfig(
+            base_urls=[proxy.base_url], storage_path=str(server.storage), max_concurrency=2
+        )
+        settings = ExtractionSettings(
+            hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, dtype="float32", shard_bytes=64 * 1024)
+        )
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(RunTerminated):
+            extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(vllm, "B1", 4))
+        late = [t for t in proxy.requests_at if t > stopped["at"] + 0.5]
+        assert late == [], f"{len(late)} requests after the stop"
+        first = len(proxy.requests_at)
+        _, stats, index = extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(vllm, "B1", 4))
+    finally:
+        proxy.close()
+    assert index.height == 32
+    assert stats.samples < 32  # the shards finished before the stop were kept, not extracted again
+    assert len(proxy.requests_at) - first == stats.samples
