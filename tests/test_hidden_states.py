@@ -210,7 +210,7 @@ def test_graph_asset_fans_out_one_step_per_shard(chat, tmp_path):
     path = make_project(
         tmp_path,
         {"B1": {"rows": user_rows(["x"])}},
-        hidden_states={"shard_bytes": PER_TOKEN * 100, "dtype": "bfloat16"},
+        hidden_states={"shard_bytes": PER_TOKEN * 100, "storage_dtype": "bfloat16"},
     )
     write_tokens(chat, tmp_path / "data")
     defs = build_definitions(load_config(path), str(path))

@@ -81,12 +81,14 @@ def test_extraction_through_vllm_equals_the_transformers_path_and_passes_every_c
 ):
     served_layout = write_tokens(chat, tmp_path / "served", repeat=2)
     local_layout = write_tokens(chat, tmp_path / "local", repeat=2)
-    settings = served_settings(server.base_url, server.storage, dtype="float32", shard_bytes=1_500_000)
+    settings = served_settings(
+        server.base_url, server.storage, storage_dtype="float32", shard_bytes=1_500_000
+    )
     logs: list[str] = []
     work, stats, index = extract_dataset(served_layout, settings, logs.append, backend(settings, "B1"))
     assert len(work.todo) > 1 and index.height == 16 == stats.samples
     extract_dataset(
-        local_layout, ExtractionSettings(hidden=HiddenStatesConfig(dtype="float32")), lambda m: None
+        local_layout, ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype="float32")), lambda m: None
     )
 
     served, local = (
@@ -128,7 +130,7 @@ def _project(root: Path, server, **hidden) -> Path:
         sampling={"temperature": 0.7},
         hidden_states={
             "engine": "vllm",
-            "dtype": "float32",
+            "storage_dtype": "float32",
             "vllm": {
                 "base_urls": [server.base_url],
                 "storage_path": str(server.storage),
@@ -283,7 +285,7 @@ def test_a_server_that_dies_mid_shard_and_spoiled_files_are_retried_faults(
         # backoffs of at least 0.25, 0.5 and 1 s fit three attempts into the down time of at most 2 s), then all
         # three spoiled files: seven faults, so the allowance is eight (the engine's default for generation).
         settings = served_settings(
-            proxy.base_url, server.storage, dtype="float32", file_timeout_s=2.0, max_retries=8
+            proxy.base_url, server.storage, storage_dtype="float32", file_timeout_s=2.0, max_retries=8
         )
         logs: list[str] = []
         _, stats, index = extract_dataset(layout, settings, logs.append, backend(settings, "B1"))
@@ -315,7 +317,7 @@ def test_a_sample_longer_than_the_server_context_is_recorded_as_too_long(server,
         ]
     )
     tokens.write_parquet(layout.tokens)
-    settings = served_settings(server.base_url, server.storage, dtype="float32")
+    settings = served_settings(server.base_url, server.storage, storage_dtype="float32")
     _, _, index = extract_dataset(layout, settings, lambda m: None, backend(settings, "B1"))
     assert index.height == 3
     skipped = skipped_samples(layout)
@@ -513,7 +515,9 @@ def test_data_parallel_replicas_share_the_samples(server, chat, tmp_path):
         vllm = VllmExtractionConfig(
             base_urls=[r.base_url for r in replicas], storage_path=str(server.storage), max_concurrency=8
         )
-        settings = ExtractionSettings(hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, dtype="float32"))
+        settings = ExtractionSettings(
+            hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, storage_dtype="float32")
+        )
         _, stats, index = extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(vllm, "B1", 4))
     finally:
         for r in replicas:
@@ -543,7 +547,9 @@ def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(se
             base_urls=[proxy.base_url], storage_path=str(server.storage), max_concurrency=2
         )
         settings = ExtractionSettings(
-            hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, dtype="float32", shard_bytes=64 * 1024)
+            hidden=HiddenStatesConfig(
+                engine="vllm", vllm=vllm, storage_dtype="float32", shard_bytes=64 * 1024
+            )
         )
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(RunTerminated):

@@ -24,24 +24,13 @@ import polars as pl
 import pyarrow as pa
 
 from ..report.validation import Verdict
+from .fp8 import STATE_TENSORS, dequantize, is_fp8, scale_problems, scales_name
 from .shards import finished_shards, input_hash
+from .spot_rules import SPOT_COSINE, SPOT_RULES, Agreement, SpotRule, rules_metadata, spot_rule
 
-# Per-token cosine similarity of the stored states against an fp32 recomputation, by the dtype the extraction
-# computed in. fp32 compute, stored in bf16: the only difference is the final rounding to 8 mantissa bits
-# (unit roundoff u = 2^-9, cosine ≥ 1 - u²/2 per token in theory, ≥ 0.99999 measured), so every token must reach
-# 0.999. Half-precision compute (a bf16 server, a bf16 GPU forward): every layer's output is rounded to 8 bits and two
-# independent paths (other kernels, other summation orders) drift apart by about sqrt(L)·u relative per token; most
-# tokens stay ≥ 0.9999, but the few tokens with massive activations (values of 1e4 on a handful of channels, the
-# first token of every sample) concentrate the error: measured 0.995-0.999 for a bf16 vLLM server against fp32 on
-# SmolLM2 (and 0.9978 even against a bf16 transformers forward). So half precision is held to the median token
-# ≥ 0.999 and every token ≥ 0.99. What the check exists to catch stays far below either bar: a layer off by one
-# scores a median ≤ 0.977 and a worst token ≤ 0.93, another sample's states near 0.
-SPOT_RULES = {  # compute dtype -> (min over tokens, median over tokens), per stored tensor
-    "float32": (0.999, 0.999),
-    "bfloat16": (0.99, 0.999),
-    "float16": (0.99, 0.999),
-}
-SPOT_COSINE = SPOT_RULES["float32"][0]
+__all__ = ["SPOT_COSINE", "SPOT_RULES"]  # the rules live in spot_rules; callers read them here too
+
+# The rules by compute and storage dtype, and why: spot_rules.py.
 FINITE_CHUNK_ROWS = 65_536
 
 
@@ -116,24 +105,52 @@ def _list_hashes(ids: pl.Expr, mask: pl.Expr) -> list[pl.Expr]:
 
 
 def finite(folder: Path) -> Verdict:
-    """No NaN or Inf anywhere in the stored states (read a slice at a time: memory stays bounded)."""
-    import torch
+    """No NaN or Inf anywhere in the stored states, read as a trainer reads them (FP8: dequantized, so a scale of
+    Inf or NaN shows), and no FP8 scale that quantization never writes (zero, negative, non-finite: a zero scale
+    silently zeroes its token). A slice at a time: memory stays bounded."""
     from safetensors import safe_open
 
     bad: dict[str, int] = {}
+    bad_scales: dict[str, int] = {}
     values = 0
     for name in finished_shards(folder):
         with safe_open(str(folder / name), framework="pt") as f:
-            for key in ("aux_hidden_states", "last_hidden_state"):
-                view = f.get_slice(key)
-                rows = view.get_shape()[0]
-                for a in range(0, rows, FINITE_CHUNK_ROWS):
-                    t = view[a : a + FINITE_CHUNK_ROWS]
-                    values += t.numel()
-                    n = int((~torch.isfinite(t)).sum())
-                    if n:
-                        bad[f"{name}:{key}"] = bad.get(f"{name}:{key}", 0) + n
-    return Verdict(not bad, {"values": values, "non_finite": sum(bad.values()), "where": json.dumps(bad)})
+            keys = set(f.keys())
+            for key in STATE_TENSORS:
+                scales = f.get_slice(scales_name(key)) if scales_name(key) in keys else None
+                n_values, n_bad, n_scales = _scan(f.get_slice(key), scales)
+                values += n_values
+                if n_bad:
+                    bad[f"{name}:{key}"] = n_bad
+                if n_scales:
+                    bad_scales[f"{name}:{scales_name(key)}"] = n_scales
+    return Verdict(
+        not bad and not bad_scales,
+        {
+            "values": values,
+            "non_finite": sum(bad.values()),
+            "where": json.dumps(bad),
+            "bad_scales": sum(bad_scales.values()),
+            "bad_scales_where": json.dumps(bad_scales),
+        },
+    )
+
+
+def _scan(view: Any, scales: Any) -> tuple[int, int, int]:
+    """(values, non-finite values, bad scales) of one stored tensor, dequantized where it has scales."""
+    import torch
+
+    values = non_finite = wrong = 0
+    rows = view.get_shape()[0]
+    for a in range(0, rows, FINITE_CHUNK_ROWS):
+        t = view[a : a + FINITE_CHUNK_ROWS]
+        if scales is not None:
+            s = scales[a : a + FINITE_CHUNK_ROWS]
+            wrong += scale_problems(s)
+            t = dequantize(t, s)
+        values += t.numel()
+        non_finite += int((~torch.isfinite(t)).sum())
+    return values, non_finite, wrong
 
 
 def consistent(folder: Path, expected: dict[str, str]) -> Verdict:
@@ -159,71 +176,135 @@ def consistent(folder: Path, expected: dict[str, str]) -> Verdict:
             "aux_hidden_states": [tokens, n_aux * hidden],
             "last_hidden_state": [tokens, hidden],
         }
+        if is_fp8(meta.get("dtype", "")):
+            want_shapes[scales_name("aux_hidden_states")] = [tokens, n_aux]
+            want_shapes[scales_name("last_hidden_state")] = [tokens, 1]
         for key, shape in want_shapes.items():
             if shapes.get(key) != shape:
                 problems.append(f"{name}: {key} has shape {shapes.get(key)}, expected {shape}")
+        problems += [f"{name}: {p}" for p in _stored_dtypes(folder / name, meta.get("dtype", ""))]
     return Verdict(
         bool(shards) and not problems,
         {"shards": len(shards), "problems": len(problems), "details": json.dumps(problems[:10])},
     )
 
 
-def spot_check(folder: Path, model: Any, sample_ids: list[str]) -> Verdict:
-    """Recompute a few samples with a plain fp32 forward (`output_hidden_states`, one sample per forward, no hooks,
-    no packing) and compare with what is stored: aux layer i against hidden_states[i + 1], the stored last state
-    through the model's own final norm against hidden_states[L]; held to the rule of the dtype the extraction
-    computed in (`SPOT_RULES`)."""
-    import torch
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
 
-    from .shards import HiddenStatesReader, read_shard_metadata
+
+def _stored_dtypes(path: Path, dtype: str) -> list[str]:
+    """The states are stored in the dtype the metadata names (and FP8 scales in float32)."""
+    from safetensors import safe_open
+
+    want = {k: SAFETENSORS_DTYPES.get(dtype, dtype) for k in STATE_TENSORS}
+    if is_fp8(dtype):
+        want.update({scales_name(k): "F32" for k in STATE_TENSORS})
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        got = {k: f.get_slice(k).get_dtype() for k in want if k in keys}
+    return [
+        f"{k} is stored as {got[k]}, the metadata's dtype {dtype} says {w}"
+        for k, w in want.items()
+        if got.get(k, w) != w
+    ]
+
+
+def spot_check(folder: Path, model: Any, sample_ids: list[str]) -> Verdict:
+    """Recompute a few samples with a plain fp32 forward (`output_hidden_states`, one sample per forward, no
+    packing) and compare with what is stored: aux layer i against hidden_states[i + 1], the stored last state
+    through the model's own final norm against hidden_states[L]; held to the rule of the dtype the extraction
+    computed in and the shards store (`spot_rules`). FP8 shards also compare the stored last state with the last
+    decoder layer's own output (a hook of this check's), since the final norm hides a wrong per-token scale."""
+    from .shards import HiddenStatesReader
 
     reader = HiddenStatesReader(folder)
-    worst, worst_median, failing = 1.0, 1.0, []
+    worst = Agreement(1.0, 1.0, 0.0, 0.0)
+    failing: list[str] = []
     details: dict[str, list[float]] = {}
-    base = getattr(model, "model", model)
-    device = base.get_input_embeddings().weight.device
+    rules: dict[str, SpotRule] = {}
     compute_dtypes = set()
     for sid in sample_ids:
-        stored = reader.sample(sid)
-        shard, _ = reader._where[sid]
-        meta = read_shard_metadata(folder / shard)
-        aux_layers = json.loads(meta["aux_layers"])
-        compute = meta.get("compute_dtype") or "float32"  # shards written before the key: fp32 compute on CPU
-        compute_dtypes.add(compute)
-        floor_min, floor_median = SPOT_RULES.get(compute, SPOT_RULES["bfloat16"])
-        ids = stored["input_ids"].to(torch.long)[None].to(device)
-        with torch.inference_mode():
-            out = base(input_ids=ids, output_hidden_states=True, use_cache=False)
-            hs = out.hidden_states
-            hidden = hs[0].shape[-1]
-            aux = stored["aux_hidden_states"].float().to(device)
-            pairs = [
-                (f"aux{layer}", aux[:, k * hidden : (k + 1) * hidden], hs[layer + 1][0].float())
-                for k, layer in enumerate(aux_layers)
-            ]
-            norm = getattr(base, "norm", None) or (lambda x: x)
-            last = norm(stored["last_hidden_state"].to(device, dtype=hs[-1].dtype)).float()
-            pairs.append(("last", last, hs[-1][0].float()))
-            for name, got, want in pairs:
-                low, median = _cosines(got, want)
-                details[f"{sid}:{name}"] = [round(low, 6), round(median, 6)]
-                worst, worst_median = min(worst, low), min(worst_median, median)
-                if low < floor_min or median < floor_median:
-                    failing.append(f"{sid}:{name}")
-    rules = {d: SPOT_RULES.get(d, SPOT_RULES["bfloat16"]) for d in sorted(compute_dtypes)}
+        how = StoredExtraction.of(folder, reader._where[sid][0])
+        compute_dtypes.add(how.compute_dtype)
+        rules[how.rule_key] = how.rule
+        for name, got in _recomputed_pairs(model, reader.sample(sid), how):
+            details[f"{sid}:{name}"] = [round(got.min_cosine, 6), round(got.median_cosine, 6)]
+            if how.rule.norm_every_token is not None:
+                details[f"{sid}:{name}"] += [round(got.max_norm_dev, 5), round(got.median_norm_dev, 5)]
+            worst = _worst(worst, got)
+            if not how.rule.passes(got):
+                failing.append(f"{sid}:{name}")
     return Verdict(
         bool(sample_ids) and not failing,
         {
             "samples": len(sample_ids),
-            "min_token_cosine": round(worst, 6),
-            "min_median_token_cosine": round(worst_median, 6),
+            **_agreement_summary(worst),
             "compute_dtype": ", ".join(sorted(compute_dtypes)),
-            "rule": json.dumps({d: {"every_token": a, "median_token": b} for d, (a, b) in rules.items()}),
-            "threshold": min(a for a, _ in rules.values()) if rules else SPOT_COSINE,
+            **rules_metadata(rules),
             "failing": json.dumps(failing[:10]),
             "per_tensor_min_median": json.dumps(details),
         },
     )
+
+
+def _recomputed_pairs(
+    model: Any, stored: dict[str, Any], how: StoredExtraction
+) -> list[tuple[str, Agreement]]:
+    """Each stored tensor's agreement with one plain fp32 forward of the sample."""
+    import torch
+
+    base = getattr(model, "model", model)
+    device = base.get_input_embeddings().weight.device
+    ids = stored["input_ids"].to(torch.long)[None].to(device)
+    grabbed: dict[str, Any] = {}
+    layers = getattr(base, "layers", None)
+    hook = None
+    if is_fp8(how.storage_dtype) and layers is not None:
+        hook = layers[-1].register_forward_hook(
+            lambda _m, _i, out: grabbed.__setitem__("last", out[0] if isinstance(out, tuple) else out)
+        )
+    try:
+        with torch.inference_mode():
+            hs = base(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    finally:
+        if hook is not None:
+            hook.remove()
+    with torch.inference_mode():
+        hidden = hs[0].shape[-1]
+        aux = stored["aux_hidden_states"].float().to(device)
+        out = [
+            (f"aux{layer}", Agreement.of(aux[:, k * hidden : (k + 1) * hidden], hs[layer + 1][0]))
+            for k, layer in enumerate(how.aux_layers)
+        ]
+        norm = getattr(base, "norm", None) or (lambda x: x)
+        last = stored["last_hidden_state"].to(device, dtype=hs[-1].dtype)
+        out.append(("last", _direction_only(Agreement.of(norm(last), hs[-1][0]))))
+        if "last" in grabbed:
+            out.append(("last_before_norm", Agreement.of(last, grabbed["last"][0])))
+    return out
+
+
+def _direction_only(a: Agreement) -> Agreement:
+    """Through the final norm a token's magnitude is gone: only its direction counts."""
+    return Agreement(a.min_cosine, a.median_cosine, 0.0, 0.0)
+
+
+def _worst(a: Agreement, b: Agreement) -> Agreement:
+    return Agreement(
+        min(a.min_cosine, b.min_cosine),
+        min(a.median_cosine, b.median_cosine),
+        max(a.max_norm_dev, b.max_norm_dev),
+        max(a.median_norm_dev, b.median_norm_dev),
+    )
+
+
+def _agreement_summary(worst: Agreement) -> dict[str, Any]:
+    return {
+        "min_token_cosine": round(worst.min_cosine, 6),
+        "min_median_token_cosine": round(worst.median_cosine, 6),
+        "max_token_norm_deviation": round(worst.max_norm_dev, 6),
+        "max_median_token_norm_deviation": round(worst.median_norm_dev, 6),
+    }
 
 
 # -- the spot check of a served target: pieces of the checkpoint, never the whole target -----------------------
@@ -352,6 +433,7 @@ class StoredExtraction:
 
     aux_layers: list[int]
     compute_dtype: str
+    storage_dtype: str = "bfloat16"
 
     @classmethod
     def of(cls, folder: Path, shard: str) -> StoredExtraction:
@@ -359,15 +441,25 @@ class StoredExtraction:
 
         meta = read_shard_metadata(folder / shard)
         # shards written before the key: fp32 compute on CPU
-        return cls(json.loads(meta["aux_layers"]), meta.get("compute_dtype") or "float32")
+        compute = meta.get("compute_dtype") or "float32"
+        return cls(json.loads(meta["aux_layers"]), compute, meta.get("dtype") or "bfloat16")
 
     @property
     def first(self) -> int:
         return min(self.aux_layers)
 
     @property
-    def rule(self) -> tuple[float, float]:
-        return SPOT_RULES.get(self.compute_dtype, SPOT_RULES["bfloat16"])
+    def rule(self) -> SpotRule:
+        return spot_rule(self.compute_dtype, self.storage_dtype)
+
+    @property
+    def rule_key(self) -> str:
+        """The compute dtype, and the storage dtype where it sets its own rule (FP8)."""
+        return (
+            f"{self.compute_dtype} -> {self.storage_dtype}"
+            if is_fp8(self.storage_dtype)
+            else self.compute_dtype
+        )
 
     def first_block(self, aux: Any, hidden: int) -> Any:
         k = self.aux_layers.index(self.first)
@@ -394,26 +486,25 @@ def spot_check_pieces(
     if not made:
         return Verdict(False, {"samples": 0, "reason": "no sample to recompute"})
     target = ShallowTarget.load(pieces, max(m.first for m in made.values()) + 1, trust_remote_code)
-    worst, worst_median, failing = 1.0, 1.0, []
+    worst = Agreement(1.0, 1.0, 0.0, 0.0)
+    failing: list[str] = []
     details: dict[str, dict[str, float]] = {}
     heads = HeadAgreement()
     for sid, how in made.items():
         stored = reader.sample(sid)
         hs = target.layer_outputs(stored["input_ids"])
-        low, median = _cosines(
-            how.first_block(stored["aux_hidden_states"], hs[0].shape[-1]), hs[how.first + 1]
-        )
+        got = Agreement.of(how.first_block(stored["aux_hidden_states"], hs[0].shape[-1]), hs[how.first + 1])
         head = head_agreement(target, stored["input_ids"], stored["loss_mask"], stored["last_hidden_state"])
         heads.add(head)
-        worst, worst_median = min(worst, low), min(worst_median, median)
-        floor_min, floor_median = how.rule
-        if low < floor_min or median < floor_median:
+        worst = _worst(worst, got)
+        if not how.rule.passes(got):
             failing.append(f"{sid}:aux{how.first}")
         if decoding.greedy and not head.greedy_ok():
             failing.append(f"{sid}:last")
         details[sid] = {
-            "aux_min": round(low, 6),
-            "aux_median": round(median, 6),
+            "aux_min": round(got.min_cosine, 6),
+            "aux_median": round(got.median_cosine, 6),
+            "aux_max_norm_deviation": round(got.max_norm_dev, 5),
             "head": round(head.share(), 4),
         }
     if not decoding.greedy and not heads.aligned():
@@ -422,7 +513,7 @@ def spot_check_pieces(
         not failing,
         {
             **_pieces_method(target.n_layers, made),
-            **_aux_summary(made, worst, worst_median),
+            **_aux_summary(made, worst),
             **_head_summary(heads, decoding),
             "failing": json.dumps(failing[:10]),
             "per_sample": json.dumps(details),
@@ -444,14 +535,11 @@ def _pieces_method(n_layers: int, made: dict[str, StoredExtraction]) -> dict[str
     }
 
 
-def _aux_summary(made: dict[str, StoredExtraction], worst: float, worst_median: float) -> dict[str, Any]:
-    rules = {m.compute_dtype: m.rule for m in made.values()}
+def _aux_summary(made: dict[str, StoredExtraction], worst: Agreement) -> dict[str, Any]:
     return {
-        "min_token_cosine": round(worst, 6),
-        "min_median_token_cosine": round(worst_median, 6),
-        "compute_dtype": ", ".join(sorted(rules)),
-        "rule": json.dumps({d: {"every_token": a, "median_token": b} for d, (a, b) in sorted(rules.items())}),
-        "threshold": min(a for a, _ in rules.values()),
+        **_agreement_summary(worst),
+        "compute_dtype": ", ".join(sorted({m.compute_dtype for m in made.values()})),
+        **rules_metadata({m.rule_key: m.rule for m in made.values()}),
     }
 
 
@@ -486,16 +574,6 @@ def _head_summary(heads: HeadAgreement, decoding: AnswerDecoding) -> dict[str, A
         "head_share_one_row_earlier": round(heads.share(-1), 4),
         "head_share_one_row_later": round(heads.share(1), 4),
     }
-
-
-def _cosines(a: Any, b: Any) -> tuple[float, float]:
-    """(min, median) per-token cosine; (-1, -1) when the shapes differ."""
-    import torch
-
-    if a.shape != b.shape:
-        return -1.0, -1.0
-    c = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-    return float(c.min()), float(c.median())
 
 
 def spot_sample_ids(index: pl.DataFrame, n: int = 3) -> list[str]:

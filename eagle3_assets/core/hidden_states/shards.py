@@ -37,6 +37,7 @@ from ..storage.quarantine import (
     sweep_parquet,
 )
 from ..target.pieces import local_checkpoint
+from .fp8 import STATE_TENSORS, dequantize, is_fp8, payload_bytes_per_token, quantize_layers, scales_name
 
 FORMAT = "eagle3-assets/hidden-states/v1"
 INDEX_SCHEMA = {
@@ -46,7 +47,7 @@ INDEX_SCHEMA = {
     "n_tokens": pl.Int32,
     "input_hash": pl.String,
 }
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 SDPA_ROW_TOKENS = {
     "cpu": 1024,
     "cuda": 4096,
@@ -64,8 +65,10 @@ def input_hash(ids: Sequence[int] | np.ndarray) -> str:
     return hashlib.blake2b(np.asarray(ids, dtype=np.int32).tobytes(), digest_size=8).hexdigest()
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    return 4 * hidden_size * DTYPE_BYTES[dtype] + 4 + 1
+def bytes_per_token(hidden_size: int, dtype: str, n_layers: int = 4) -> int:
+    """A token's bytes in a shard: its states (the aux layers and the last; in FP8 a float32 scale per layer
+    beside them), its int32 id and int8 mask."""
+    return payload_bytes_per_token(hidden_size, n_layers, dtype, DTYPE_BYTES[dtype]) + 4 + 1
 
 
 # -- planning ------------------------------------------------------------------------------------------------
@@ -181,7 +184,10 @@ def shard_problem(path: Path) -> str | None:
     meta = (header or {}).get("__metadata__") or {}
     if meta.get("format") != FORMAT:
         return f"wrong schema: metadata format {meta.get('format')!r}, expected {FORMAT!r}"
-    missing = [t for t in SHARD_TENSORS if t not in (header or {})]
+    wanted = SHARD_TENSORS + (
+        tuple(scales_name(t) for t in STATE_TENSORS) if is_fp8(meta.get("dtype", "")) else ()
+    )
+    missing = [t for t in wanted if t not in (header or {})]
     if missing:
         return f"wrong schema: no tensor {', '.join(missing)}"
     return None
@@ -219,12 +225,20 @@ class WorkPlan:
     stale_shards: list[str]
     skipped: dict[str, str] = field(default_factory=dict)  # id -> reason
     set_aside: list[Quarantined] = field(default_factory=list)  # damaged shards / index moved to quarantine/
+    planned: dict[str, Any] = field(default_factory=dict)  # the bytes the todo shards will write (sizing.py)
 
 
 def plan_work(
-    tokens: pl.DataFrame, folder: Path, shard_bytes: int, per_token: int, max_seq_len: int
+    tokens: pl.DataFrame,
+    folder: Path,
+    shard_bytes: int,
+    per_token: int,
+    max_seq_len: int,
+    expected: dict[str, str] | None = None,
 ) -> WorkPlan:
-    """What is left to extract: samples not in any finished shard with the same content hash, sharded."""
+    """What is left to extract: samples not in any finished shard with the same content hash, sharded. A shard
+    made by another extraction than `expected` describes (storage dtype, model, layers) is stale like a shard of
+    re-tokenized samples: its samples are extracted again."""
     remove_stale_temporaries(folder)
     current = {
         sid: input_hash(ids)
@@ -234,12 +248,12 @@ def plan_work(
     stale: list[str] = []
     for name, meta in finished_shards(folder).items():
         samples = meta["samples"]
-        if all(current.get(sid) == h for sid, _, h in samples):
+        same = all(str(meta.get(k, "")) == str(v) for k, v in (expected or {}).items())
+        if same and all(current.get(sid) == h for sid, _, h in samples):
             done.update(sid for sid, _, _ in samples)
         else:
-            stale.append(
-                name
-            )  # re-tokenized or removed samples: the shard no longer describes tokens.parquet
+            # re-tokenized or removed samples, or another extraction: the shard no longer describes what is asked
+            stale.append(name)
     lengths = {}
     skipped = {}
     for sid, n in zip(tokens["id"].to_list(), tokens["input_ids"].list.len().to_list(), strict=True):
@@ -387,18 +401,16 @@ def extract_shard(
     """Run the model over one shard's samples and write the shard (atomically) when all are captured."""
     import torch
 
-    dtype = getattr(torch, store_dtype)
     ordered = [samples[i] for i in plan.ids]
     rows = pack_rows([len(s.input_ids) for s in ordered], row_tokens)
     stats = ExtractionStats(samples=len(ordered), tokens=plan.n_tokens, forwards=len(rows))
-    aux_parts: list[Any] = []
-    last_parts: list[Any] = []
+    parts: dict[str, list[Any]] = {}
     own_writer = writer is None
     writer = writer or ShardWriter()
 
     def to_host(aux: list[Any], last: Any) -> None:
-        aux_parts.append(torch.cat([a.to("cpu", dtype=dtype) for a in aux], dim=-1))
-        last_parts.append(last.to("cpu", dtype=dtype))
+        for name, tensor in stored_states(aux, [last], store_dtype).items():
+            parts.setdefault(name, []).append(tensor)
 
     for row in rows:
         t0 = time.perf_counter()
@@ -409,7 +421,10 @@ def extract_shard(
     path = folder / plan.name
 
     def save() -> None:
-        write_shard(path, ordered, torch.cat(aux_parts), torch.cat(last_parts), metadata)
+        states = {k: torch.cat(v) for k, v in parts.items()}
+        write_shard(
+            path, ordered, states.pop("aux_hidden_states"), states.pop("last_hidden_state"), metadata, states
+        )
 
     writer.submit(save)
     if own_writer:
@@ -419,9 +434,40 @@ def extract_shard(
     return stats
 
 
-def write_shard(path: Path, ordered: Sequence[Sample], aux: Any, last: Any, metadata: dict[str, str]) -> None:
+def stored_states(aux: list[Any], last: list[Any], store_dtype: str) -> dict[str, Any]:
+    """One forward's captured layers ([T, H] each, on the model's device) as the shard stores them, on the host:
+    `aux_hidden_states` [T, n·H] and `last_hidden_state` [T, H] in the storage dtype; in FP8 with their
+    `<name>_scales` [T, n] beside them, quantized on the device (a byte per value crosses to the host)."""
+    import torch
+
+    if is_fp8(store_dtype):
+        (aux_q, aux_s), (last_q, last_s) = quantize_layers(aux), quantize_layers(last)
+        return {
+            "aux_hidden_states": aux_q,
+            scales_name("aux_hidden_states"): aux_s,
+            "last_hidden_state": last_q,
+            scales_name("last_hidden_state"): last_s,
+        }
+    dtype = getattr(torch, store_dtype)
+    return {
+        name: xs[0].to("cpu", dtype=dtype)
+        if len(xs) == 1
+        else torch.cat([x.to("cpu", dtype=dtype) for x in xs], -1)
+        for name, xs in (("aux_hidden_states", aux), ("last_hidden_state", last))
+    }
+
+
+def write_shard(
+    path: Path,
+    ordered: Sequence[Sample],
+    aux: Any,
+    last: Any,
+    metadata: dict[str, str],
+    scales: dict[str, Any] | None = None,
+) -> None:
     """One shard file, atomically: the samples' ids and masks beside their states (rows in sample order), with the
-    extraction's metadata and the sample list (id, length, content hash) that planning and the checks read."""
+    extraction's metadata and the sample list (id, length, content hash) that planning and the checks read.
+    `scales`: the FP8 scales by tensor name (`aux_hidden_states_scales`, `last_hidden_state_scales`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -436,6 +482,7 @@ def write_shard(path: Path, ordered: Sequence[Sample], aux: Any, last: Any, meta
         "aux_hidden_states": aux.contiguous(),
         "last_hidden_state": last.contiguous(),
         "cu_seqlens": torch.from_numpy(cu),
+        **{k: v.contiguous() for k, v in (scales or {}).items()},
     }
     rows = {k: int(t.shape[0]) for k, t in tensors.items() if k != "cu_seqlens"}
     if set(rows.values()) != {int(cu[-1])}:
@@ -554,16 +601,22 @@ class HiddenStatesReader:
     def ids(self) -> list[str]:
         return list(self._where)
 
-    def sample(self, sid: str, framework: str = "pt") -> dict[str, Any]:
+    def sample(self, sid: str, framework: str = "pt", raw: bool = False) -> dict[str, Any]:
+        """The sample's rows. States stored in FP8 come dequantized (float32, the contract's reading); `raw`
+        (torch only) returns them as stored, with their `<name>_scales` beside them."""
         from safetensors import safe_open
 
         shard, pos = self._where[sid]
         path = str(self.folder / shard)
-        with safe_open(path, framework=framework) as f:
+        with safe_open(path, framework="pt" if framework == "np" else framework) as f:
             if shard not in self._cu:
                 self._cu[shard] = np.asarray(f.get_tensor("cu_seqlens"))
             a, b = int(self._cu[shard][pos]), int(self._cu[shard][pos + 1])
-            return {
-                k: f.get_slice(k)[a:b]
-                for k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
-            }
+            keys = set(f.keys())
+            out = {k: f.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", *STATE_TENSORS)}
+            scales = {k: f.get_slice(scales_name(k))[a:b] for k in STATE_TENSORS if scales_name(k) in keys}
+        if raw:
+            return {**out, **{scales_name(k): v for k, v in scales.items()}}
+        for k, v in scales.items():
+            out[k] = dequantize(out[k], v)
+        return {k: v.numpy() for k, v in out.items()} if framework == "np" else out
