@@ -284,3 +284,42 @@ def test_storage_dtype_config():
         HiddenStatesConfig(dtype="float32", storage_dtype=FP8)
     with pytest.raises(ValidationError):
         HiddenStatesConfig(storage_dtype="float8_e5m2")
+
+
+def test_served_states_are_quantized_as_they_land(tmp_path):
+    """The vLLM path's shard buffer: each sample's states [t, 4, H] (the server's dtype) quantized into the shard's
+    rows as it lands; a sample refused as too long leaves the shard with its scales compacted alike."""
+    import numpy as np
+
+    from eagle3_assets.core.hidden_states.served import ShardBuffer, _write
+    from eagle3_assets.core.hidden_states.shards import Sample, ShardPlan, write_index
+
+    rng = np.random.default_rng(0)
+    samples = {
+        f"s{i}": Sample(f"s{i}", np.arange(n, dtype=np.int32), np.ones(n, dtype=np.int8))
+        for i, n in enumerate((5, 3, 7))
+    }
+    plan = ShardPlan("shard-x.safetensors", tuple(samples), 15)
+    states = {
+        sid: torch.from_numpy(rng.standard_normal((len(s.input_ids), 4, 32)).astype(np.float32))
+        for sid, s in samples.items()
+    }
+    states["s0"][0] *= 1000  # a token of massive activations: its own scale, the others keep their precision
+    buf = ShardBuffer(plan, samples)
+    for sid in ("s2", "s0"):  # in any order; s1 never arrives (refused as too long)
+        buf.put(sid, states[sid], 3, FP8)
+        buf.arrived.add(sid)
+    meta = {"dtype": FP8, "aux_layers": "[1, 2, 3]", "hidden_size": "32"}
+    _write(tmp_path / plan.name, [samples["s0"], samples["s2"]], buf, meta)
+    write_index(tmp_path)
+    reader = HiddenStatesReader(tmp_path)
+    for sid in ("s0", "s2"):
+        got, raw = reader.sample(sid), reader.sample(sid, raw=True)
+        assert (
+            raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
+            and raw["last_hidden_state_scales"].shape[1] == 1
+        )
+        x = states[sid]
+        assert torch.equal(got["aux_hidden_states"], reference_rounding(x[:, :3].reshape(len(x), -1), 3))
+        assert torch.equal(got["last_hidden_state"], reference_rounding(x[:, 3], 1))
+    assert sorted(reader.ids()) == ["s0", "s2"]
