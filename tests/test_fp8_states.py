@@ -323,3 +323,58 @@ def test_served_states_are_quantized_as_they_land(tmp_path):
         assert torch.equal(got["aux_hidden_states"], reference_rounding(x[:, :3].reshape(len(x), -1), 3))
         assert torch.equal(got["last_hidden_state"], reference_rounding(x[:, 3], 1))
     assert sorted(reader.ids()) == ["s0", "s2"]
+
+
+def test_exports_of_fp8_shards(fp8_extracted):
+    """speculators keeps FP8 (`hidden_states` float8 [S, 4, H] + `hidden_states_scales` [S, 4, 1], hs-connectors'
+    layout); SpecForge and Model-Optimizer read no FP8 and get the dequantized states in bf16; each manifest says
+    which. (Each framework reading them with its own code: test_trainers_read_exports, in side environments.)"""
+    import datasets
+    from safetensors.torch import load_file
+
+    from eagle3_assets.core.hidden_states.export import export
+
+    layout, _ = fp8_extracted
+    folder = layout.hidden_states_dir
+    reader = HiddenStatesReader(folder)
+    out = folder.parent / "exports"
+
+    export(folder, out / "speculators", "speculators", **QUIET)
+    manifest = json.loads((out / "speculators" / "manifest.json").read_text())
+    assert manifest["dtype"] == FP8 and manifest["dequantized"] is False
+    assert manifest["train_command"].endswith("--hidden-states-backend fp8")
+    ds = datasets.load_from_disk(str(out / "speculators"))
+    for i in range(len(ds)):
+        hs = load_file(str(out / "speculators" / "hidden_states" / f"hs_{i}.safetensors"))
+        t = int(ds[i]["seq_len"])
+        assert hs["hidden_states"].dtype == torch.float8_e4m3fn and hs["hidden_states"].shape == (t, 4, H)
+        assert hs["hidden_states_scales"].dtype == torch.float32 and hs["hidden_states_scales"].shape == (
+            t,
+            4,
+            1,
+        )
+        read = (hs["hidden_states"].float() * hs["hidden_states_scales"]).to(
+            torch.bfloat16
+        )  # FP8Transfer's reading
+        mine = reader.sample(ds[i]["id"])
+        assert torch.equal(read[:, :3].flatten(1), mine["aux_hidden_states"].to(torch.bfloat16))
+        assert torch.equal(read[:, 3], mine["last_hidden_state"].to(torch.bfloat16))
+
+    for fmt, key in (("specforge", "aux_hidden_state"), ("modelopt", "aux_hidden_states")):
+        export(folder, out / fmt, fmt, **QUIET)
+        manifest = json.loads((out / fmt / "manifest.json").read_text())
+        assert (
+            manifest["dtype"] == "bfloat16"
+            and manifest["source_dtype"] == FP8
+            and manifest["dequantized"] is True
+        )
+        files = sorted((out / fmt).rglob("*.ckpt" if fmt == "specforge" else "*.pt"))
+        assert len(files) == len(reader)
+        for p in files[:3]:
+            d = torch.load(p, weights_only=fmt == "modelopt")
+            sid = d.get("conversation_id") or next(
+                i for i in reader.ids() if reader.sample(i)["input_ids"].tolist() == d["input_ids"].tolist()
+            )
+            aux = d[key].reshape(-1, 3 * H)
+            assert aux.dtype == torch.bfloat16
+            assert torch.equal(aux, reader.sample(sid)["aux_hidden_states"].to(torch.bfloat16))

@@ -17,6 +17,12 @@ SpecForge 0.2.0, Model-Optimizer 0.47.0, each in its own environment):
   `aux_hidden_states` [S, 3H], `loss_mask` [S], `conversation_id`. It reads every `*.pt` under the folder as a
   sample, so nothing else in this export ends in `.pt`.
 
+FP8 shards (`hidden_states.storage_dtype: float8_e4m3fn`): the speculators export keeps FP8, as hs-connectors'
+`FP8Transfer` (speculators' `--hidden-states-backend fp8`) reads it: `hidden_states` float8 [S, 4, H] with
+`hidden_states_scales` float32 [S, 4, 1] beside it (one scale per token and layer, as stored). SpecForge and
+Model-Optimizer read no FP8: their exports hold the dequantized states in bf16, and the manifest says so
+(`dtype`, `source_dtype`, `dequantized`).
+
 Every export also writes `manifest.json` (target model, revision, layer ids in the consumer's convention, dtype,
 sample and token counts, the training command) and `eagle3_config.json` (the layer ids alone), so that a consumer can
 refuse data for another target. Samples are written in the order of a hash of their id: speculators holds out the
@@ -46,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+from .fp8 import is_fp8, scales_name
 from .shards import HiddenStatesReader, finished_shards
 
 FORMATS = ("speculators", "specforge", "modelopt")
@@ -192,14 +199,62 @@ def _plan(folder: Path, fmt: str, max_len: int | None, counts: Counts) -> list[s
     raise ExportError(f"{folder}: {what}; {fix}")
 
 
+@dataclass(frozen=True)
+class StatesAs:
+    """How an export holds the states: as stored (`raw`: FP8 with its scales), or read dequantized and cast to
+    `dtype` (None: as the reader returns them)."""
+
+    raw: bool = False
+    dtype: str | None = None
+
+    @classmethod
+    def of(cls, fmt: str, source_dtype: str) -> StatesAs:
+        if not is_fp8(source_dtype):
+            return cls()
+        return cls(raw=True) if fmt == "speculators" else cls(dtype="bfloat16")
+
+    def read(self, reader: HiddenStatesReader, sid: str) -> dict[str, Any]:
+        import torch
+
+        s = reader.sample(sid, raw=self.raw)
+        if self.dtype is not None:
+            for k in ("aux_hidden_states", "last_hidden_state"):
+                s[k] = s[k].to(getattr(torch, self.dtype))
+        return s
+
+    def manifest(self, source_dtype: str) -> dict[str, Any]:
+        if not is_fp8(source_dtype):
+            return {"dtype": source_dtype}
+        if self.raw:
+            return {
+                "dtype": source_dtype,
+                "source_dtype": source_dtype,
+                "dequantized": False,
+                "scales": "hidden_states_scales float32 [S, 4, 1]: hidden_states.float() * hidden_states_scales "
+                "(hs-connectors FP8Transfer; speculators --hidden-states-backend fp8)",
+            }
+        return {
+            "dtype": self.dtype,
+            "source_dtype": source_dtype,
+            "dequantized": True,
+            "note": f"this framework reads no FP8: the {source_dtype} shards were dequantized (values x their "
+            f"per-token, per-layer scales) and stored in {self.dtype}",
+        }
+
+
 def _samples(
-    reader: HiddenStatesReader, ids: list[str], max_len: int | None, counts: Counts, freq: Counter[int]
+    reader: HiddenStatesReader,
+    ids: list[str],
+    max_len: int | None,
+    counts: Counts,
+    freq: Counter[int],
+    states: StatesAs = StatesAs(),
 ) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(i, id, sample) in export order, cut to `max_len` tokens, counting tokens and trained token ids as they pass."""
     import torch
 
     for i, sid in enumerate(ids):
-        s = reader.sample(sid)
+        s = states.read(reader, sid)
         n = int(s["input_ids"].shape[0])
         counts.longest_source = max(counts.longest_source, n)
         if max_len is not None and n > max_len:
@@ -283,8 +338,10 @@ def export(
     _check_out(out)
     work = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     work.mkdir()  # not mkdtemp: the export's folders get the user's umask, not 0700
+    source_dtype = str(metas[0].get("dtype", ""))
+    states = StatesAs.of(fmt, source_dtype)
     try:
-        samples = _samples(reader, ids, max_len, counts, freq)
+        samples = _samples(reader, ids, max_len, counts, freq, states)
         side = {"speculators": _speculators, "specforge": _specforge, "modelopt": _modelopt}[fmt](
             samples, folder, work
         )
@@ -292,6 +349,9 @@ def export(
         layers = layer_config(folder, fmt)
         _write_json(layers, work / LAYER_CONFIG)
         manifest = _manifest(fmt, metas[0], layers, target, counts, max_len, side_files, out)
+        manifest.update(states.manifest(source_dtype))
+        if states.raw:  # speculators reads FP8 files through hs-connectors' FP8Transfer
+            manifest["train_command"] += " --hidden-states-backend fp8"
         _write_json(manifest, work / MANIFEST)
         _swap_in(work, out)
     finally:
@@ -465,15 +525,8 @@ def _speculators(samples: Iterator, folder: Path, work: Path) -> SideWriter:
                 v.clear()
 
         for i, sid, s in samples:  # one sample's states in memory at a time
-            aux, last = s["aux_hidden_states"], s["last_hidden_state"]
-            t, h = last.shape
-            import torch
-
-            stacked = torch.cat([aux.view(t, 3, h), last.view(t, 1, h)], dim=1).contiguous()
-            save_file(
-                {"hidden_states": stacked, "token_ids": s["input_ids"]},
-                str(hs_dir / f"hs_{i}.safetensors"),
-            )
+            save_file(_speculators_states(s), str(hs_dir / f"hs_{i}.safetensors"))
+            t = int(s["input_ids"].shape[0])
             batch["input_ids"].append(s["input_ids"].numpy())
             batch["loss_mask"].append(s["loss_mask"].numpy())
             batch["seq_len"].append(int(t))
@@ -505,6 +558,23 @@ def _speculators(samples: Iterator, folder: Path, work: Path) -> SideWriter:
         }
 
     return side
+
+
+def _speculators_states(s: dict[str, Any]) -> dict[str, Any]:
+    """One `hs_{i}.safetensors`: `hidden_states` [S, 4, H] (3 aux layers, then the last) and `token_ids`; from FP8
+    shards the float8 values as stored and `hidden_states_scales` [S, 4, 1] (hs-connectors' FP8 layout)."""
+    import torch
+
+    aux, last = s["aux_hidden_states"], s["last_hidden_state"]
+    t, h = last.shape
+    out = {
+        "hidden_states": torch.cat([aux.view(t, -1, h), last.view(t, 1, h)], dim=1).contiguous(),
+        "token_ids": s["input_ids"],
+    }
+    if scales_name("aux_hidden_states") in s:
+        scales = [s[scales_name("aux_hidden_states")], s[scales_name("last_hidden_state")]]
+        out["hidden_states_scales"] = torch.cat(scales, dim=1).float()[..., None].contiguous()
+    return out
 
 
 def _specforge(samples: Iterator, folder: Path, work: Path) -> SideWriter:
