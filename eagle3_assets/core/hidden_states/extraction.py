@@ -24,6 +24,8 @@ from ..generation.protocol import InferenceBackend
 from ..storage.files import write_json
 from ..storage.layout import EXTRACTION_PLAN, HIDDEN_STATES_INDEX, DatasetLayout
 from ..target.loading import pick_device, resolve, shared_model
+from ..target.pieces import local_checkpoint
+from .final_norm import save_final_norm, save_final_norm_from_checkpoint
 from .fp8 import FP8_SCALES, is_fp8
 from .served import extract_served
 from .shards import (
@@ -36,12 +38,9 @@ from .shards import (
     default_aux_layers,
     extract_shard,
     load_samples,
-    local_checkpoint,
     packing_is_exact,
     plan_work,
     row_budget,
-    save_final_norm,
-    save_final_norm_from_checkpoint,
     set_aside_damaged,
     shard_files,
     write_index,

@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from ..storage.files import atomic_write, remove_stale_temporaries, write_parquet
-from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+from ..storage.layout import HIDDEN_STATES_INDEX
 from ..storage.quarantine import (
     Quarantined,
     quarantine,
@@ -36,8 +36,15 @@ from ..storage.quarantine import (
     safetensors_problem,
     sweep_parquet,
 )
-from ..target.pieces import local_checkpoint
-from .fp8 import STATE_TENSORS, dequantize, is_fp8, payload_bytes_per_token, quantize_layers, scales_name
+from .capture import HiddenStateCapture, packing_is_exact
+from .fp8 import STATE_TENSORS, is_fp8, payload_bytes_per_token, quantize_layers, scales_name
+from .reader import HiddenStatesReader
+
+__all__ = [
+    "HiddenStateCapture",
+    "HiddenStatesReader",
+    "packing_is_exact",
+]  # imported from here too (README, bench)
 
 FORMAT = "eagle3-assets/hidden-states/v1"
 INDEX_SCHEMA = {
@@ -267,69 +274,6 @@ def plan_work(
 
 
 # -- extraction ----------------------------------------------------------------------------------------------
-class HiddenStateCapture:
-    """Forward hooks on the decoder layers that EAGLE-3 needs; the rest of the model runs as usual."""
-
-    def __init__(self, model: Any, aux_layers: Sequence[int]):
-        self.model = model
-        layers = _decoder_layers(model)
-        self.num_layers = len(layers)
-        self.aux_layers = list(aux_layers)
-        bad = [i for i in self.aux_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"aux layers {bad} are outside the model's {self.num_layers} decoder layers")
-        self.last_layer = self.num_layers - 1
-        self._out: dict[int, Any] = {}
-        wanted = sorted({*self.aux_layers, self.last_layer})
-        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in wanted]
-
-    def _hook(self, i: int) -> Callable:
-        def grab(_module: Any, _inputs: Any, output: Any) -> None:
-            self._out[i] = output[0] if isinstance(output, tuple) else output
-
-        return grab
-
-    def forward_packed(self, rows: list[np.ndarray]) -> tuple[list[Any], Any]:
-        """One packed row (samples back to back, positions restarting per sample) -> ([aux layer] [T, H] each,
-        last [T, H]), still on the model's device."""
-        import torch
-
-        ids = np.concatenate(rows)
-        positions = np.concatenate([np.arange(len(r)) for r in rows])
-        device = _input_device(self.model)
-        self._out.clear()
-        with torch.inference_mode():
-            # No attention mask and no cache: transformers reads the packing from position_ids (block-diagonal).
-            _base_model(self.model)(
-                input_ids=torch.from_numpy(ids.astype(np.int64))[None].to(device),
-                position_ids=torch.from_numpy(positions.astype(np.int64))[None].to(device),
-                use_cache=False,
-            )
-        # Concatenation happens later, on the writer thread, off the forward's critical path.
-        return [self._out[i][0] for i in self.aux_layers], self._out[self.last_layer][0]
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def _decoder_layers(model: Any) -> Any:
-    base = _base_model(model)
-    layers = getattr(base, "layers", None) or getattr(base, "h", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers")
-    return layers
-
-
-def _base_model(model: Any) -> Any:
-    return getattr(model, "model", model)
-
-
-def _input_device(model: Any) -> Any:
-    emb = _base_model(model).get_input_embeddings()
-    return emb.weight.device
-
-
 @dataclass
 class ExtractionStats:
     samples: int = 0
@@ -490,28 +434,6 @@ def write_shard(
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
-PACKING_COSINE = 0.999
-
-
-def packing_is_exact(capture: HiddenStateCapture, vocab_size: int) -> tuple[bool, float]:
-    """Two short samples forwarded packed (positions restarting, no mask) against each forwarded alone. A model whose
-    attention ignores the packed boundaries (some trust_remote_code models build their own causal mask) lets the
-    second sample see the first: its states then differ, and extraction must not pack for that model."""
-    import torch
-
-    rng = np.random.default_rng(0)
-    a = rng.integers(10, min(vocab_size, 30_000), 9).astype(np.int32)
-    b = rng.integers(10, min(vocab_size, 30_000), 7).astype(np.int32)
-    aux_ab, last_ab = capture.forward_packed([a, b])
-    packed = torch.cat([*aux_ab, last_ab], dim=-1).float()
-    alone = []
-    for x in (a, b):
-        aux, last = capture.forward_packed([x])
-        alone.append(torch.cat([*aux, last], dim=-1).float())
-    sim = float(torch.nn.functional.cosine_similarity(packed, torch.cat(alone), dim=-1).min())
-    return sim >= PACKING_COSINE, sim
-
-
 def row_budget(device: str, attn_implementation: str | None, max_tokens_per_batch: int) -> int:
     if attn_implementation and attn_implementation.startswith("flash_attention"):
         return max_tokens_per_batch
@@ -528,95 +450,3 @@ def load_samples(tokens_path: Path, ids: Iterable[str] | None = None) -> dict[st
             df["id"].to_list(), df["input_ids"].to_list(), df["loss_mask"].to_list(), strict=True
         )
     }
-
-
-def save_final_norm(model: Any, folder: Path) -> None:
-    """The final norm's weights, so exports for frameworks that want post-norm last states need no model."""
-    from safetensors.torch import save_file
-
-    norm = getattr(_base_model(model), "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
-        return
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    weight = norm.weight.detach().to("cpu").float().contiguous()
-    path = folder / FINAL_NORM
-    atomic_write(
-        path,
-        lambda tmp: save_file(
-            {"weight": weight}, str(tmp), metadata={"kind": type(norm).__name__, "eps": str(eps)}
-        ),
-    )
-
-
-def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str | None = None) -> bool:
-    """The final norm read from the target's checkpoint files, without loading the model (a served target may be
-    far larger than this process); False when no local copy of the checkpoint is found."""
-    import re
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    root = local_checkpoint(model_ref, revision)
-    if root is None:
-        return False
-    config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
-    text = config.get("text_config") or config
-    eps = float(text.get("rms_norm_eps", text.get("layer_norm_eps", 1e-6)))
-    kind = "RMSNorm" if "rms_norm_eps" in text else "LayerNorm"
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        names = json.loads(index.read_text())["weight_map"]
-    elif (root / "model.safetensors").exists():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            names = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
-        return False
-    # The decoder's final norm: `model.norm.weight`, under a wrapper's prefix for multimodal targets
-    # (`language_model.model.norm.weight`); never a layer's own norm.
-    keys = sorted((k for k in names if re.search(r"(^|\.)model\.norm\.weight$", k)), key=len)
-    if not keys or not (root / names[keys[0]]).exists():
-        return False
-    with safe_open(str(root / names[keys[0]]), framework="pt") as f:
-        weight = f.get_tensor(keys[0]).float().contiguous()
-    atomic_write(
-        folder / FINAL_NORM,
-        lambda tmp: save_file({"weight": weight}, str(tmp), metadata={"kind": kind, "eps": str(eps)}),
-    )
-    return True
-
-
-# -- reading one sample -------------------------------------------------------------------------------------
-class HiddenStatesReader:
-    """Random access by id: reads only that sample's rows from its shard (safetensors slices, memory-mapped)."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        index = pl.read_parquet(self.folder / HIDDEN_STATES_INDEX)
-        self._where = {r["id"]: (r["shard"], r["position"]) for r in index.iter_rows(named=True)}
-        self._cu: dict[str, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def ids(self) -> list[str]:
-        return list(self._where)
-
-    def sample(self, sid: str, framework: str = "pt", raw: bool = False) -> dict[str, Any]:
-        """The sample's rows. States stored in FP8 come dequantized (float32, the contract's reading); `raw`
-        (torch only) returns them as stored, with their `<name>_scales` beside them."""
-        from safetensors import safe_open
-
-        shard, pos = self._where[sid]
-        path = str(self.folder / shard)
-        with safe_open(path, framework="pt" if framework == "np" else framework) as f:
-            if shard not in self._cu:
-                self._cu[shard] = np.asarray(f.get_tensor("cu_seqlens"))
-            a, b = int(self._cu[shard][pos]), int(self._cu[shard][pos + 1])
-            keys = set(f.keys())
-            out = {k: f.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", *STATE_TENSORS)}
-            scales = {k: f.get_slice(scales_name(k))[a:b] for k in STATE_TENSORS if scales_name(k) in keys}
-        if raw:
-            return {**out, **{scales_name(k): v for k, v in scales.items()}}
-        for k, v in scales.items():
-            out[k] = dequantize(out[k], v)
-        return {k: v.numpy() for k, v in out.items()} if framework == "np" else out

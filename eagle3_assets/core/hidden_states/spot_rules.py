@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .fp8 import is_fp8
@@ -114,3 +115,60 @@ def rules_metadata(rules: dict[str, SpotRule]) -> dict[str, Any]:
         "rule": json.dumps({k: r.describe() for k, r in sorted(rules.items())}),
         "threshold": min((r.every_token for r in rules.values()), default=SPOT_COSINE),
     }
+
+
+def worst_of(a: Agreement, b: Agreement) -> Agreement:
+    return Agreement(
+        min(a.min_cosine, b.min_cosine),
+        min(a.median_cosine, b.median_cosine),
+        max(a.max_norm_dev, b.max_norm_dev),
+        max(a.median_norm_dev, b.median_norm_dev),
+    )
+
+
+def agreement_summary(worst: Agreement) -> dict[str, Any]:
+    return {
+        "min_token_cosine": round(worst.min_cosine, 6),
+        "min_median_token_cosine": round(worst.median_cosine, 6),
+        "max_token_norm_deviation": round(worst.max_norm_dev, 6),
+        "max_median_token_norm_deviation": round(worst.median_norm_dev, 6),
+    }
+
+
+@dataclass(frozen=True)
+class StoredExtraction:
+    """What a sample's shard says about how its states were made: the aux layers and the compute dtype."""
+
+    aux_layers: list[int]
+    compute_dtype: str
+    storage_dtype: str = "bfloat16"
+
+    @classmethod
+    def of(cls, folder: Path, shard: str) -> StoredExtraction:
+        from .shards import read_shard_metadata
+
+        meta = read_shard_metadata(folder / shard)
+        # shards written before the key: fp32 compute on CPU
+        compute = meta.get("compute_dtype") or "float32"
+        return cls(json.loads(meta["aux_layers"]), compute, meta.get("dtype") or "bfloat16")
+
+    @property
+    def first(self) -> int:
+        return min(self.aux_layers)
+
+    @property
+    def rule(self) -> SpotRule:
+        return spot_rule(self.compute_dtype, self.storage_dtype)
+
+    @property
+    def rule_key(self) -> str:
+        """The compute dtype, and the storage dtype where it sets its own rule (FP8)."""
+        return (
+            f"{self.compute_dtype} -> {self.storage_dtype}"
+            if is_fp8(self.storage_dtype)
+            else self.compute_dtype
+        )
+
+    def first_block(self, aux: Any, hidden: int) -> Any:
+        k = self.aux_layers.index(self.first)
+        return aux[:, k * hidden : (k + 1) * hidden].float()
