@@ -5,6 +5,7 @@ failing, and the plan's size stated and refused before any forward when the disk
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -155,18 +156,27 @@ def _every_shard(layout, change) -> None:
         rewrite_shard(layout.hidden_states_dir, change, name)
 
 
-@pytest.mark.parametrize("how", ["shifted_by_a_row", "first_two_tokens_swapped"])
+@pytest.mark.parametrize(
+    "how", ["shifted_by_a_row", "first_two_tokens_swapped", "last_layer_mid_tokens_swapped"]
+)
 def test_scales_swapped_between_tokens_fail_the_spot_check(fp8_extracted, how):
     """Wrong per-token scales leave every value finite, every shape right and every cosine intact: only the norm
-    rule of the spot check sees them."""
+    rule of the spot check sees them (for the last layer, against the last decoder layer's own output: through the
+    final norm a token's scale is gone)."""
     layout, s = fp8_extracted
 
     def swap(t, _meta):
+        bounds = t["cu_seqlens"].tolist()
+        if how == "last_layer_mid_tokens_swapped":
+            for a, b in itertools.pairwise(bounds):
+                c = (a + b) // 2
+                t["last_hidden_state_scales"][[c, c + 1]] = t["last_hidden_state_scales"][[c + 1, c]]
+            return
         for key in ("aux_hidden_states_scales", "last_hidden_state_scales"):
             if how == "shifted_by_a_row":
                 t[key] = torch.roll(t[key], 1, dims=0).contiguous()
             else:
-                for a in t["cu_seqlens"][:-1].tolist():
+                for a in bounds[:-1]:
                     t[key][[a, a + 1]] = t[key][[a + 1, a]]
 
     _every_shard(layout, swap)
