@@ -388,3 +388,34 @@ def test_exports_of_fp8_shards(fp8_extracted):
             aux = d[key].reshape(-1, 3 * H)
             assert aux.dtype == torch.bfloat16
             assert torch.equal(aux, reader.sample(sid)["aux_hidden_states"].to(torch.bfloat16))
+
+
+def test_half_precision_compute_stored_in_fp8_passes_its_rule_and_a_layer_off_still_fails(
+    chat, tmp_path, reference_model, monkeypatch
+):
+    """States computed in bf16 (as on a GPU or a bf16 server), stored in FP8: two roundings, held to the looser
+    every-token bars of half precision (cosine 0.99, norm 2^-3), which layers off by one still fail."""
+    import copy
+
+    from eagle3_assets.core.hidden_states import extraction
+
+    bf16 = copy.deepcopy(reference_model).to(torch.bfloat16)
+    monkeypatch.setattr(extraction, "load_target_model", lambda _settings: bf16)
+    folders = {}
+    for tag, aux in (("right", None), ("layer_off", [2, 15, 27])):
+        layout = write_tokens(chat, tmp_path / tag, n=6)
+        extract_dataset(layout, settings(storage_dtype=FP8, aux_layers=aux), **QUIET)
+        if aux:
+            _every_shard(layout, lambda _t, meta: meta.__setitem__("aux_layers", json.dumps([1, 14, 26])))
+        folders[tag] = layout.hidden_states_dir
+    results = {}
+    for tag, folder in folders.items():
+        index = pl.read_parquet(folder / "index.parquet")
+        results[tag] = checks.spot_check(folder, reference_model, checks.spot_sample_ids(index, 6))
+    right = results["right"].metadata
+    assert right["compute_dtype"] == "bfloat16" and "bfloat16 -> float8_e4m3fn" in right["rule"]
+    print("bf16 compute, FP8 storage:", {k: right[k] for k in right if "cosine" in k or "norm" in k})
+    assert (
+        results["right"].passed and right["min_token_cosine"] < 0.999
+    )  # the looser bar is needed, and enough
+    assert results["layer_off"].passed is False
