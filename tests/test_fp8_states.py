@@ -419,3 +419,56 @@ def test_half_precision_compute_stored_in_fp8_passes_its_rule_and_a_layer_off_st
         results["right"].passed and right["min_token_cosine"] < 0.999
     )  # the looser bar is needed, and enough
     assert results["layer_off"].passed is False
+
+
+def test_through_dagster_fp8_shards_pass_every_check_and_say_their_dtype(chat, tmp_path):
+    import dagster as dg
+
+    from eagle3_assets.config import load_config
+    from eagle3_assets.definitions import HIDDEN_STATES_JOB, build_definitions
+
+    from .conftest import make_project, user_rows
+
+    path = make_project(tmp_path, {"B1": {"rows": user_rows(["x"])}}, hidden_states={"storage_dtype": FP8})
+    write_tokens(chat, tmp_path / "data")
+    defs = build_definitions(load_config(path), str(path))
+    with dg.instance_for_test() as instance:
+        result = defs.resolve_job_def(HIDDEN_STATES_JOB).execute_in_process(
+            partition_key="B1", instance=instance, raise_on_error=False
+        )
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert {"hidden_states_finite", "hidden_states_consistent", "hidden_states_spot_check"} <= set(
+        evaluations
+    )
+    assert all(e.passed for e in evaluations.values()), {
+        k: e.metadata for k, e in evaluations.items() if not e.passed
+    }
+    md = result.asset_materializations_for_node("hidden_states")[-1].metadata
+    assert md["storage_dtype"].value == FP8 and md["bytes_per_token"].value < 0.55 * bytes_per_token(
+        H, "bfloat16"
+    )
+    spot = evaluations["hidden_states_spot_check"].metadata
+    assert "float8_e4m3fn" in spot["rule"].value and spot["max_token_norm_deviation"].value < 2**-4
+
+
+def test_the_served_spot_check_reads_fp8_and_fails_rolled_scales(chat, fp8_extracted, smollm2_dir):
+    """From pieces of the checkpoint (a served target): the shallowest aux layer dequantized passes, its scales one
+    row off fail on magnitude."""
+    from eagle3_assets.core.target.pieces import CheckpointPieces
+
+    layout, _ = fp8_extracted
+    folder = layout.hidden_states_dir
+    pieces = CheckpointPieces.find(str(smollm2_dir))
+    ids = sorted(HiddenStatesReader(folder).ids())
+    sampled = checks.AnswerDecoding.of(0.7)  # the canned answers are not the target's greedy ones
+    right = checks.spot_check_pieces(folder, pieces, ids, sampled)
+    assert right.passed, right.metadata
+
+    def roll(t, _meta):
+        t["aux_hidden_states_scales"] = torch.roll(t["aux_hidden_states_scales"], 1, dims=0).contiguous()
+
+    _every_shard(layout, roll)
+    wrong = checks.spot_check_pieces(folder, pieces, ids, sampled)
+    assert not wrong.passed  # every cosine as before: only the magnitude shows
+    assert wrong.metadata["min_token_cosine"] == pytest.approx(right.metadata["min_token_cosine"], abs=1e-5)
