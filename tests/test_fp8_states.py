@@ -472,3 +472,20 @@ def test_the_served_spot_check_reads_fp8_and_fails_rolled_scales(chat, fp8_extra
     wrong = checks.spot_check_pieces(folder, pieces, ids, sampled)
     assert not wrong.passed  # every cosine as before: only the magnitude shows
     assert wrong.metadata["min_token_cosine"] == pytest.approx(right.metadata["min_token_cosine"], abs=1e-5)
+
+
+def test_a_shard_naming_another_model_is_not_deleted_but_fails_consistency(chat, tmp_path):
+    """Only what a shard holds (storage dtype, layers) makes it stale; a renamed model path must not cost the
+    states: the consistency check names it instead."""
+    layout = write_tokens(chat, tmp_path, n=4)
+    s = settings()
+    extract_dataset(layout, s, **QUIET)
+    before = set(finished_shards(layout.hidden_states_dir))
+    _every_shard(layout, lambda _t, meta: meta.__setitem__("model", "/old/path/to/smollm2"))
+    work, stats, _ = extract_dataset(layout, s, **QUIET)
+    assert (
+        work.stale_shards == []
+        and stats.samples == 0
+        and set(finished_shards(layout.hidden_states_dir)) == before
+    )
+    assert verdicts(layout, s)["consistent"] is False

@@ -47,6 +47,11 @@ from .shards import (
 )
 from .sizing import PlannedBytes, ensure_room
 
+# What a shard holds, not how it is named: a shard that differs in these is recomputed (changing storage_dtype or the
+# layers recomputes every shard). A changed model, revision or tokenizer name is left to the consistency check, which
+# fails naming it: a renamed path to the same checkpoint must not delete terabytes of states.
+RECOMPUTE_ON = ("dtype", "aux_layers")
+
 
 class ExtractionIncomplete(RuntimeError):
     """Some samples failed after their retries; the shards that completed are stored and are not redone."""
@@ -161,7 +166,8 @@ def prepare(
     for q in set_aside:
         log(f"{layout.key}: set aside {q.describe()}")
     hidden = settings.hidden
-    work = plan_work(tokens, folder, hidden.shard_bytes, per_token, hidden.max_seq_len, expected)
+    same = {k: expected[k] for k in RECOMPUTE_ON}
+    work = plan_work(tokens, folder, hidden.shard_bytes, per_token, hidden.max_seq_len, same)
     work.set_aside = set_aside
     planned = PlannedBytes(
         tokens=sum(p.n_tokens for p in work.todo),
