@@ -489,3 +489,26 @@ def test_a_shard_naming_another_model_is_not_deleted_but_fails_consistency(chat,
         and set(finished_shards(layout.hidden_states_dir)) == before
     )
     assert verdicts(layout, s)["consistent"] is False
+
+
+def test_quantize_follows_the_contract():
+    """scale = absmax / 448 per (token, layer) block; dequantized = x.float().view(T, n, -1) * scales[..., None]; a
+    block of zeros gets scale 1 (a stored zero scale is always a fault)."""
+    from eagle3_assets.core.hidden_states.fp8 import dequantize, quantize, scale_problems
+
+    x = torch.randn(5, 3 * 8) * torch.tensor([1.0, 100.0, 1e-3]).repeat_interleave(8)
+    x[2] = 0.0
+    q, scales = quantize(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32 and scales.shape == (5, 3)
+    blocks = x.view(5, 3, 8)
+    assert torch.allclose(scales[[0, 1, 3, 4]], blocks.abs().amax(-1)[[0, 1, 3, 4]] / 448)
+    assert torch.equal(scales[2], torch.ones(3)) and scale_problems(scales) == 0
+    assert (
+        q.float().view(5, 3, 8).abs().amax(-1)[[0, 1, 3, 4]].eq(448).all()
+    )  # each block uses the full range
+    assert torch.equal(dequantize(q, scales), (q.float().view(5, 3, -1) * scales[..., None]).view(5, -1))
+    rel = (dequantize(q, scales) - x).abs() / x.abs().clamp_min(1e-30)
+    assert float(rel[x.abs() > blocks.abs().amax(-1).repeat_interleave(8, -1) / 64].max()) <= 2**-4
+    bad = scales.clone()
+    bad[0, 0], bad[1, 1], bad[3, 2] = 0.0, float("inf"), -1.0
+    assert scale_problems(bad) == 3

@@ -3,6 +3,8 @@
 Layout (design §4): each shard holds samples back to back: `input_ids` [T] int32, `loss_mask` [T] int8,
 `aux_hidden_states` [T, 3H], `last_hidden_state` [T, H] (output of the last decoder layer, before the final norm),
 `cu_seqlens` [n+1] int64; its metadata names the model, layers, dtype and every sample (id, length, content hash).
+In FP8 (`storage_dtype: float8_e4m3fn`) the two state tensors are float8 with `<name>_scales` [T, n] float32 beside
+them (fp8.py).
 Shards are written atomically, so a crash never leaves a partial shard that looks finished; a finished shard is never
 recomputed. `index.parquet` (id, shard, position, n_tokens) is rebuilt from the shards' own metadata.
 
