@@ -563,3 +563,46 @@ def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(se
     assert index.height == 32
     assert stats.samples < 32  # the shards finished before the stop were kept, not extracted again
     assert len(proxy.requests_at) - first == stats.samples
+
+
+def test_fp8_storage_through_vllm_is_quantized_as_the_states_land_and_passes_every_check(
+    server, chat, tmp_path, reference_model
+):
+    """hidden_states.storage_dtype: float8_e4m3fn on the served path: each sample's states are quantized as they
+    arrive (per token and layer), the shards hold float8 with their scales, read dequantized they agree with the
+    in-process FP8 path, and every check passes under the FP8 rule."""
+    from eagle3_assets.core.hidden_states.shards import bytes_per_token, finished_shards
+
+    fp8 = "float8_e4m3fn"
+    served_layout, local_layout = (
+        write_tokens(chat, tmp_path / "served"),
+        write_tokens(chat, tmp_path / "local"),
+    )
+    settings = served_settings(server.base_url, server.storage, storage_dtype=fp8)
+    _, stats, index = extract_dataset(served_layout, settings, lambda m: None, backend(settings, "B1"))
+    extract_dataset(
+        local_layout, ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype=fp8)), lambda m: None
+    )
+    folder = served_layout.hidden_states_dir
+    assert index.height == 8 == stats.samples
+    for meta in finished_shards(folder).values():
+        assert meta["dtype"] == fp8 and meta["engine"] == "vllm"
+    served, local = HiddenStatesReader(folder), HiddenStatesReader(local_layout.hidden_states_dir)
+    for sid in served.ids():
+        raw = served.sample(sid, raw=True)
+        assert (
+            raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
+            and raw["aux_hidden_states_scales"].shape[1] == 3
+        )
+        a, b = served.sample(sid), local.sample(sid)
+        for k in range(3):
+            sl = slice(k * 576, (k + 1) * 576)
+            assert min_cosine(a["aux_hidden_states"][:, sl], b["aux_hidden_states"][:, sl]) >= 0.999
+        assert min_cosine(a["last_hidden_state"], b["last_hidden_state"]) >= 0.999
+    tokens = pl.read_parquet(served_layout.tokens)
+    assert rules.finite(folder).passed and rules.ids_match(folder, tokens).passed
+    assert rules.consistent(folder, expected_metadata(settings)).passed
+    spot = rules.spot_check(folder, reference_model, rules.spot_sample_ids(index))
+    assert spot.passed and fp8 in spot.metadata["rule"], spot.metadata
+    size = sum(p.stat().st_size for p in folder.glob("shard-*.safetensors"))
+    assert size / stats.tokens == pytest.approx(bytes_per_token(576, fp8), rel=0.05)
