@@ -606,3 +606,64 @@ def test_fp8_storage_through_vllm_is_quantized_as_the_states_land_and_passes_eve
     assert spot.passed and fp8 in spot.metadata["rule"], spot.metadata
     size = sum(p.stat().st_size for p in folder.glob("shard-*.safetensors"))
     assert size / stats.tokens == pytest.approx(bytes_per_token(576, fp8), rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def fp8_server():
+    reason = vllm_server.skip_reason()
+    if reason:
+        pytest.skip(f"vLLM's CPU build cannot run on this machine: {reason}")
+    running = vllm_server.fp8_server()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_server_started_for_fp8_writes_fp8_files_and_the_shards_keep_their_bytes(
+    fp8_server, chat, tmp_path, reference_model
+):
+    """`eagle3 vllm-serve` for a project storing FP8 sets the connector's storage_dtype: the server quantizes before
+    it writes (a byte a value plus a scale per token and layer, against 4 bytes in fp32), the extraction stores those
+    bytes and scales, the shards name the server's compute dtype, and every check passes; a bf16 project reading
+    such a server dequantizes."""
+    fp8 = "float8_e4m3fn"
+    assert fp8_server.spec.kv_transfer_config()["kv_connector_extra_config"]["storage_dtype"] == fp8
+    layouts = {k: write_tokens(chat, tmp_path / k) for k in ("fp8", "bf16", "local")}
+    file_bytes, tokens = {}, 0
+    for key, storage in (("fp8", fp8), ("bf16", "bfloat16")):
+        settings = served_settings(fp8_server.base_url, fp8_server.storage, storage_dtype=storage)
+        served = backend(settings, "B1")
+        _, stats, _ = extract_dataset(layouts[key], settings, lambda m: None, served)
+        file_bytes[key], tokens = served.file_bytes, stats.tokens
+    extract_dataset(
+        layouts["local"], ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype=fp8)), lambda m: None
+    )
+    per_token = file_bytes["fp8"] / tokens
+    assert per_token == pytest.approx(4 * 576 + 4 * 4 + 8, rel=0.1), (
+        per_token
+    )  # values, scales, int64 token id
+    folder = layouts["fp8"].hidden_states_dir
+    index = pl.read_parquet(folder / "index.parquet")
+    served_fp8, local = HiddenStatesReader(folder), HiddenStatesReader(layouts["local"].hidden_states_dir)
+    for (
+        sid
+    ) in served_fp8.ids():  # quantized by the server or by this process: the same recipe, the same states
+        a, b = served_fp8.sample(sid), local.sample(sid)
+        assert min_cosine(a["aux_hidden_states"], b["aux_hidden_states"]) >= 0.999
+        assert min_cosine(a["last_hidden_state"], b["last_hidden_state"]) >= 0.999
+    settings = served_settings(fp8_server.base_url, fp8_server.storage, storage_dtype=fp8)
+    assert (
+        rules.finite(folder).passed and rules.ids_match(folder, pl.read_parquet(layouts["fp8"].tokens)).passed
+    )
+    assert rules.consistent(folder, expected_metadata(settings)).passed
+    spot = rules.spot_check(folder, reference_model, rules.spot_sample_ids(index))
+    assert spot.passed and spot.metadata["compute_dtype"] == "float32", spot.metadata
+    bf16 = HiddenStatesReader(layouts["bf16"].hidden_states_dir)
+    sid = bf16.ids()[0]
+    assert bf16.sample(sid)["aux_hidden_states"].dtype == torch.bfloat16
+    assert (
+        min_cosine(bf16.sample(sid)["aux_hidden_states"], served_fp8.sample(sid)["aux_hidden_states"])
+        >= 0.9999
+    )
+    print(f"connector file bytes per token: {per_token:,.0f} in FP8 (fp32 files: {4 * 4 * 576 + 8:,})")

@@ -12,6 +12,7 @@ export can keep the bytes as they are.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 FP8 = "float8_e4m3fn"
@@ -20,6 +21,24 @@ SCALES_SUFFIX = "_scales"
 STATE_TENSORS = ("aux_hidden_states", "last_hidden_state")
 # What FP8 shards say about their scales (metadata key `scales`).
 FP8_SCALES = "<name>_scales float32 [T, n], per token and layer: x.float().view(T, n, -1) * scales[..., None]"
+
+
+@dataclass(frozen=True)
+class QuantizedStates:
+    """A sample's states as a server's connector wrote them in FP8: values [t, n, H] float8, scales [t, n] float32,
+    and the dtype the server computed in."""
+
+    values: Any
+    scales: Any
+    source_dtype: str
+
+    @property
+    def shape(self) -> Any:
+        return self.values.shape
+
+    def dequantized(self) -> Any:
+        """[t, n, H] float32."""
+        return self.values.float() * self.scales.float()[..., None]
 
 
 def is_fp8(storage_dtype: str) -> bool:

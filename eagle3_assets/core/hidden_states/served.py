@@ -22,7 +22,7 @@ from typing import Any
 from ..generation.engine import EngineSettings, GenerationEngine, Lane
 from ..generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceBackend
 from ..generation.stopping import run_loop
-from .fp8 import is_fp8, quantize, scales_name
+from .fp8 import QuantizedStates, is_fp8, quantize, scales_name
 from .shards import ExtractionStats, Sample, ShardPlan, ShardWriter, write_shard
 
 
@@ -76,14 +76,22 @@ class ShardBuffer:
         self.tensors: dict[str, Any] = {}  # tensor name -> [N, ...], as the shard stores it
 
     def put(self, sid: str, states: Any, n_aux: int, dtype: str) -> None:
-        """One sample's states [t, n_aux + 1, H] (the server's dtype) into its rows."""
+        """One sample's states [t, n_aux + 1, H] (the server's dtype, or FP8 as the connector wrote them) into its
+        rows."""
         t, _, h = states.shape
         if not self.tensors:
             self.tensors = self._allocate(n_aux, h, dtype)
         a, b = self.rows[sid]
+        if isinstance(states, QuantizedStates) and not is_fp8(dtype):
+            states = states.dequantized()
         if is_fp8(dtype):
-            q, scales = quantize(states.reshape(t, -1), n_aux + 1)
-            q = q.view(t, n_aux + 1, h)
+            if isinstance(
+                states, QuantizedStates
+            ):  # quantized by the server's connector: the bytes as they are
+                q, scales = states.values, states.scales
+            else:
+                q, scales = quantize(states.reshape(t, -1), n_aux + 1)
+                q = q.view(t, n_aux + 1, h)
             self.tensors["aux_hidden_states"][a:b].view(t, n_aux, h).copy_(q[:, :n_aux])
             self.tensors["last_hidden_state"][a:b].copy_(q[:, n_aux])
             self.tensors[scales_name("aux_hidden_states")][a:b].copy_(scales[:, :n_aux])
@@ -152,7 +160,8 @@ class ShardAssembler:
         if buf is None:
             buf = self.buffers[shard] = ShardBuffer(self.plans[shard], self.samples)
         buf.arrived.add(request_id)
-        self.compute_dtype = self.compute_dtype or str(states.dtype).removeprefix("torch.")
+        computed = states.source_dtype if isinstance(states, QuantizedStates) else str(states.dtype)
+        self.compute_dtype = self.compute_dtype or computed.removeprefix("torch.")
         n_aux, dtype = self.n_aux, self.store_dtype
         self.writer.submit(lambda: buf.put(request_id, states, n_aux, dtype))
         self._landed(request_id)
