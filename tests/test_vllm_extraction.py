@@ -482,6 +482,18 @@ def test_vllm_serve_prints_the_server_command_for_the_configured_target(tmp_path
         "--gpu-memory-utilization 0.9",
     ):
         assert flag in line, flag
+    assert "storage_dtype" not in line  # bf16 projects: the connector writes the server's dtype, as upstream
+    cfg = yaml.safe_load(path.read_text())
+    cfg["hidden_states"]["storage_dtype"] = "float8_e4m3fn"
+    path.write_text(yaml.safe_dump(cfg))
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(path), "vllm-serve", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert '"storage_dtype":"float8_e4m3fn"' in done.stdout.strip().splitlines()[-1]  # the servers write FP8
 
 
 def test_the_k8s_vllm_deployment_is_the_command_for_the_k8s_config():
