@@ -60,6 +60,7 @@ def test_fp8_shards_are_a_per_token_per_layer_rounding_of_an_fp32_forward(chat, 
     layout = write_tokens(chat, tmp_path)
     _, stats, index = extract_dataset(layout, settings(storage_dtype=FP8, shard_bytes=60_000), **QUIET)
     assert index.height == 8 and len(stats.shards) >= 2
+    assert set(index["storage_dtype"]) == {FP8}  # the index names the storage dtype too
     for name in finished_shards(layout.hidden_states_dir):
         with safe_open(str(layout.hidden_states_dir / name), framework="pt") as f:
             meta, n = f.metadata(), int(f.get_tensor("cu_seqlens")[-1])

@@ -55,6 +55,7 @@ INDEX_SCHEMA = {
     "position": pl.Int32,
     "n_tokens": pl.Int32,
     "input_hash": pl.String,
+    "storage_dtype": pl.String,  # the shard's (a reader picks FP8's dequantization per sample without opening it)
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 SDPA_ROW_TOKENS = {
@@ -173,7 +174,16 @@ def build_index(folder: Path) -> pl.DataFrame:
     rows = []
     for name, meta in finished_shards(folder).items():
         for pos, (sid, n, h) in enumerate(meta["samples"]):
-            rows.append({"id": sid, "shard": name, "position": pos, "n_tokens": n, "input_hash": h})
+            rows.append(
+                {
+                    "id": sid,
+                    "shard": name,
+                    "position": pos,
+                    "n_tokens": n,
+                    "input_hash": h,
+                    "storage_dtype": meta.get("dtype", ""),
+                }
+            )
     return pl.DataFrame(rows, schema=INDEX_SCHEMA)
 
 
