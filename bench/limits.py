@@ -1,6 +1,7 @@
 """Riding provider limits: goodput as a share of the limit and refused attempts as a share of all attempts, for
 this engine beside today's fixed-concurrency policy and a client that pauses 10 s after each 429; the random
-fault mix against its fault-free time; budget overshoot at 500 and 2000 in flight; client CPU of 2000 streams.
+fault mix against its fault-free time; faults scripted on first attempts (no limit behind them) against the same run
+without them; budget overshoot at 500 and 2000 in flight; client CPU of 2000 streams.
 
 Every provider is `tests.limited_provider.LimitedProvider` in its own process (so the client's CPU is its own),
 with heavy-tailed service times (log-normal, median 1 s). Goodput is counted by the provider between the 10% and
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import tempfile
 import threading
 import time
@@ -25,6 +27,7 @@ from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
+from tests.fake_servers import FakeOpenRouter
 from tests.limited_provider import LimitedProvider, ProviderSpec, goodput
 
 from .baselines import run_fixed
@@ -149,6 +152,79 @@ def fault_mix(quick: bool) -> dict:
     return out
 
 
+# Faults a busy provider sends whatever the load, scripted on the first attempts of a share of the prompts.
+FIRST_ATTEMPT_FAULTS = [
+    "429",
+    "429",
+    "429ra=0.5",
+    "429ra=1",
+    "500",
+    "502",
+    "503",
+    "reset",
+    "body429",
+    "body502",
+    "malformed",
+]
+
+
+def _scripted_prompts(n: int, share: float, seed: int = 1) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if rng.random() < share:
+            faults = ",".join(rng.choice(FIRST_ATTEMPT_FAULTS) for _ in range(rng.randint(1, 3)))
+            out.append(f"q {i} [[{faults}]]")
+        else:
+            out.append(f"q {i}")
+    return out
+
+
+async def _scripted_engine(url: str, texts: list[str], ceiling: int):
+    backend = _backend(url)
+    reqs = (CompletionRequest(f"p{i}", [{"role": "user", "content": t}], 256) for i, t in enumerate(texts))
+    settings = EngineSettings(
+        max_concurrency=ceiling, progress_interval_s=3600, backoff_base_s=0.1, backoff_max_s=2.0
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = JournalWriter(ResponseJournal(DatasetLayout(Path(tmp), "bench")), "openrouter", "bench")
+        engine = GenerationEngine(backend, settings, log=lambda m: None)
+        await backend.start()
+        try:
+            (report,) = await engine.run([Lane("bench", reqs, len(texts), Budget(256, 10**12), writer)])
+        finally:
+            await backend.close()
+    return report
+
+
+def first_attempt_faults(quick: bool) -> dict:
+    """Mixed faults (429 with and without Retry-After, 5xx, resets, errors in 200 bodies, malformed answers) on the
+    first one to three attempts of 30% of the prompts, with no limit behind them: the run against the same run
+    without faults (the window must not read the noise as a limit)."""
+    n, ceiling = (3000, 300) if quick else (12000, 600)
+    out: dict = {}
+    for share in (0.0, 0.3):
+        with FakeOpenRouter(latency=0.1) as server:
+            t0 = time.perf_counter()
+            r = run_loop(_scripted_engine(server.base_url, _scripted_prompts(n, share), ceiling))
+            wall = time.perf_counter() - t0
+        out[f"share {share}"] = {
+            "wall_s": round(wall, 2),
+            "answered": r.succeeded,
+            "refused_share": round(r.refused_share, 4),
+            "window_min": r.limit_min,
+            "window_decreases": r.limit_decreases,
+        }
+    out["vs_fault_free"] = round(out["share 0.3"]["wall_s"] / out["share 0.0"]["wall_s"], 2)
+    print(
+        f"first-attempt faults on 30% of {n} prompts, ceiling {ceiling}: {out['share 0.3']['wall_s']} s = "
+        f"{out['vs_fault_free']}x the fault-free {out['share 0.0']['wall_s']} s; window min "
+        f"{out['share 0.3']['window_min']}, {out['share 0.3']['window_decreases']} decreases",
+        flush=True,
+    )
+    return out
+
+
 def _sample_in_background(provider: LimitedProvider) -> tuple[list[tuple[int, int]], threading.Event]:
     """(billed tokens, requests in flight) as the provider sees them, every 0.1 s until the event is set."""
     samples: list[tuple[int, int]] = []
@@ -249,6 +325,7 @@ def run(quick: bool = False) -> dict:
     return {
         "limits": limits(quick),
         "fault_mix": fault_mix(quick),
+        "first_attempt_faults": first_attempt_faults(quick),
         "budget": budget(quick),
         "streaming_cpu": streaming_cpu(quick),
     }

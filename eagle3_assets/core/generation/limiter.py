@@ -10,7 +10,7 @@ Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gr
   request-rate bucket the window sets the rate through Little's law (rate = window / mean latency), and the
   bucket's burst absorbs the random bunching of completions. A separately learned rate would need the latency
   distribution, which is exactly what is unknown until the long answers land.
-- Slow start (+3 per success while the window is full: ×4 per round trip, until the first refusal, then +1: ×2)
+- Slow start (+3 per success while the window is full: ×4 per round trip, until the first cut, then +1: ×2)
   reaches a 2000 ceiling from 64 in under three round trips, and reaches a provider's cap in about two. In the
   first slow start a streamed request counts when the provider has accepted it (its first token arrived), not when
   its answer ends: the round trip is then a network round trip and a first token, not a whole answer (the backfill
@@ -24,17 +24,24 @@ Why a window controlled by refusals, shaped like TCP CUBIC, and not a latency gr
   new. A refusal below the level of the last one, before the window grew back to it, means the last cut did not end
   the storm (a request-rate bucket, where what the provider held says little): each further cut of one storm goes
   deeper (beta², beta³, … down to half), so coming down from a slow start's overshoot takes three or four refused
-  batches, not eight (a 100 requests/s bucket: 3.8-5.5% of attempts refused, from 7.0-9.9%). Congestion means more
-  refusals among the last dispatches than the provider's background refusal rate explains (the median share over
-  recent blocks of dispatches, 15% until three blocks are known, with a 3σ margin and at least three refusals, over
-  windows of the newest 16, 64 and 256 dispatches). Refusals of a storm that triggered a decrease are taken out of
-  the background blocks, or frequent limits would raise the background and with it the size of the next storm. A
-  provider that refuses 12% of requests whatever the load (an overloaded upstream behind a router) would otherwise
-  collapse the window the way random loss collapses TCP on a lossy link. Crossing a real limit stands out at once:
-  every slot a refusal frees is refilled and refused again, so refusals storm among the newest dispatches. Then it
-  grows back on a cubic curve anchored at that level: fast while far below, nearly flat around the last level where
-  refusals happened (high utilisation, few probes), and accelerating beyond it; at twice that level it probes
-  exponentially again (slow start), so a limit that rises or goes away is found again within seconds.
+  batches, not eight (a 100 requests/s bucket: 3.8-5.5% of attempts refused, from 7.0-9.9%). Then it grows back on
+  a cubic curve anchored at that level: fast while far below, nearly flat around the last level where refusals
+  happened (high utilisation, few probes), and accelerating beyond it; at twice that level it probes exponentially
+  again (slow start), so a limit that rises or goes away is found again within seconds.
+- Congestion means more refusals among the newest dispatches than the provider's background refusal rate explains:
+  more than 1.5 times the background share, with a 3σ margin and at least three refusals, over windows of the newest
+  16, 64 and 256 dispatches. Crossing a real limit stands out at once: every slot a refusal frees is refilled and
+  refused again, so refusals storm among the newest dispatches.
+- Noise is not a limit. A provider that refuses a share of requests whatever the load (an upstream's own capacity
+  behind a router, often beside 5xx and resets) must read as background, or the window collapses the way random loss
+  collapses TCP on a lossy link. The background is the median
+  refused share over recent blocks of 128 dispatches (15% until three are known), and three things keep it honest:
+  a block counts only once its refusals have come back, twice the refusals' round trip after its last dispatch (a
+  fixed number of dispatches later, fast answers read as an empty background); blocks sent at the level a storm was
+  cut from are left out whole (taking each storm's refusals out of them instead drained the background with every
+  false alarm, until any refusal looked like a storm); and the margin is relative, as retries of refused prompts,
+  refused again, raise the share for a while with no limit behind it. Slow start keeps its ×4 until the first cut,
+  not the first refusal, which a noisy provider sends at once.
 - Growth happens only while the window is used: an answer grows it when the window was full at some moment of that
   request's flight (not only at the instant it landed: answers that land together, as with equal service times,
   each count, where checking fullness at each landing counted only the first of the bunch and left the window
@@ -52,9 +59,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-RECENT = 256  # dispatches weighed when a refusal arrives
+RECENT = 256  # dispatches weighed when a refusal arrives (the widest of the windows tested)
+RING = 4096  # dispatches whose refusals are remembered: more than go out in one refusal's round trip
 BLOCK = 128  # dispatches per block of the background refusal rate
-BLOCKS = 16
+BLOCKS = 16  # the newest settled blocks whose median is the background
+KEPT_BLOCKS = 64  # unsettled blocks kept at most (their refusals may still be on the way)
 PRIOR_BACKGROUND = 0.15  # assumed background refusal share until three blocks are measured
 SLOW_START_GAIN = 3.0  # window added per answer in slow start: ×(1 + gain) per round trip
 # Window added per accepted request in the first slow start: ×2 per round trip of a first token. Acceptances land
@@ -111,10 +120,13 @@ class AdaptiveLimit:
         self.stats = LimiterStats()
         self.stats.limit_trace.append((clock(), self.limit))
         self._seq = 0  # dispatches so far
-        self._ring = bytearray(RECENT)  # refused marks of the last RECENT dispatches
+        self._ring = bytearray(RING)  # refused marks of the last RING dispatches
         self._ring_start = 0  # the first dispatch after the last decrease
-        self._blocks: deque[float] = deque(maxlen=BLOCKS)
-        self._open_blocks: dict[int, int] = {}  # block index -> refusals (closed one block late)
+        # Block index -> [refusals, clock of its last dispatch, left out], until the block settles into
+        # `_background` (its refused share) or is dropped (left out: sent at the level a storm was cut from).
+        self._blocks: dict[int, list] = {}
+        self._background: deque[float] = deque(maxlen=BLOCKS)
+        self._refusal_rtts: deque[float] = deque(maxlen=64)  # how long the latest refusals took to come back
         self._area = 0.0  # ∫ in_flight dt since start_accounting
         self._area_at = self._area_start = clock()
         self._full_at = float("-inf")  # the last dispatch that filled the window
@@ -153,14 +165,12 @@ class AdaptiveLimit:
         self.stats.attempts += 1
         seq = self._seq
         self._seq += 1
-        self._ring[seq % RECENT] = 0
-        if seq % BLOCK == 0:
-            block = seq // BLOCK
-            self._open_blocks[block] = 0
-            done = self._open_blocks.pop(block - 2, None)  # a block later: its refusals have come back
-            if done is not None:
-                self._blocks.append(done / BLOCK)
-        return self.clock(), seq, self.in_flight - 1
+        self._ring[seq % RING] = 0
+        block = self._blocks.get(seq // BLOCK)
+        if block is None:
+            block = self._blocks[seq // BLOCK] = [0, 0.0, False]
+        block[1] = self._area_at
+        return self._area_at, seq, self.in_flight - 1
 
     # -- outcomes ------------------------------------------------------------------------------------------
     def on_success(self, token: tuple[float, int, int] | None = None, grow: bool = True) -> None:
@@ -196,13 +206,19 @@ class AdaptiveLimit:
         self.in_flight -= 1
         self.stats.refused += 1
         dispatched_at, seq, held_before = token
-        if seq // BLOCK in self._open_blocks:
-            self._open_blocks[seq // BLOCK] += 1
-        if self._seq - seq <= RECENT and seq >= self._ring_start:
-            self._ring[seq % RECENT] = 1
-        if not self.adaptive or dispatched_at < self.last_decrease_at or not self._congested(seq):
-            return  # sent before the last decrease (already answered), or within the background rate
-        now = self.clock()
+        now = self._area_at
+        self._refusal_rtts.append(now - dispatched_at)
+        block = self._blocks.get(seq // BLOCK)
+        if block is not None:
+            block[0] += 1
+        if self._seq - seq <= RING and seq >= self._ring_start:
+            self._ring[seq % RING] = 1
+        if not self.adaptive or dispatched_at < self.last_decrease_at:
+            return  # sent before the last decrease: already answered
+        p = self.background_refused_share
+        storm = self._storm(seq, p)
+        if storm is None:
+            return  # within the background rate
         # What the provider held when it said no: the requests in flight when the refused one went out, no more.
         # (Those in flight now may include later dispatches whose refusals are still on the way, and answers that
         # already landed unnoticed: counting them left the window above the cap through several decreases.)
@@ -223,37 +239,65 @@ class AdaptiveLimit:
         self.last_decrease_at = now
         self.stats.decreases += 1
         self.stats.limit_trace.append((now, self.limit))
-        for seq in range(max(self._ring_start, self._seq - RECENT), self._seq):
-            if self._ring[seq % RECENT] and seq // BLOCK in self._open_blocks:
-                self._open_blocks[seq // BLOCK] -= 1  # a limit's storm, not the background
-        self._ring = bytearray(RECENT)
+        # The blocks of the storm, from its first dispatch on, were sent at the level it was cut from: a limit's
+        # refusals, not the background's (those that come back after the cut included). Left out whole, not cleaned
+        # of the storm's refusals: taking every refusal out drained the background of a noisy provider with each
+        # false alarm, until any refusal looked like a storm.
+        for index, block in self._blocks.items():
+            if index >= storm // BLOCK:
+                block[2] = True
+        self._ring = bytearray(RING)
         self._ring_start = self._seq
 
     # -- refusals beyond the background rate ---------------------------------------------------------------
     @property
     def background_refused_share(self) -> float:
-        """The share of attempts refused whatever the load: the median over recent blocks."""
-        if len(self._blocks) < 3:
+        """The share of attempts refused whatever the load: the median over the newest settled blocks, less those
+        sent at the level a storm was cut from."""
+        self._settle()
+        if len(self._background) < 3:
             return PRIOR_BACKGROUND
-        return sorted(self._blocks)[len(self._blocks) // 2]
+        return sorted(self._background)[len(self._background) // 2]
 
-    def _congested(self, seq: int) -> bool:
-        """More refusals among the dispatches up to `seq` than the background rate explains, over any of a few
-        window sizes: a storm among the newest dispatches shows in the small ones at once."""
-        p = self.background_refused_share
+    def _settle(self) -> None:
+        """A block settles once its refusals have come back (its last dispatch older than twice the round trip of
+        recent refusals, their 90th percentile) and a storm among the newest RECENT dispatches can no longer
+        include it. Closed a fixed number of dispatches later instead, a block read as empty
+        when more than that went out in a refusal's round trip (3,000 a second against refusals of 0.1 s)."""
+        rtts = sorted(self._refusal_rtts)
+        back = self.clock() - (2.0 * rtts[(len(rtts) - 1) * 9 // 10] if rtts else 0.0)
+        while self._blocks:
+            index = next(iter(self._blocks))
+            refused, last, above = self._blocks[index]
+            if (index + 1) * BLOCK > self._seq - RECENT or (last > back and len(self._blocks) <= KEPT_BLOCKS):
+                return
+            del self._blocks[index]
+            if not above:
+                self._background.append(refused / BLOCK)
+
+    def _ring_count(self, lo: int, hi: int) -> int:
+        """Refusals marked among dispatches lo..hi (within the ring)."""
+        if hi < lo:
+            return 0
+        i0, i1 = lo % RING, hi % RING
+        ring = self._ring
+        return ring[i0 : i1 + 1].count(1) if i0 <= i1 else ring[i0:].count(1) + ring[: i1 + 1].count(1)
+
+    def _storm(self, seq: int, p: float) -> int | None:
+        """The first dispatch of a window ending at `seq` with more refusals than the background rate `p` explains,
+        over a few window sizes (a storm among the newest dispatches shows in the small ones at once); None if
+        none has."""
         for m in (16, 64, RECENT):
-            lo = max(seq - m + 1, self._ring_start, self._seq - RECENT)
+            lo = max(seq - m + 1, self._ring_start, self._seq - RING)
             n = seq - lo + 1
             if n <= 0:
                 break
-            i0, i1 = lo % RECENT, seq % RECENT
-            ring = self._ring
-            k = ring[i0 : i1 + 1].count(1) if i0 <= i1 else ring[i0:].count(1) + ring[: i1 + 1].count(1)
-            if k > n * p + 3.0 * math.sqrt(n * p * (1.0 - p)) + 2.0:
-                return True
+            k = self._ring_count(lo, seq)
+            if k > 1.5 * n * p + 3.0 * math.sqrt(n * p * (1.0 - p)) + 2.0:
+                return lo
             if n < m:
                 break
-        return False
+        return None
 
     def pause_all(self, until: float) -> None:
         """The provider closed a window for the whole key: nobody sends before `until` (monotonic time)."""
@@ -271,8 +315,8 @@ class AdaptiveLimit:
         if held < self.window and self._full_at < dispatched_at:
             return  # the window was not full during this request's flight: an untested window must not grow
         before = self.limit
-        if self.stats.refused:
-            gain = 1.0  # once refusals appear, probe gently
+        if self.stats.decreases:
+            gain = 1.0  # once a limit was met, probe gently
         new = self.limit + gain if self.slow_start else self.limit
         if self.stats.decreases:
             self._epoch_elapsed += min(dt, 1.0)
