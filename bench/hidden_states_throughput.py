@@ -2,7 +2,8 @@
 
 Overhead = extraction time (hooks, device-to-host copies, bf16 casts, safetensors writes, index) over the bare
 forward's time on exactly the same rows (goal <= 10%). Also: padding share (goal 0) and bytes written per token
-against 8·H (bf16: three aux layers + the last layer).
+against 8·H (bf16: three aux layers + the last layer). FP8 storage (`storage_dtype: float8_e4m3fn`) on the same
+rows: its cost against bf16 (the quantization; goal < 5%) and its bytes per token against bf16's (goal <= 0.55x).
 
 Runs on whatever device is there (CPU here); `bench/gpu_hidden_states.py` is the prepared script for a real GPU.
 """
@@ -68,7 +69,24 @@ def bare_forward_seconds(settings: ExtractionSettings, tokens_path: Path) -> tup
     return time.perf_counter() - start, int(sum(len(s) for s in seqs))
 
 
+def _extract(root: Path, tokens: Path, storage_dtype: str) -> tuple[float, int, int]:
+    """(seconds, padded tokens, shard bytes) of one extraction of `tokens` stored in `storage_dtype`."""
+    import shutil
+
+    layout = DatasetLayout(root / storage_dtype, "B1").ensure()
+    shutil.copy(tokens, layout.tokens)
+    settings = ExtractionSettings(
+        hidden=HiddenStatesConfig(shard_bytes=64 * 1024**2, storage_dtype=storage_dtype)
+    )
+    t0 = time.perf_counter()
+    _, stats, _ = extract_dataset(layout, settings, log=lambda m: None)
+    seconds = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in layout.hidden_states_dir.glob("shard-*.safetensors"))
+    return seconds, stats.padded_tokens, size
+
+
 def run(quick: bool = False) -> dict:
+    """bf16 extraction against the bare forward; FP8 storage against bf16 (throughput and bytes)."""
     n = 48 if quick else 192
     settings = ExtractionSettings(hidden=HiddenStatesConfig(shard_bytes=64 * 1024**2))
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,24 +94,30 @@ def run(quick: bool = False) -> dict:
         synthetic_tokens(layout, n, vocab=49152, lo=64, hi=512)
         bare_forward_seconds(settings, layout.tokens)  # warm-up: weights loaded, kernels chosen
         bare_s, tokens = bare_forward_seconds(settings, layout.tokens)
-        t0 = time.perf_counter()
-        _, stats, index = extract_dataset(layout, settings, log=lambda m: None)
-        extract_s = time.perf_counter() - t0
-        size = sum(p.stat().st_size for p in layout.hidden_states_dir.glob("shard-*.safetensors"))
+        bf16_s, padded, size = _extract(Path(tmp), layout.tokens, "bfloat16")
+        fp8_s, _, fp8_size = _extract(Path(tmp), layout.tokens, "float8_e4m3fn")
     hidden = 576
     r = {
         "device": pick_device(settings.hidden.device),
         "samples": n,
         "tokens": tokens,
         "bare_forward_tok_s": tokens / bare_s,
-        "extraction_tok_s": tokens / extract_s,
-        "overhead": extract_s / bare_s - 1,
-        "padding_share": stats.padded_tokens / max(stats.tokens, 1),
+        "extraction_tok_s": tokens / bf16_s,
+        "overhead": bf16_s / bare_s - 1,
+        "padding_share": padded / max(tokens, 1),
         "bytes_per_token": size / tokens,
         "ideal_bytes_per_token": 8 * hidden,
-        "index_rows": index.height,
+        "fp8_extraction_tok_s": tokens / fp8_s,
+        "fp8_cost_vs_bf16": fp8_s / bf16_s - 1,
+        "fp8_bytes_per_token": fp8_size / tokens,
+        "fp8_bytes_ratio": fp8_size / size,
     }
-    print(f"{n} samples, {tokens:,} tokens on {r['device']} (SmolLM2, H = {hidden})")
+    _print(r, n, hidden)
+    return r
+
+
+def _print(r: dict, n: int, hidden: int) -> None:
+    print(f"{n} samples, {r['tokens']:,} tokens on {r['device']} (SmolLM2, H = {hidden})")
     print(f"bare forward      {r['bare_forward_tok_s']:>10,.0f} tok/s")
     print(
         f"extraction        {r['extraction_tok_s']:>10,.0f} tok/s   overhead {100 * r['overhead']:+.1f}% "
@@ -104,4 +128,8 @@ def run(quick: bool = False) -> dict:
         f"bytes per token   {r['bytes_per_token']:,.0f} vs 8·H = {8 * hidden:,} "
         f"(ratio {r['bytes_per_token'] / (8 * hidden):.3f}; the rest is ids, mask and headers)"
     )
-    return r
+    print(
+        f"FP8 storage       {r['fp8_extraction_tok_s']:>10,.0f} tok/s   {100 * r['fp8_cost_vs_bf16']:+.1f}% vs bf16 "
+        f"(goal < 5%); {r['fp8_bytes_per_token']:,.0f} bytes per token, {r['fp8_bytes_ratio']:.3f}x bf16 "
+        "(goal <= 0.55)"
+    )

@@ -148,6 +148,7 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
         aux_layers=list(hs.aux_layers or default_aux_layers(sizes["num_layers"])),
         num_layers=sizes["num_layers"],
         storage_path=hs.vllm.storage_path,
+        storage_dtype=hs.storage_dtype,  # FP8: the servers' own files shrink too
         served_model_name=hs.vllm.model,
         host=args.host or url.hostname or "127.0.0.1",
         port=args.port or url.port or 8000,

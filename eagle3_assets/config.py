@@ -22,6 +22,7 @@ BACKEND_ENV = "EAGLE3_BACKEND"
 DEFAULT_CONFIG_NAME = "eagle3.yaml"
 BUILTIN_SMOLLM2 = "builtin:smollm2"
 BackendName = Literal["local", "openrouter", "sglang"]
+StorageDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
 _PARTITION_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 README_CONFIG = "README, section 'Configuration: eagle3.yaml'"
 README_BACKENDS = "README, section 'Backends: OpenRouter, SGLang, any OpenAI-compatible server'"
@@ -217,7 +218,27 @@ class HiddenStatesConfig(Strict):
     max_tokens_per_batch: int = Field(16384, ge=16)
     max_seq_len: int = Field(32768, ge=16)
     device: str = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # What the shards store (compute runs in the device's own dtype): bf16, what the training frameworks read; or
+    # float8_e4m3fn, half the bytes, with a float32 scale per token and layer (design §4). Changing it recomputes the
+    # shards.
+    storage_dtype: StorageDtype = "bfloat16"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_was_renamed(cls, data: Any) -> Any:
+        """`dtype` (auto | bfloat16 | float16 | float32) was this key's earlier name; `auto` stored bf16."""
+        if not isinstance(data, dict) or "dtype" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("dtype")
+        old = "bfloat16" if old == "auto" else old
+        if "storage_dtype" in data and data["storage_dtype"] != old:
+            raise ValueError(
+                f"hidden_states.dtype ({old}) and hidden_states.storage_dtype ({data['storage_dtype']}) disagree: "
+                "dtype is storage_dtype's earlier name, keep storage_dtype only"
+            )
+        data["storage_dtype"] = old
+        return data
 
 
 class AcceptanceVllmConfig(Strict):

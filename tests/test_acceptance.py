@@ -252,3 +252,38 @@ def test_wrong_data_fails_the_gate(gated, tmp_path, corrupt, reason):
     assert any(reason in r for r in result.reasons), result.reasons
     report = json.loads((copy.acceptance_dir / "report.json").read_text())
     assert report["gate"]["passed"] is False and report["gate"]["reasons"] == result.reasons
+
+
+def test_the_gate_trains_on_dequantized_fp8_states_and_passes(gated, tmp_path):
+    """The same partition's states extracted again in FP8 (hidden_states.storage_dtype: float8_e4m3fn): the gate
+    reads them dequantized, trains and passes; heldout acceptance against the bf16 states' is printed (one run each:
+    the difference is within the gate's own run-to-run noise, not measured here)."""
+    from eagle3_assets.assets.hidden_states import extraction_settings
+    from eagle3_assets.core.hidden_states.extraction import extract_dataset
+
+    config, layout, _ = gated
+    copy = DatasetLayout(tmp_path, "B3")
+    shutil.copytree(
+        layout.dir, copy.dir, ignore=shutil.ignore_patterns("acceptance", "exports", "hidden_states")
+    )
+    fp8 = config.model_copy(
+        update={"hidden_states": config.hidden_states.model_copy(update={"storage_dtype": "float8_e4m3fn"})}
+    )
+    extract_dataset(copy, extraction_settings(fp8), log=lambda m: None)
+    assert {m["dtype"] for m in finished_shards(copy.hidden_states_dir).values()} == {"float8_e4m3fn"}
+    settings = config.acceptance.model_copy(update={"compare_source_answers": False})
+    chat = _chat(config)
+    result = run_gate(
+        copy, settings, gate_engines(fp8, copy, chat, log=lambda m: None), chat, log=lambda m: None
+    )
+    assert result.passed, result.reasons
+    mine = json.loads((copy.acceptance_dir / "report.json").read_text())
+    bf16 = json.loads((layout.acceptance_dir / "report.json").read_text())
+    k = mine["draft_tokens"]
+    assert mine["train"]["acceptance_length"] >= 0.8 * (k + 1)
+    assert mine["heldout"]["acceptance_length"] > mine["untrained"]["acceptance_length"]
+    print(
+        f"heldout acceptance length: FP8 {mine['heldout']['acceptance_length']:.3f}, "
+        f"bf16 {bf16['heldout']['acceptance_length']:.3f}; train FP8 {mine['train']['acceptance_length']:.3f}, "
+        f"bf16 {bf16['train']['acceptance_length']:.3f}"
+    )

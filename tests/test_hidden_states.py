@@ -210,7 +210,7 @@ def test_graph_asset_fans_out_one_step_per_shard(chat, tmp_path):
     path = make_project(
         tmp_path,
         {"B1": {"rows": user_rows(["x"])}},
-        hidden_states={"shard_bytes": PER_TOKEN * 100, "dtype": "bfloat16"},
+        hidden_states={"shard_bytes": PER_TOKEN * 100, "storage_dtype": "bfloat16"},
     )
     write_tokens(chat, tmp_path / "data")
     defs = build_definitions(load_config(path), str(path))
@@ -224,6 +224,17 @@ def test_graph_asset_fans_out_one_step_per_shard(chat, tmp_path):
         md = result.asset_materializations_for_node("hidden_states")[-1].metadata
         assert len(shard_steps) == md["shards"].value >= 3
         assert md["samples"].value == 8 and md["padded_tokens"].value == 0
+        events = result.all_events
+        observed = [i for i, e in enumerate(events) if e.event_type_value == "ASSET_OBSERVATION"]
+        first_extract = min(
+            i
+            for i, e in enumerate(events)
+            if e.event_type_value == "STEP_START" and "extract_hidden" in e.step_key
+        )
+        assert observed and observed[0] < first_extract  # the plan's bytes are stated before any GPU step
+        planned = events[observed[0]].asset_observation_data.asset_observation.metadata
+        assert planned["planned_bytes"].value == pytest.approx(md["bytes"].value, rel=0.02)
+        assert planned["storage_dtype"].value == md["storage_dtype"].value == "bfloat16"
         again = defs.resolve_job_def(HIDDEN_STATES_JOB).execute_in_process(
             partition_key="B1", instance=instance
         )

@@ -81,12 +81,14 @@ def test_extraction_through_vllm_equals_the_transformers_path_and_passes_every_c
 ):
     served_layout = write_tokens(chat, tmp_path / "served", repeat=2)
     local_layout = write_tokens(chat, tmp_path / "local", repeat=2)
-    settings = served_settings(server.base_url, server.storage, dtype="float32", shard_bytes=1_500_000)
+    settings = served_settings(
+        server.base_url, server.storage, storage_dtype="float32", shard_bytes=1_500_000
+    )
     logs: list[str] = []
     work, stats, index = extract_dataset(served_layout, settings, logs.append, backend(settings, "B1"))
     assert len(work.todo) > 1 and index.height == 16 == stats.samples
     extract_dataset(
-        local_layout, ExtractionSettings(hidden=HiddenStatesConfig(dtype="float32")), lambda m: None
+        local_layout, ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype="float32")), lambda m: None
     )
 
     served, local = (
@@ -128,7 +130,7 @@ def _project(root: Path, server, **hidden) -> Path:
         sampling={"temperature": 0.7},
         hidden_states={
             "engine": "vllm",
-            "dtype": "float32",
+            "storage_dtype": "float32",
             "vllm": {
                 "base_urls": [server.base_url],
                 "storage_path": str(server.storage),
@@ -283,7 +285,7 @@ def test_a_server_that_dies_mid_shard_and_spoiled_files_are_retried_faults(
         # backoffs of at least 0.25, 0.5 and 1 s fit three attempts into the down time of at most 2 s), then all
         # three spoiled files: seven faults, so the allowance is eight (the engine's default for generation).
         settings = served_settings(
-            proxy.base_url, server.storage, dtype="float32", file_timeout_s=2.0, max_retries=8
+            proxy.base_url, server.storage, storage_dtype="float32", file_timeout_s=2.0, max_retries=8
         )
         logs: list[str] = []
         _, stats, index = extract_dataset(layout, settings, logs.append, backend(settings, "B1"))
@@ -315,7 +317,7 @@ def test_a_sample_longer_than_the_server_context_is_recorded_as_too_long(server,
         ]
     )
     tokens.write_parquet(layout.tokens)
-    settings = served_settings(server.base_url, server.storage, dtype="float32")
+    settings = served_settings(server.base_url, server.storage, storage_dtype="float32")
     _, _, index = extract_dataset(layout, settings, lambda m: None, backend(settings, "B1"))
     assert index.height == 3
     skipped = skipped_samples(layout)
@@ -480,6 +482,18 @@ def test_vllm_serve_prints_the_server_command_for_the_configured_target(tmp_path
         "--gpu-memory-utilization 0.9",
     ):
         assert flag in line, flag
+    assert "storage_dtype" not in line  # bf16 projects: the connector writes the server's dtype, as upstream
+    cfg = yaml.safe_load(path.read_text())
+    cfg["hidden_states"]["storage_dtype"] = "float8_e4m3fn"
+    path.write_text(yaml.safe_dump(cfg))
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(path), "vllm-serve", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert '"storage_dtype":"float8_e4m3fn"' in done.stdout.strip().splitlines()[-1]  # the servers write FP8
 
 
 def test_the_k8s_vllm_deployment_is_the_command_for_the_k8s_config():
@@ -513,7 +527,9 @@ def test_data_parallel_replicas_share_the_samples(server, chat, tmp_path):
         vllm = VllmExtractionConfig(
             base_urls=[r.base_url for r in replicas], storage_path=str(server.storage), max_concurrency=8
         )
-        settings = ExtractionSettings(hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, dtype="float32"))
+        settings = ExtractionSettings(
+            hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, storage_dtype="float32")
+        )
         _, stats, index = extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(vllm, "B1", 4))
     finally:
         for r in replicas:
@@ -543,7 +559,9 @@ def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(se
             base_urls=[proxy.base_url], storage_path=str(server.storage), max_concurrency=2
         )
         settings = ExtractionSettings(
-            hidden=HiddenStatesConfig(engine="vllm", vllm=vllm, dtype="float32", shard_bytes=64 * 1024)
+            hidden=HiddenStatesConfig(
+                engine="vllm", vllm=vllm, storage_dtype="float32", shard_bytes=64 * 1024
+            )
         )
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(RunTerminated):
@@ -557,3 +575,107 @@ def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(se
     assert index.height == 32
     assert stats.samples < 32  # the shards finished before the stop were kept, not extracted again
     assert len(proxy.requests_at) - first == stats.samples
+
+
+def test_fp8_storage_through_vllm_is_quantized_as_the_states_land_and_passes_every_check(
+    server, chat, tmp_path, reference_model
+):
+    """hidden_states.storage_dtype: float8_e4m3fn on the served path: each sample's states are quantized as they
+    arrive (per token and layer), the shards hold float8 with their scales, read dequantized they agree with the
+    in-process FP8 path, and every check passes under the FP8 rule."""
+    from eagle3_assets.core.hidden_states.shards import bytes_per_token, finished_shards
+
+    fp8 = "float8_e4m3fn"
+    served_layout, local_layout = (
+        write_tokens(chat, tmp_path / "served"),
+        write_tokens(chat, tmp_path / "local"),
+    )
+    settings = served_settings(server.base_url, server.storage, storage_dtype=fp8)
+    _, stats, index = extract_dataset(served_layout, settings, lambda m: None, backend(settings, "B1"))
+    extract_dataset(
+        local_layout, ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype=fp8)), lambda m: None
+    )
+    folder = served_layout.hidden_states_dir
+    assert index.height == 8 == stats.samples
+    for meta in finished_shards(folder).values():
+        assert meta["dtype"] == fp8 and meta["engine"] == "vllm"
+    served, local = HiddenStatesReader(folder), HiddenStatesReader(local_layout.hidden_states_dir)
+    for sid in served.ids():
+        raw = served.sample(sid, raw=True)
+        assert (
+            raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
+            and raw["aux_hidden_states_scales"].shape[1] == 3
+        )
+        a, b = served.sample(sid), local.sample(sid)
+        for k in range(3):
+            sl = slice(k * 576, (k + 1) * 576)
+            assert min_cosine(a["aux_hidden_states"][:, sl], b["aux_hidden_states"][:, sl]) >= 0.999
+        assert min_cosine(a["last_hidden_state"], b["last_hidden_state"]) >= 0.999
+    tokens = pl.read_parquet(served_layout.tokens)
+    assert rules.finite(folder).passed and rules.ids_match(folder, tokens).passed
+    assert rules.consistent(folder, expected_metadata(settings)).passed
+    spot = rules.spot_check(folder, reference_model, rules.spot_sample_ids(index))
+    assert spot.passed and fp8 in spot.metadata["rule"], spot.metadata
+    size = sum(p.stat().st_size for p in folder.glob("shard-*.safetensors"))
+    assert size / stats.tokens == pytest.approx(bytes_per_token(576, fp8), rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def fp8_server():
+    reason = vllm_server.skip_reason()
+    if reason:
+        pytest.skip(f"vLLM's CPU build cannot run on this machine: {reason}")
+    running = vllm_server.fp8_server()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_server_started_for_fp8_writes_fp8_files_and_the_shards_keep_their_bytes(
+    fp8_server, chat, tmp_path, reference_model
+):
+    """`eagle3 vllm-serve` for a project storing FP8 sets the connector's storage_dtype: the server quantizes before
+    it writes (a byte a value plus a scale per token and layer, against 4 bytes in fp32), the extraction stores those
+    bytes and scales, the shards name the server's compute dtype, and every check passes; a bf16 project reading
+    such a server dequantizes."""
+    fp8 = "float8_e4m3fn"
+    assert fp8_server.spec.kv_transfer_config()["kv_connector_extra_config"]["storage_dtype"] == fp8
+    layouts = {k: write_tokens(chat, tmp_path / k) for k in ("fp8", "bf16", "local")}
+    file_bytes, tokens = {}, 0
+    for key, storage in (("fp8", fp8), ("bf16", "bfloat16")):
+        settings = served_settings(fp8_server.base_url, fp8_server.storage, storage_dtype=storage)
+        served = backend(settings, "B1")
+        _, stats, _ = extract_dataset(layouts[key], settings, lambda m: None, served)
+        file_bytes[key], tokens = served.file_bytes, stats.tokens
+    extract_dataset(
+        layouts["local"], ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype=fp8)), lambda m: None
+    )
+    per_token = file_bytes["fp8"] / tokens
+    assert per_token == pytest.approx(4 * 576 + 4 * 4 + 8, rel=0.1), (
+        per_token
+    )  # values, scales, int64 token id
+    folder = layouts["fp8"].hidden_states_dir
+    index = pl.read_parquet(folder / "index.parquet")
+    served_fp8, local = HiddenStatesReader(folder), HiddenStatesReader(layouts["local"].hidden_states_dir)
+    for (
+        sid
+    ) in served_fp8.ids():  # quantized by the server or by this process: the same recipe, the same states
+        a, b = served_fp8.sample(sid), local.sample(sid)
+        assert min_cosine(a["aux_hidden_states"], b["aux_hidden_states"]) >= 0.999
+        assert min_cosine(a["last_hidden_state"], b["last_hidden_state"]) >= 0.999
+    settings = served_settings(fp8_server.base_url, fp8_server.storage, storage_dtype=fp8)
+    assert (
+        rules.finite(folder).passed and rules.ids_match(folder, pl.read_parquet(layouts["fp8"].tokens)).passed
+    )
+    assert rules.consistent(folder, expected_metadata(settings)).passed
+    spot = rules.spot_check(folder, reference_model, rules.spot_sample_ids(index))
+    assert spot.passed and spot.metadata["compute_dtype"] == "float32", spot.metadata
+    bf16 = HiddenStatesReader(layouts["bf16"].hidden_states_dir)
+    sid = bf16.ids()[0]
+    assert bf16.sample(sid)["aux_hidden_states"].dtype == torch.bfloat16
+    assert (
+        min_cosine(bf16.sample(sid)["aux_hidden_states"], served_fp8.sample(sid)["aux_hidden_states"])
+        >= 0.9999
+    )
+    print(f"connector file bytes per token: {per_token:,.0f} in FP8 (fp32 files: {4 * 4 * 576 + 8:,})")

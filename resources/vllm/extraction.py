@@ -39,6 +39,7 @@ from eagle3_assets.core.generation.protocol import (
     InferenceError,
     describe,
 )
+from eagle3_assets.core.hidden_states.fp8 import QuantizedStates
 
 from ..inference.http import get_json, make_session, post_json
 
@@ -341,7 +342,23 @@ def _load_checked(path: str, ids: list[int], n_layer_ids: int) -> tuple[Any, int
             f"{path} has hidden_states of shape {list(states.shape)}, expected [{len(ids)}, {n_layer_ids}, H]: "
             "the server's eagle_aux_hidden_state_layer_ids differ from hidden_states.aux_layers",
         )
+    if "hidden_states_scales" in data:
+        return _quantized(path, states, data["hidden_states_scales"]), size
     return states, size
+
+
+def _quantized(path: str, values: Any, scales: Any) -> QuantizedStates:
+    """A file the connector wrote in FP8: its scales one per token and layer, the server's dtype from its metadata."""
+    from safetensors import safe_open
+
+    t, n, _ = values.shape
+    if tuple(scales.shape) not in ((t, n, 1), (t, n)):
+        raise InferenceError(
+            ErrorKind.SERVER, f"{path} has hidden_states_scales of shape {list(scales.shape)}"
+        )
+    with safe_open(path, framework="pt") as f:
+        source = (f.metadata() or {}).get("source_dtype", "")
+    return QuantizedStates(values, scales.reshape(t, n).float(), source or "unknown")
 
 
 def _remove(path: str) -> None:

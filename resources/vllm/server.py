@@ -67,6 +67,9 @@ class ServeSpec:
     cpu: bool = False  # vLLM's CPU build (tests, laptops)
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     extra_args: list[str] = field(default_factory=list)
+    storage_dtype: str = (
+        "bfloat16"  # hidden_states.storage_dtype: float8_e4m3fn makes the connector write FP8
+    )
 
     @property
     def layer_ids(self) -> list[int]:
@@ -96,7 +99,10 @@ class ServeSpec:
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": self.storage_path},
+            "kv_connector_extra_config": {
+                "shared_storage_path": self.storage_path,
+                **({"storage_dtype": self.storage_dtype} if self.storage_dtype == "float8_e4m3fn" else {}),
+            },
         }
 
     def argv(self, python: str = "python") -> list[str]:

@@ -17,6 +17,12 @@ SpecForge 0.2.0, Model-Optimizer 0.47.0, each in its own environment):
   `aux_hidden_states` [S, 3H], `loss_mask` [S], `conversation_id`. It reads every `*.pt` under the folder as a
   sample, so nothing else in this export ends in `.pt`.
 
+FP8 shards (`hidden_states.storage_dtype: float8_e4m3fn`): the speculators export keeps FP8, as hs-connectors'
+`FP8Transfer` (speculators' `--hidden-states-backend fp8`) reads it: `hidden_states` float8 [S, 4, H] with
+`hidden_states_scales` float32 [S, 4, 1] beside it (one scale per token and layer, as stored). SpecForge and
+Model-Optimizer read no FP8: their exports hold the dequantized states in bf16, and the manifest says so
+(`dtype`, `source_dtype`, `dequantized`).
+
 Every export also writes `manifest.json` (target model, revision, layer ids in the consumer's convention, dtype,
 sample and token counts, the training command) and `eagle3_config.json` (the layer ids alone), so that a consumer can
 refuse data for another target. Samples are written in the order of a hash of their id: speculators holds out the
@@ -45,16 +51,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+from ..storage.layout import HIDDEN_STATES_INDEX
+from .export_formats import (
+    CONSUMER_MAX_LEN,
+    SPECFORGE_RUN,
+    Counts,
+    modelopt_layout,
+    specforge_layout,
+    speculators_layout,
+    write_json,
+)
+from .export_target import TargetFacts, read_target
+from .fp8 import is_fp8
 from .shards import HiddenStatesReader, finished_shards
 
+__all__ = ["TargetFacts", "read_target"]  # the CLI reads the target through this module
+
 FORMATS = ("speculators", "specforge", "modelopt")
-SPECFORGE_GROUP = 2000
 DEFAULT_DRAFT_VOCAB = 32000  # SpecForge's and speculators' usual draft vocabulary; capped at the target's
 MANIFEST = "manifest.json"
 LAYER_CONFIG = "eagle3_config.json"
-# Where each consumer cuts a sample by default (its own code, measured): longer samples train on their head only.
-CONSUMER_MAX_LEN = {"speculators": 8192, "specforge": 2048, "modelopt": 2048}
 # speculators holds out the last n - int(0.9 * n) rows and refuses an empty training split.
 MIN_SAMPLES = {"speculators": 2, "specforge": 1, "modelopt": 1}
 
@@ -63,75 +79,7 @@ class ExportError(ValueError):
     """An export the consumer could not train from; the message says why and what to do."""
 
 
-@dataclass(frozen=True)
-class TargetFacts:
-    """What the side files of an export need from the target: its sizes and the names of its head weights."""
-
-    path: str  # as `from_pretrained` takes it
-    config: Any  # the text model's PretrainedConfig
-    lm_head_key: str
-    embedding_key: str
-    weight_index: bool  # a *.safetensors.index.json (SpecForge's target head loads through it)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
-
-
-def read_target(ref: str, revision: str | None = None, trust_remote_code: bool = False) -> TargetFacts:
-    """The target's config and head weight names (from its weight index or safetensors header, where local)."""
-    from transformers import AutoConfig
-
-    from ..target.loading import resolve
-
-    path = resolve(ref)
-    cfg = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    names = _weight_names(Path(path))
-    tied = bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
-    embedding = _pick(names, "embed_tokens.weight", "model.embed_tokens.weight")
-    head = embedding if tied and not any(n.endswith("lm_head.weight") for n in names) else None
-    return TargetFacts(
-        path=path,
-        config=text,
-        lm_head_key=head or _pick(names, "lm_head.weight", "lm_head.weight"),
-        embedding_key=embedding,
-        weight_index=Path(path).is_dir() and any(Path(path).glob("*.safetensors.index.json")),
-    )
-
-
-def _weight_names(folder: Path) -> list[str]:
-    if not folder.is_dir():
-        return []
-    for index in folder.glob("*.safetensors.index.json"):
-        return list(json.loads(index.read_text())["weight_map"])
-    names: list[str] = []
-    from safetensors import safe_open
-
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="np") as st:
-            names += list(st.keys())
-    return names
-
-
-def _pick(names: list[str], suffix: str, default: str) -> str:
-    """The weight whose name ends with `suffix`, preferring the shortest (the text model's, not a tower's)."""
-    hits = sorted((n for n in names if n == suffix or n.endswith("." + suffix)), key=len)
-    return hits[0] if hits else default
-
-
 # -- the samples, in export order --------------------------------------------------------------------------
-@dataclass
-class Counts:
-    samples: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
-    longest: int = 0  # as exported (after any cut)
-    longest_source: int = 0
-    truncated: int = 0
-    dropped: int = 0  # left out: nothing a consumer trains on once cut (see _plan)
-
-
 def _ordered(ids: list[str]) -> list[str]:
     return sorted(ids, key=lambda sid: hashlib.blake2b(sid.encode(), digest_size=8).digest())
 
@@ -192,14 +140,62 @@ def _plan(folder: Path, fmt: str, max_len: int | None, counts: Counts) -> list[s
     raise ExportError(f"{folder}: {what}; {fix}")
 
 
+@dataclass(frozen=True)
+class StatesAs:
+    """How an export holds the states: as stored (`raw`: FP8 with its scales), or read dequantized and cast to
+    `dtype` (None: as the reader returns them)."""
+
+    raw: bool = False
+    dtype: str | None = None
+
+    @classmethod
+    def of(cls, fmt: str, source_dtype: str) -> StatesAs:
+        if not is_fp8(source_dtype):
+            return cls()
+        return cls(raw=True) if fmt == "speculators" else cls(dtype="bfloat16")
+
+    def read(self, reader: HiddenStatesReader, sid: str) -> dict[str, Any]:
+        import torch
+
+        s = reader.sample(sid, raw=self.raw)
+        if self.dtype is not None:
+            for k in ("aux_hidden_states", "last_hidden_state"):
+                s[k] = s[k].to(getattr(torch, self.dtype))
+        return s
+
+    def manifest(self, source_dtype: str) -> dict[str, Any]:
+        if not is_fp8(source_dtype):
+            return {"dtype": source_dtype}
+        if self.raw:
+            return {
+                "dtype": source_dtype,
+                "source_dtype": source_dtype,
+                "dequantized": False,
+                "scales": "hidden_states_scales float32 [S, 4, 1]: hidden_states.float() * hidden_states_scales "
+                "(hs-connectors FP8Transfer; speculators --hidden-states-backend fp8)",
+            }
+        return {
+            "dtype": self.dtype,
+            "source_dtype": source_dtype,
+            "dequantized": True,
+            "note": f"this framework reads no FP8: the {source_dtype} shards were dequantized (values x their "
+            f"per-token, per-layer scales) and stored in {self.dtype}",
+        }
+
+
 def _samples(
-    reader: HiddenStatesReader, ids: list[str], max_len: int | None, counts: Counts, freq: Counter[int]
+    reader: HiddenStatesReader,
+    ids: list[str],
+    max_len: int | None,
+    counts: Counts,
+    freq: Counter[int],
+    states: StatesAs = StatesAs(),
 ) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(i, id, sample) in export order, cut to `max_len` tokens, counting tokens and trained token ids as they pass."""
     import torch
 
     for i, sid in enumerate(ids):
-        s = reader.sample(sid)
+        s = states.read(reader, sid)
         n = int(s["input_ids"].shape[0])
         counts.longest_source = max(counts.longest_source, n)
         if max_len is not None and n > max_len:
@@ -215,33 +211,6 @@ def _samples(
         counts.tokens += n
         counts.loss_tokens += int(trained.numel())
         yield i, sid, {**s, "input_ids": tokens, "loss_mask": mask}
-
-
-def _final_norm(folder: Path) -> Callable[[Any], Any]:
-    from safetensors import safe_open
-
-    path = folder / FINAL_NORM
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} is missing; re-materialise hidden_states (it is written with the shards)"
-        )
-    with safe_open(str(path), framework="pt") as f:
-        weight = f.get_tensor("weight")
-        meta = f.metadata() or {}
-    eps = float(meta.get("eps", 1e-6))
-    if "rms" not in meta.get("kind", "RMSNorm").lower():
-        raise ValueError(
-            f"final norm {meta.get('kind')} is not an RMSNorm; post-norm export is not supported"
-        )
-
-    def rms_norm(x: Any) -> Any:
-        import torch
-
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (weight * h).to(x.dtype)
-
-    return rms_norm
 
 
 # -- the export ----------------------------------------------------------------------------------------------
@@ -283,16 +252,23 @@ def export(
     _check_out(out)
     work = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     work.mkdir()  # not mkdtemp: the export's folders get the user's umask, not 0700
+    source_dtype = str(metas[0].get("dtype", ""))
+    states = StatesAs.of(fmt, source_dtype)
     try:
-        samples = _samples(reader, ids, max_len, counts, freq)
-        side = {"speculators": _speculators, "specforge": _specforge, "modelopt": _modelopt}[fmt](
-            samples, folder, work
-        )
+        samples = _samples(reader, ids, max_len, counts, freq, states)
+        side = {
+            "speculators": speculators_layout,
+            "specforge": specforge_layout,
+            "modelopt": modelopt_layout,
+        }[fmt](samples, folder, work)
         side_files = side(work, out, target, freq, counts, draft_vocab_size) if side else {}
         layers = layer_config(folder, fmt)
-        _write_json(layers, work / LAYER_CONFIG)
+        write_json(layers, work / LAYER_CONFIG)
         manifest = _manifest(fmt, metas[0], layers, target, counts, max_len, side_files, out)
-        _write_json(manifest, work / MANIFEST)
+        manifest.update(states.manifest(source_dtype))
+        if states.raw:  # speculators reads FP8 files through hs-connectors' FP8Transfer
+            manifest["train_command"] += " --hidden-states-backend fp8"
+        write_json(manifest, work / MANIFEST)
         _swap_in(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -336,10 +312,6 @@ def _swap_in(work: Path, out: Path) -> None:
         os.replace(out, old)
     os.replace(work, out)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_json(obj: Any, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def layer_config(folder: Path, fmt: str) -> dict[str, Any]:
@@ -431,178 +403,3 @@ def _train_command(
         f"'eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids=[{','.join(map(str, ids))}]'"
         "  # in examples/speculative_decoding of a Model-Optimizer checkout"
     )
-
-
-# -- the three layouts ---------------------------------------------------------------------------------------
-SideWriter = Callable[[Path, Path, TargetFacts, Counter, Counts, int], dict[str, Any]]
-SPECFORGE_RUN = "specforge_train.yaml"
-
-
-def _speculators(samples: Iterator, folder: Path, work: Path) -> SideWriter:
-    """The states per sample, then the Arrow dataset from a stream file (bounded memory at any size)."""
-    import pyarrow as pa
-    from safetensors.torch import save_file
-
-    hs_dir = work / "hidden_states"
-    hs_dir.mkdir()
-    schema = pa.schema(
-        [
-            ("input_ids", pa.list_(pa.int64())),
-            ("loss_mask", pa.list_(pa.int64())),
-            ("seq_len", pa.int64()),
-            ("id", pa.string()),
-        ]
-    )
-    stream = work.with_name(
-        work.name + ".rows.arrow"
-    )  # outside: save_to_disk will not write over its own source
-    batch: dict[str, list] = {name: [] for name in schema.names}
-    with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-
-        def flush() -> None:
-            writer.write_batch(pa.record_batch([batch[k] for k in schema.names], schema=schema))
-            for v in batch.values():
-                v.clear()
-
-        for i, sid, s in samples:  # one sample's states in memory at a time
-            aux, last = s["aux_hidden_states"], s["last_hidden_state"]
-            t, h = last.shape
-            import torch
-
-            stacked = torch.cat([aux.view(t, 3, h), last.view(t, 1, h)], dim=1).contiguous()
-            save_file(
-                {"hidden_states": stacked, "token_ids": s["input_ids"]},
-                str(hs_dir / f"hs_{i}.safetensors"),
-            )
-            batch["input_ids"].append(s["input_ids"].numpy())
-            batch["loss_mask"].append(s["loss_mask"].numpy())
-            batch["seq_len"].append(int(t))
-            batch["id"].append(sid)
-            if len(batch["id"]) >= 1024:
-                flush()
-        if batch["id"]:
-            flush()
-
-    def side(work: Path, out: Path, target: TargetFacts, freq: Counter, counts: Counts, vocab: int) -> dict:
-        import datasets
-        import torch
-
-        datasets.disable_progress_bars()
-        ds = datasets.Dataset.from_file(str(stream), in_memory=False)
-        ds.set_format(type="torch")  # what speculators' ArrowDataset expects (torch.equal on the ids)
-        ds.save_to_disk(str(work))
-        del ds
-        stream.unlink()
-        for cache in work.glob("cache-*.arrow"):
-            cache.unlink()
-        # speculators' own data preparation writes {token id: count} over the trained tokens.
-        torch.save({int(k): int(v) for k, v in sorted(freq.items())}, work / "token_freq.pt")
-        return {
-            "dataset": "datasets.load_from_disk (torch format)",
-            "hidden_states": "hidden_states/hs_{i}.safetensors",
-            "token_freq": "token_freq.pt",
-            "draft_vocab_size": min(vocab, target.vocab_size),
-        }
-
-    return side
-
-
-def _specforge(samples: Iterator, folder: Path, work: Path) -> SideWriter:
-    import torch
-
-    norm = _final_norm(folder)
-    for i, _sid, s in samples:
-        group = i // SPECFORGE_GROUP * SPECFORGE_GROUP
-        path = work / f"rows_{group}-{group + SPECFORGE_GROUP}" / f"data_{i}.ckpt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {
-                "input_ids": s["input_ids"],
-                "loss_mask": s["loss_mask"],
-                "hidden_state": norm(s["last_hidden_state"]).unsqueeze(0).contiguous(),
-                "aux_hidden_state": s["aux_hidden_states"].unsqueeze(0).contiguous(),
-            },
-            path,
-        )
-
-    def side(work: Path, out: Path, target: TargetFacts, freq: Counter, counts: Counts, vocab: int) -> dict:
-        return _specforge_side_files(work, out, folder, target, freq, counts, vocab)
-
-    return side
-
-
-def _specforge_side_files(
-    work: Path, out: Path, folder: Path, target: TargetFacts, freq: Counter, counts: Counts, vocab: int
-) -> dict[str, Any]:
-    """The vocabulary maps where SpecForge's preparation writes them, a draft config of the same vocabulary for
-    this target, and a run config that trains from this folder."""
-    import torch
-    import yaml
-
-    from .draft_format import DraftShape, build_draft_vocab, draft_config, vocab_mapping
-
-    shape = DraftShape.from_target(target.config, vocab)
-    chosen = build_draft_vocab(freq, shape.vocab_size, shape.draft_vocab_size, fill=True)
-    d2t, t2d = vocab_mapping(chosen, shape.vocab_size)
-    (work / "vocab_mapping").mkdir()
-    torch.save({"d2t": d2t, "t2d": t2d}, work / "vocab_mapping" / "vocab_mapping.pt")
-    aux = json.loads(next(iter(finished_shards(folder).values()))["aux_layers"])
-    _write_json(draft_config(shape, aux, "bfloat16"), work / "draft_config.json")
-    run = {
-        "model": {
-            "target_model_path": target.path,
-            "draft_model_config": str(out / "draft_config.json"),
-            "vocab_mapping_path": str(out / "vocab_mapping" / "vocab_mapping.pt"),
-            "lm_head_key": target.lm_head_key,
-            "embedding_key": target.embedding_key,
-            "aux_hidden_state_layer_ids": aux,
-            "torch_dtype": "bfloat16",
-        },
-        "data": {
-            "hidden_states_path": str(out),
-            "max_length": max(CONSUMER_MAX_LEN["specforge"], counts.longest),
-        },
-        "training": {
-            "strategy": "eagle3",
-            "num_epochs": 10,
-            "batch_size": 1,
-            "learning_rate": 1e-4,
-            "max_grad_norm": 0.5,
-            "ttt_length": 7,
-            "seed": 0,
-        },
-        "run_id": f"eagle3-{out.name}",
-        "output_dir": str(out.parent / f"{out.name}-specforge-run"),
-    }
-    (work / SPECFORGE_RUN).write_text(
-        "# SpecForge 0.2.0 offline EAGLE-3 training from this export: specforge train --config <this file>\n"
-        "# (SpecForge's target head reads the target through a *.safetensors.index.json in its folder)\n"
-        + yaml.safe_dump(run, sort_keys=False)
-    )
-    return {
-        "vocab_mapping": "vocab_mapping/vocab_mapping.pt",
-        "draft_config": "draft_config.json",
-        "run_config": SPECFORGE_RUN,
-        "draft_vocab_size": shape.draft_vocab_size,
-        "target_weight_index": target.weight_index,
-    }
-
-
-def _modelopt(samples: Iterator, folder: Path, work: Path) -> None:
-    norm = _final_norm(folder)
-    import torch
-
-    for i, sid, s in samples:
-        # The index keeps names unique where ids differ only in characters a file name cannot hold.
-        safe = f"{i:07d}-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in sid)[:100]
-        torch.save(
-            {
-                "input_ids": s["input_ids"],
-                "hidden_states": norm(s["last_hidden_state"]).contiguous(),
-                "aux_hidden_states": s["aux_hidden_states"].contiguous(),
-                "loss_mask": s["loss_mask"],
-                "conversation_id": sid,
-            },
-            work / f"{safe}.pt",
-        )
-    return None

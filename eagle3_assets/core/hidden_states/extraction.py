@@ -24,6 +24,9 @@ from ..generation.protocol import InferenceBackend
 from ..storage.files import write_json
 from ..storage.layout import EXTRACTION_PLAN, HIDDEN_STATES_INDEX, DatasetLayout
 from ..target.loading import pick_device, resolve, shared_model
+from ..target.pieces import local_checkpoint
+from .final_norm import save_final_norm, save_final_norm_from_checkpoint
+from .fp8 import FP8_SCALES, is_fp8
 from .served import extract_served
 from .shards import (
     ExtractionStats,
@@ -35,16 +38,19 @@ from .shards import (
     default_aux_layers,
     extract_shard,
     load_samples,
-    local_checkpoint,
     packing_is_exact,
     plan_work,
     row_budget,
-    save_final_norm,
-    save_final_norm_from_checkpoint,
     set_aside_damaged,
     shard_files,
     write_index,
 )
+from .sizing import PlannedBytes, ensure_room
+
+# What a shard holds, not how it is named: a shard that differs in these is recomputed (changing storage_dtype or the
+# layers recomputes every shard). A changed model, revision or tokenizer name is left to the consistency check, which
+# fails naming it: a renamed path to the same checkpoint must not delete terabytes of states.
+RECOMPUTE_ON = ("dtype", "aux_layers")
 
 
 class ExtractionIncomplete(RuntimeError):
@@ -61,8 +67,8 @@ class ExtractionSettings:
 
     @property
     def store_dtype(self) -> str:
-        """`auto` stores bf16, what the training frameworks read (compute runs in the device's own dtype)."""
-        return "bfloat16" if self.hidden.dtype == "auto" else self.hidden.dtype
+        """What the shards store (`hidden_states.storage_dtype`); compute runs in the device's own dtype."""
+        return self.hidden.storage_dtype
 
     @property
     def model_ref(self) -> str:
@@ -105,8 +111,9 @@ def expected_metadata(settings: ExtractionSettings, num_layers: int | None = Non
         "revision": t.revision or "",
         "tokenizer": t.tokenizer,
         "aux_layers": json.dumps(aux),
-        "dtype": settings.store_dtype,
+        "dtype": settings.store_dtype,  # the storage dtype: a shard stored in another is stale
         "num_layers": str(num_layers),
+        **({"scales": FP8_SCALES} if is_fp8(settings.store_dtype) else {}),
     }
 
 
@@ -140,33 +147,54 @@ def skipped_samples(layout: DatasetLayout) -> dict[str, str]:
 
 
 def prepare(
-    layout: DatasetLayout, settings: ExtractionSettings, log: Callable[[str], None] = print
+    layout: DatasetLayout,
+    settings: ExtractionSettings,
+    log: Callable[[str], None] = print,
+    check_space: bool = True,
 ) -> WorkPlan:
-    """Plan the shards still to extract and write the plan beside the shards (extract steps read it)."""
+    """Plan the shards still to extract and write the plan beside the shards (extract steps read it), with the
+    bytes they will take; with `check_space` (a local storage root), refuse a plan larger than the free space
+    (`sizing.NotEnoughSpace`) before any forward."""
     folder = layout.hidden_states_dir
     folder.mkdir(parents=True, exist_ok=True)
     sizes = model_config(settings)
     tokens = pl.read_parquet(layout.tokens, columns=["id", "input_ids"])
-    per_token = bytes_per_token(sizes["hidden_size"], settings.store_dtype)
+    expected = expected_metadata(settings, sizes["num_layers"])
+    n_layers = len(json.loads(expected["aux_layers"])) + 1
+    per_token = bytes_per_token(sizes["hidden_size"], settings.store_dtype, n_layers)
     set_aside = set_aside_damaged(layout.dir, folder)  # their samples are planned again like any missing one
     for q in set_aside:
         log(f"{layout.key}: set aside {q.describe()}")
-    work = plan_work(tokens, folder, settings.hidden.shard_bytes, per_token, settings.hidden.max_seq_len)
+    hidden = settings.hidden
+    same = {k: expected[k] for k in RECOMPUTE_ON}
+    work = plan_work(tokens, folder, hidden.shard_bytes, per_token, hidden.max_seq_len, same)
     work.set_aside = set_aside
-    for name in work.stale_shards:
+    planned = PlannedBytes(
+        tokens=sum(p.n_tokens for p in work.todo),
+        samples=sum(len(p.ids) for p in work.todo),
+        shards=len(work.todo),
+        hidden_size=sizes["hidden_size"],
+        stored_layers=n_layers,
+        storage_dtype=settings.store_dtype,
+    )
+    work.planned = planned.metadata()
+    log(f"{layout.key}: the planned shards will take {planned.describe()}")
+    for name in work.stale_shards:  # before the space is measured: what they held is free for the new shards
         (folder / name).unlink(missing_ok=True)
+    if check_space and work.todo:
+        work.planned["free_bytes"] = ensure_room(folder, planned)
     write_json(
         {
             "created_at": time.time(),
             "shards": {p.name: list(p.ids) for p in work.todo},
             "skipped": work.skipped,
+            "planned": work.planned,
         },
         folder / EXTRACTION_PLAN,
     )
     log(
-        f"{layout.key}: {len(work.done_ids):,} samples already extracted, {sum(len(p.ids) for p in work.todo):,} "
-        f"to do in {len(work.todo)} shards; {len(work.stale_shards)} stale shards removed, "
-        f"{len(work.skipped)} samples too long"
+        f"{layout.key}: {len(work.done_ids):,} samples already extracted, {planned.samples:,} to do in "
+        f"{len(work.todo)} shards; {len(work.stale_shards)} stale shards removed, {len(work.skipped)} samples too long"
     )
     return work
 

@@ -22,6 +22,7 @@ from typing import Any
 from ..generation.engine import EngineSettings, GenerationEngine, Lane
 from ..generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceBackend
 from ..generation.stopping import run_loop
+from .fp8 import QuantizedStates, is_fp8, quantize, scales_name
 from .shards import ExtractionStats, Sample, ShardPlan, ShardWriter, write_shard
 
 
@@ -59,9 +60,9 @@ class ServedResult:
 
 class ShardBuffer:
     """One assembling shard's states in the store dtype, laid out as the shard holds them (aux [N, n_aux·H], last
-    [N, H], samples in plan order). Each sample is converted into its rows as it lands, in the writer thread: the
-    event loop never touches states, nothing is held at the server's precision, and the shard needs no
-    concatenation before it is saved."""
+    [N, H], samples in plan order; in FP8 their scales [N, n_aux] and [N, 1] beside them). Each sample is converted
+    (quantized, in FP8) into its rows as it lands, in the writer thread: the event loop never touches states,
+    nothing is held at the server's precision, and the shard needs no concatenation before it is saved."""
 
     def __init__(self, plan: ShardPlan, samples: dict[str, Sample]):
         self.rows: dict[str, tuple[int, int]] = {}
@@ -72,32 +73,55 @@ class ShardBuffer:
             at += n
         self.n_tokens = at
         self.arrived: set[str] = set()  # added on the event loop as answers land, before their put is queued
-        self.aux: Any = None
-        self.last: Any = None
+        self.tensors: dict[str, Any] = {}  # tensor name -> [N, ...], as the shard stores it
 
     def put(self, sid: str, states: Any, n_aux: int, dtype: str) -> None:
+        """One sample's states [t, n_aux + 1, H] (the server's dtype, or FP8 as the connector wrote them) into its
+        rows."""
+        t, _, h = states.shape
+        if not self.tensors:
+            self.tensors = self._allocate(n_aux, h, dtype)
+        a, b = self.rows[sid]
+        if isinstance(states, QuantizedStates) and not is_fp8(dtype):
+            states = states.dequantized()
+        if is_fp8(dtype):
+            if isinstance(
+                states, QuantizedStates
+            ):  # quantized by the server's connector: the bytes as they are
+                q, scales = states.values, states.scales
+            else:
+                q, scales = quantize(states.reshape(t, -1), n_aux + 1)
+                q = q.view(t, n_aux + 1, h)
+            self.tensors["aux_hidden_states"][a:b].view(t, n_aux, h).copy_(q[:, :n_aux])
+            self.tensors["last_hidden_state"][a:b].copy_(q[:, n_aux])
+            self.tensors[scales_name("aux_hidden_states")][a:b].copy_(scales[:, :n_aux])
+            self.tensors[scales_name("last_hidden_state")][a:b].copy_(scales[:, n_aux:])
+            return
+        self.tensors["aux_hidden_states"][a:b].view(t, n_aux, h).copy_(states[:, :n_aux])
+        self.tensors["last_hidden_state"][a:b].copy_(states[:, n_aux])
+
+    def _allocate(self, n_aux: int, h: int, dtype: str) -> dict[str, Any]:
         import torch
 
-        t, _, h = states.shape
-        if self.aux is None:
-            self.aux = torch.empty(self.n_tokens, n_aux * h, dtype=getattr(torch, dtype))
-            self.last = torch.empty(self.n_tokens, h, dtype=self.aux.dtype)
-        a, b = self.rows[sid]
-        self.aux[a:b].view(t, n_aux, h).copy_(states[:, :n_aux])
-        self.last[a:b].copy_(states[:, n_aux])
+        n, store = self.n_tokens, getattr(torch, dtype)
+        out = {
+            "aux_hidden_states": torch.empty(n, n_aux * h, dtype=store),
+            "last_hidden_state": torch.empty(n, h, dtype=store),
+        }
+        if is_fp8(dtype):
+            out[scales_name("aux_hidden_states")] = torch.empty(n, n_aux, dtype=torch.float32)
+            out[scales_name("last_hidden_state")] = torch.empty(n, 1, dtype=torch.float32)
+        return out
 
-    def kept(self, ordered: list[Sample]) -> tuple[Any, Any]:
-        """The rows of the samples written (those that arrived, in plan order); only a shard that lost a sample
-        (too long) is compacted."""
+    def kept(self, ordered: list[Sample]) -> dict[str, Any]:
+        """The rows of the samples written (those that arrived, in plan order), by tensor name; only a shard that
+        lost a sample (too long) is compacted."""
         if len(ordered) == len(self.rows):
-            return self.aux, self.last
+            return dict(self.tensors)
         import torch
 
         spans = [self.rows[s.id] for s in ordered]
-        return (
-            torch.cat([self.aux[a:b] for a, b in spans]),
-            torch.cat([self.last[a:b] for a, b in spans]),
-        )
+        return {k: torch.cat([v[a:b] for a, b in spans]) for k, v in self.tensors.items()}
 
 
 class ShardAssembler:
@@ -136,7 +160,8 @@ class ShardAssembler:
         if buf is None:
             buf = self.buffers[shard] = ShardBuffer(self.plans[shard], self.samples)
         buf.arrived.add(request_id)
-        self.compute_dtype = self.compute_dtype or str(states.dtype).removeprefix("torch.")
+        computed = states.source_dtype if isinstance(states, QuantizedStates) else str(states.dtype)
+        self.compute_dtype = self.compute_dtype or computed.removeprefix("torch.")
         n_aux, dtype = self.n_aux, self.store_dtype
         self.writer.submit(lambda: buf.put(request_id, states, n_aux, dtype))
         self._landed(request_id)
@@ -171,10 +196,15 @@ class ShardAssembler:
         stats.forwards += len(ordered)
         stats.shards.append(shard)
         path = self.folder / shard
-        self.writer.submit(lambda: write_shard(path, ordered, *buf.kept(ordered), meta))
+        self.writer.submit(lambda: _write(path, ordered, buf, meta))
 
     def unfinished(self) -> list[str]:
         return sorted(self.missing)
+
+
+def _write(path: Path, ordered: list[Sample], buf: ShardBuffer, meta: dict[str, str]) -> None:
+    states = buf.kept(ordered)
+    write_shard(path, ordered, states.pop("aux_hidden_states"), states.pop("last_hidden_state"), meta, states)
 
 
 @contextlib.contextmanager

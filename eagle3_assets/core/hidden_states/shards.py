@@ -3,6 +3,8 @@
 Layout (design §4): each shard holds samples back to back: `input_ids` [T] int32, `loss_mask` [T] int8,
 `aux_hidden_states` [T, 3H], `last_hidden_state` [T, H] (output of the last decoder layer, before the final norm),
 `cu_seqlens` [n+1] int64; its metadata names the model, layers, dtype and every sample (id, length, content hash).
+In FP8 (`storage_dtype: float8_e4m3fn`) the two state tensors are float8 with `<name>_scales` [T, n] float32 beside
+them (fp8.py).
 Shards are written atomically, so a crash never leaves a partial shard that looks finished; a finished shard is never
 recomputed. `index.parquet` (id, shard, position, n_tokens) is rebuilt from the shards' own metadata.
 
@@ -28,7 +30,7 @@ import numpy as np
 import polars as pl
 
 from ..storage.files import atomic_write, remove_stale_temporaries, write_parquet
-from ..storage.layout import FINAL_NORM, HIDDEN_STATES_INDEX
+from ..storage.layout import HIDDEN_STATES_INDEX
 from ..storage.quarantine import (
     Quarantined,
     quarantine,
@@ -36,7 +38,15 @@ from ..storage.quarantine import (
     safetensors_problem,
     sweep_parquet,
 )
-from ..target.pieces import local_checkpoint
+from .capture import HiddenStateCapture, packing_is_exact
+from .fp8 import STATE_TENSORS, is_fp8, payload_bytes_per_token, quantize_layers, scales_name
+from .reader import HiddenStatesReader
+
+__all__ = [
+    "HiddenStateCapture",
+    "HiddenStatesReader",
+    "packing_is_exact",
+]  # imported from here too (README, bench)
 
 FORMAT = "eagle3-assets/hidden-states/v1"
 INDEX_SCHEMA = {
@@ -45,8 +55,9 @@ INDEX_SCHEMA = {
     "position": pl.Int32,
     "n_tokens": pl.Int32,
     "input_hash": pl.String,
+    "storage_dtype": pl.String,  # the shard's (a reader picks FP8's dequantization per sample without opening it)
 }
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 SDPA_ROW_TOKENS = {
     "cpu": 1024,
     "cuda": 4096,
@@ -64,8 +75,10 @@ def input_hash(ids: Sequence[int] | np.ndarray) -> str:
     return hashlib.blake2b(np.asarray(ids, dtype=np.int32).tobytes(), digest_size=8).hexdigest()
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    return 4 * hidden_size * DTYPE_BYTES[dtype] + 4 + 1
+def bytes_per_token(hidden_size: int, dtype: str, n_layers: int = 4) -> int:
+    """A token's bytes in a shard: its states (the aux layers and the last; in FP8 a float32 scale per layer
+    beside them), its int32 id and int8 mask."""
+    return payload_bytes_per_token(hidden_size, n_layers, dtype, DTYPE_BYTES[dtype]) + 4 + 1
 
 
 # -- planning ------------------------------------------------------------------------------------------------
@@ -161,7 +174,16 @@ def build_index(folder: Path) -> pl.DataFrame:
     rows = []
     for name, meta in finished_shards(folder).items():
         for pos, (sid, n, h) in enumerate(meta["samples"]):
-            rows.append({"id": sid, "shard": name, "position": pos, "n_tokens": n, "input_hash": h})
+            rows.append(
+                {
+                    "id": sid,
+                    "shard": name,
+                    "position": pos,
+                    "n_tokens": n,
+                    "input_hash": h,
+                    "storage_dtype": meta.get("dtype", ""),
+                }
+            )
     return pl.DataFrame(rows, schema=INDEX_SCHEMA)
 
 
@@ -181,7 +203,10 @@ def shard_problem(path: Path) -> str | None:
     meta = (header or {}).get("__metadata__") or {}
     if meta.get("format") != FORMAT:
         return f"wrong schema: metadata format {meta.get('format')!r}, expected {FORMAT!r}"
-    missing = [t for t in SHARD_TENSORS if t not in (header or {})]
+    wanted = SHARD_TENSORS + (
+        tuple(scales_name(t) for t in STATE_TENSORS) if is_fp8(meta.get("dtype", "")) else ()
+    )
+    missing = [t for t in wanted if t not in (header or {})]
     if missing:
         return f"wrong schema: no tensor {', '.join(missing)}"
     return None
@@ -219,12 +244,20 @@ class WorkPlan:
     stale_shards: list[str]
     skipped: dict[str, str] = field(default_factory=dict)  # id -> reason
     set_aside: list[Quarantined] = field(default_factory=list)  # damaged shards / index moved to quarantine/
+    planned: dict[str, Any] = field(default_factory=dict)  # the bytes the todo shards will write (sizing.py)
 
 
 def plan_work(
-    tokens: pl.DataFrame, folder: Path, shard_bytes: int, per_token: int, max_seq_len: int
+    tokens: pl.DataFrame,
+    folder: Path,
+    shard_bytes: int,
+    per_token: int,
+    max_seq_len: int,
+    expected: dict[str, str] | None = None,
 ) -> WorkPlan:
-    """What is left to extract: samples not in any finished shard with the same content hash, sharded."""
+    """What is left to extract: samples not in any finished shard with the same content hash, sharded. A shard
+    made by another extraction than `expected` describes (storage dtype, model, layers) is stale like a shard of
+    re-tokenized samples: its samples are extracted again."""
     remove_stale_temporaries(folder)
     current = {
         sid: input_hash(ids)
@@ -234,12 +267,12 @@ def plan_work(
     stale: list[str] = []
     for name, meta in finished_shards(folder).items():
         samples = meta["samples"]
-        if all(current.get(sid) == h for sid, _, h in samples):
+        same = all(str(meta.get(k, "")) == str(v) for k, v in (expected or {}).items())
+        if same and all(current.get(sid) == h for sid, _, h in samples):
             done.update(sid for sid, _, _ in samples)
         else:
-            stale.append(
-                name
-            )  # re-tokenized or removed samples: the shard no longer describes tokens.parquet
+            # re-tokenized or removed samples, or another extraction: the shard no longer describes what is asked
+            stale.append(name)
     lengths = {}
     skipped = {}
     for sid, n in zip(tokens["id"].to_list(), tokens["input_ids"].list.len().to_list(), strict=True):
@@ -253,69 +286,6 @@ def plan_work(
 
 
 # -- extraction ----------------------------------------------------------------------------------------------
-class HiddenStateCapture:
-    """Forward hooks on the decoder layers that EAGLE-3 needs; the rest of the model runs as usual."""
-
-    def __init__(self, model: Any, aux_layers: Sequence[int]):
-        self.model = model
-        layers = _decoder_layers(model)
-        self.num_layers = len(layers)
-        self.aux_layers = list(aux_layers)
-        bad = [i for i in self.aux_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"aux layers {bad} are outside the model's {self.num_layers} decoder layers")
-        self.last_layer = self.num_layers - 1
-        self._out: dict[int, Any] = {}
-        wanted = sorted({*self.aux_layers, self.last_layer})
-        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in wanted]
-
-    def _hook(self, i: int) -> Callable:
-        def grab(_module: Any, _inputs: Any, output: Any) -> None:
-            self._out[i] = output[0] if isinstance(output, tuple) else output
-
-        return grab
-
-    def forward_packed(self, rows: list[np.ndarray]) -> tuple[list[Any], Any]:
-        """One packed row (samples back to back, positions restarting per sample) -> ([aux layer] [T, H] each,
-        last [T, H]), still on the model's device."""
-        import torch
-
-        ids = np.concatenate(rows)
-        positions = np.concatenate([np.arange(len(r)) for r in rows])
-        device = _input_device(self.model)
-        self._out.clear()
-        with torch.inference_mode():
-            # No attention mask and no cache: transformers reads the packing from position_ids (block-diagonal).
-            _base_model(self.model)(
-                input_ids=torch.from_numpy(ids.astype(np.int64))[None].to(device),
-                position_ids=torch.from_numpy(positions.astype(np.int64))[None].to(device),
-                use_cache=False,
-            )
-        # Concatenation happens later, on the writer thread, off the forward's critical path.
-        return [self._out[i][0] for i in self.aux_layers], self._out[self.last_layer][0]
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def _decoder_layers(model: Any) -> Any:
-    base = _base_model(model)
-    layers = getattr(base, "layers", None) or getattr(base, "h", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers")
-    return layers
-
-
-def _base_model(model: Any) -> Any:
-    return getattr(model, "model", model)
-
-
-def _input_device(model: Any) -> Any:
-    emb = _base_model(model).get_input_embeddings()
-    return emb.weight.device
-
-
 @dataclass
 class ExtractionStats:
     samples: int = 0
@@ -387,18 +357,16 @@ def extract_shard(
     """Run the model over one shard's samples and write the shard (atomically) when all are captured."""
     import torch
 
-    dtype = getattr(torch, store_dtype)
     ordered = [samples[i] for i in plan.ids]
     rows = pack_rows([len(s.input_ids) for s in ordered], row_tokens)
     stats = ExtractionStats(samples=len(ordered), tokens=plan.n_tokens, forwards=len(rows))
-    aux_parts: list[Any] = []
-    last_parts: list[Any] = []
+    parts: dict[str, list[Any]] = {}
     own_writer = writer is None
     writer = writer or ShardWriter()
 
     def to_host(aux: list[Any], last: Any) -> None:
-        aux_parts.append(torch.cat([a.to("cpu", dtype=dtype) for a in aux], dim=-1))
-        last_parts.append(last.to("cpu", dtype=dtype))
+        for name, tensor in stored_states(aux, [last], store_dtype).items():
+            parts.setdefault(name, []).append(tensor)
 
     for row in rows:
         t0 = time.perf_counter()
@@ -409,7 +377,10 @@ def extract_shard(
     path = folder / plan.name
 
     def save() -> None:
-        write_shard(path, ordered, torch.cat(aux_parts), torch.cat(last_parts), metadata)
+        states = {k: torch.cat(v) for k, v in parts.items()}
+        write_shard(
+            path, ordered, states.pop("aux_hidden_states"), states.pop("last_hidden_state"), metadata, states
+        )
 
     writer.submit(save)
     if own_writer:
@@ -419,9 +390,40 @@ def extract_shard(
     return stats
 
 
-def write_shard(path: Path, ordered: Sequence[Sample], aux: Any, last: Any, metadata: dict[str, str]) -> None:
+def stored_states(aux: list[Any], last: list[Any], store_dtype: str) -> dict[str, Any]:
+    """One forward's captured layers ([T, H] each, on the model's device) as the shard stores them, on the host:
+    `aux_hidden_states` [T, n·H] and `last_hidden_state` [T, H] in the storage dtype; in FP8 with their
+    `<name>_scales` [T, n] beside them, quantized on the device (a byte per value crosses to the host)."""
+    import torch
+
+    if is_fp8(store_dtype):
+        (aux_q, aux_s), (last_q, last_s) = quantize_layers(aux), quantize_layers(last)
+        return {
+            "aux_hidden_states": aux_q,
+            scales_name("aux_hidden_states"): aux_s,
+            "last_hidden_state": last_q,
+            scales_name("last_hidden_state"): last_s,
+        }
+    dtype = getattr(torch, store_dtype)
+    return {
+        name: xs[0].to("cpu", dtype=dtype)
+        if len(xs) == 1
+        else torch.cat([x.to("cpu", dtype=dtype) for x in xs], -1)
+        for name, xs in (("aux_hidden_states", aux), ("last_hidden_state", last))
+    }
+
+
+def write_shard(
+    path: Path,
+    ordered: Sequence[Sample],
+    aux: Any,
+    last: Any,
+    metadata: dict[str, str],
+    scales: dict[str, Any] | None = None,
+) -> None:
     """One shard file, atomically: the samples' ids and masks beside their states (rows in sample order), with the
-    extraction's metadata and the sample list (id, length, content hash) that planning and the checks read."""
+    extraction's metadata and the sample list (id, length, content hash) that planning and the checks read.
+    `scales`: the FP8 scales by tensor name (`aux_hidden_states_scales`, `last_hidden_state_scales`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -436,33 +438,12 @@ def write_shard(path: Path, ordered: Sequence[Sample], aux: Any, last: Any, meta
         "aux_hidden_states": aux.contiguous(),
         "last_hidden_state": last.contiguous(),
         "cu_seqlens": torch.from_numpy(cu),
+        **{k: v.contiguous() for k, v in (scales or {}).items()},
     }
     rows = {k: int(t.shape[0]) for k, t in tensors.items() if k != "cu_seqlens"}
     if set(rows.values()) != {int(cu[-1])}:
         raise RuntimeError(f"shard {path.name} is inconsistent ({rows}, {int(cu[-1])} tokens); not written")
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
-
-
-PACKING_COSINE = 0.999
-
-
-def packing_is_exact(capture: HiddenStateCapture, vocab_size: int) -> tuple[bool, float]:
-    """Two short samples forwarded packed (positions restarting, no mask) against each forwarded alone. A model whose
-    attention ignores the packed boundaries (some trust_remote_code models build their own causal mask) lets the
-    second sample see the first: its states then differ, and extraction must not pack for that model."""
-    import torch
-
-    rng = np.random.default_rng(0)
-    a = rng.integers(10, min(vocab_size, 30_000), 9).astype(np.int32)
-    b = rng.integers(10, min(vocab_size, 30_000), 7).astype(np.int32)
-    aux_ab, last_ab = capture.forward_packed([a, b])
-    packed = torch.cat([*aux_ab, last_ab], dim=-1).float()
-    alone = []
-    for x in (a, b):
-        aux, last = capture.forward_packed([x])
-        alone.append(torch.cat([*aux, last], dim=-1).float())
-    sim = float(torch.nn.functional.cosine_similarity(packed, torch.cat(alone), dim=-1).min())
-    return sim >= PACKING_COSINE, sim
 
 
 def row_budget(device: str, attn_implementation: str | None, max_tokens_per_batch: int) -> int:
@@ -481,89 +462,3 @@ def load_samples(tokens_path: Path, ids: Iterable[str] | None = None) -> dict[st
             df["id"].to_list(), df["input_ids"].to_list(), df["loss_mask"].to_list(), strict=True
         )
     }
-
-
-def save_final_norm(model: Any, folder: Path) -> None:
-    """The final norm's weights, so exports for frameworks that want post-norm last states need no model."""
-    from safetensors.torch import save_file
-
-    norm = getattr(_base_model(model), "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
-        return
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    weight = norm.weight.detach().to("cpu").float().contiguous()
-    path = folder / FINAL_NORM
-    atomic_write(
-        path,
-        lambda tmp: save_file(
-            {"weight": weight}, str(tmp), metadata={"kind": type(norm).__name__, "eps": str(eps)}
-        ),
-    )
-
-
-def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str | None = None) -> bool:
-    """The final norm read from the target's checkpoint files, without loading the model (a served target may be
-    far larger than this process); False when no local copy of the checkpoint is found."""
-    import re
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    root = local_checkpoint(model_ref, revision)
-    if root is None:
-        return False
-    config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
-    text = config.get("text_config") or config
-    eps = float(text.get("rms_norm_eps", text.get("layer_norm_eps", 1e-6)))
-    kind = "RMSNorm" if "rms_norm_eps" in text else "LayerNorm"
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        names = json.loads(index.read_text())["weight_map"]
-    elif (root / "model.safetensors").exists():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            names = dict.fromkeys(f.keys(), "model.safetensors")
-    else:
-        return False
-    # The decoder's final norm: `model.norm.weight`, under a wrapper's prefix for multimodal targets
-    # (`language_model.model.norm.weight`); never a layer's own norm.
-    keys = sorted((k for k in names if re.search(r"(^|\.)model\.norm\.weight$", k)), key=len)
-    if not keys or not (root / names[keys[0]]).exists():
-        return False
-    with safe_open(str(root / names[keys[0]]), framework="pt") as f:
-        weight = f.get_tensor(keys[0]).float().contiguous()
-    atomic_write(
-        folder / FINAL_NORM,
-        lambda tmp: save_file({"weight": weight}, str(tmp), metadata={"kind": kind, "eps": str(eps)}),
-    )
-    return True
-
-
-# -- reading one sample -------------------------------------------------------------------------------------
-class HiddenStatesReader:
-    """Random access by id: reads only that sample's rows from its shard (safetensors slices, memory-mapped)."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        index = pl.read_parquet(self.folder / HIDDEN_STATES_INDEX)
-        self._where = {r["id"]: (r["shard"], r["position"]) for r in index.iter_rows(named=True)}
-        self._cu: dict[str, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def ids(self) -> list[str]:
-        return list(self._where)
-
-    def sample(self, sid: str, framework: str = "pt") -> dict[str, Any]:
-        from safetensors import safe_open
-
-        shard, pos = self._where[sid]
-        path = str(self.folder / shard)
-        with safe_open(path, framework=framework) as f:
-            if shard not in self._cu:
-                self._cu[shard] = np.asarray(f.get_tensor("cu_seqlens"))
-            a, b = int(self._cu[shard][pos]), int(self._cu[shard][pos + 1])
-            return {
-                k: f.get_slice(k)[a:b]
-                for k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
-            }

@@ -13,6 +13,11 @@ departures, both needed to run one server for generation and extraction, on any 
    on a CUDA device the slots are copied synchronously (they are already in host memory) and handed to the same
    writer threads; on CUDA the upstream asynchronous path runs unchanged.
 
+3. **FP8 files, where asked.** With `kv_connector_extra_config.storage_dtype: float8_e4m3fn` (what `eagle3
+   vllm-serve` sets for a project storing FP8) each file holds `hidden_states` as float8_e4m3fn with
+   `hidden_states_scales` [T, n, 1] float32 (one scale per token and layer, hs-connectors' layout) and the
+   server's dtype in the file's metadata (`source_dtype`): the server writes a quarter of fp32's bytes.
+
 It overrides private members of the upstream class, so it refuses to load on another vLLM version than the one it
 was written against (`WRITTEN_FOR`).
 """
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 import vllm
+from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
@@ -35,6 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 WRITTEN_FOR = "0.32.0"
 OPT_IN = "save_hidden_states"
+FP8 = "float8_e4m3fn"
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 if vllm.__version__.split("+")[0] != WRITTEN_FOR:
     raise ImportError(
@@ -58,7 +66,38 @@ def _wants_save(params: dict[str, Any] | None) -> bool:
     return bool(params) and bool(params.get(OPT_IN))
 
 
+def _fp8_file(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The project's FP8 recipe (eagle3_assets.core.hidden_states.fp8, repeated here: this file runs in the server's
+    environment): per token and layer, scale = absmax / 448 (1 for a block of zeros), values / scale in e4m3."""
+    states = tensors["hidden_states"]
+    x = states.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out = {"hidden_states": q, "hidden_states_scales": scales.contiguous(), "token_ids": tensors["token_ids"]}
+    return out, {"source_dtype": str(states.dtype).removeprefix("torch.")}
+
+
 class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fp8 = self._kv_transfer_config.get_from_extra_config("storage_dtype", "") == FP8
+
+    def _write_tensors(
+        self, tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None
+    ) -> None:
+        """Upstream's writer thread (wait for the host copy, write, release the lock), quantizing first in FP8."""
+        if not self._fp8:
+            ExampleHiddenStatesConnector._write_tensors(tensors, event, filename, lock_fd)
+            return
+        try:
+            event.synchronize()
+            data, metadata = _fp8_file(tensors)
+            save_file(data, filename, metadata=metadata)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases LOCK_EX
+
     # -- scheduler side: only requests that opt in get a file ------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ExampleHiddenStatesConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
