@@ -219,7 +219,7 @@ class HiddenStatesConfig(Strict):
     max_seq_len: int = Field(32768, ge=16)
     device: str = "auto"
     # What the shards store (compute runs in the device's own dtype): bf16, what the training frameworks read; or
-    # float8_e4m3fn, half the bytes, with a float32 scale per token and layer (design §4). Changing it recomputes the
+    # float8_e4m3fn, half the bytes, with a float32 scale per token and layer. Changing it recomputes the
     # shards.
     storage_dtype: StorageDtype = "bfloat16"
 

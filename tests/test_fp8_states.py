@@ -1,4 +1,4 @@
-"""FP8 hidden-state storage (`hidden_states.storage_dtype: float8_e4m3fn`, design §4) on CPU with the embedded
+"""FP8 hidden-state storage (`hidden_states.storage_dtype: float8_e4m3fn`) on CPU with the embedded
 SmolLM2: the shards' layout and bytes, values as close to an fp32 forward as FP8 allows (measured against a plain
 per-token per-layer rounding of that forward), the checks on dequantized values, wrong scales and misplaced states
 failing, and the plan's size stated and refused before any forward when the disk is too small."""

@@ -1,4 +1,4 @@
-"""FP8 storage of hidden states (design §4): float8_e4m3fn values with one float32 scale per token and per layer.
+"""FP8 storage of hidden states: float8_e4m3fn values with one float32 scale per token and per layer.
 
 Why per token and per layer: a few tokens (the first of each sample) carry activations orders of magnitude above the
 rest, and the layers differ in scale too; one scale per tensor would flush most tokens to FP8's subnormals. Each

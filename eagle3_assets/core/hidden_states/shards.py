@@ -1,6 +1,6 @@
 """hidden_states: the target's auxiliary hidden states over every token sequence, in packed safetensors shards.
 
-Layout (design §4): each shard holds samples back to back: `input_ids` [T] int32, `loss_mask` [T] int8,
+Layout: each shard holds samples back to back: `input_ids` [T] int32, `loss_mask` [T] int8,
 `aux_hidden_states` [T, 3H], `last_hidden_state` [T, H] (output of the last decoder layer, before the final norm),
 `cu_seqlens` [n+1] int64; its metadata names the model, layers, dtype and every sample (id, length, content hash).
 In FP8 (`storage_dtype: float8_e4m3fn`) the two state tensors are float8 with `<name>_scales` [T, n] float32 beside

@@ -1,4 +1,4 @@
-"""Source datasets -> chat prompts with stable ids (design §3 source formats).
+"""Source datasets -> chat prompts with stable ids.
 
 Every source row ends in exactly one place: a prompt, a duplicate of an earlier prompt, or the quarantine with a
 reason. A bad row never stops the rest of the file.

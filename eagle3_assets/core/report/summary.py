@@ -1,4 +1,4 @@
-"""validation_report: per-dataset statistics read back from the stored outputs (design §4 report.json).
+"""validation_report: per-dataset statistics read back from the stored outputs (report.json).
 
 Everything is computed from the files on disk, not from what a run remembers, so the report describes the data a
 training job will actually read.

@@ -1,4 +1,4 @@
-"""Where every output of a dataset lives (design §4). The one place that spells a path of a partition: no stage, and
+"""Where every output of a dataset lives. The one place that spells a path of a partition: no stage, and
 no storage adapter, invents one; what each stage reads and writes is derived from these names too."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Damaged files: found before a stage reads them, moved aside with their reason, never fatal (design §5).
+"""Damaged files: found before a stage reads them, moved aside with their reason, never fatal.
 
 The project's own writes are atomic, but a copy interrupted, a disk or an object store that loses a tail, or a person
 who drops the wrong file into a folder can leave a file no reader can open. One such file used to fail every run of

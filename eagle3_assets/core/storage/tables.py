@@ -1,4 +1,4 @@
-"""Append-only Parquet tables in a folder: the journal of responses and failures (design §4).
+"""Append-only Parquet tables in a folder: the journal of responses and failures.
 
 Rows arrive as immutable part files, each written atomically, so a kill -9 can lose only rows not yet flushed
 and can never leave a half-written file that a reader picks up. `compact()` folds the parts into one file with
