@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import tempfile
 import threading
 import time
@@ -27,7 +26,7 @@ from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
-from tests.fake_servers import FakeOpenRouter
+from tests.fake_servers import FakeOpenRouter, scripted_fault_prompts
 from tests.limited_provider import LimitedProvider, ProviderSpec, goodput
 
 from .baselines import run_fixed
@@ -152,34 +151,6 @@ def fault_mix(quick: bool) -> dict:
     return out
 
 
-# Faults a busy provider sends whatever the load, scripted on the first attempts of a share of the prompts.
-FIRST_ATTEMPT_FAULTS = [
-    "429",
-    "429",
-    "429ra=0.5",
-    "429ra=1",
-    "500",
-    "502",
-    "503",
-    "reset",
-    "body429",
-    "body502",
-    "malformed",
-]
-
-
-def _scripted_prompts(n: int, share: float, seed: int = 1) -> list[str]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        if rng.random() < share:
-            faults = ",".join(rng.choice(FIRST_ATTEMPT_FAULTS) for _ in range(rng.randint(1, 3)))
-            out.append(f"q {i} [[{faults}]]")
-        else:
-            out.append(f"q {i}")
-    return out
-
-
 async def _scripted_engine(url: str, texts: list[str], ceiling: int):
     backend = _backend(url)
     reqs = (CompletionRequest(f"p{i}", [{"role": "user", "content": t}], 256) for i, t in enumerate(texts))
@@ -206,7 +177,7 @@ def first_attempt_faults(quick: bool) -> dict:
     for share in (0.0, 0.3):
         with FakeOpenRouter(latency=0.1) as server:
             t0 = time.perf_counter()
-            r = run_loop(_scripted_engine(server.base_url, _scripted_prompts(n, share), ceiling))
+            r = run_loop(_scripted_engine(server.base_url, scripted_fault_prompts(n, share, seed=1), ceiling))
             wall = time.perf_counter() - t0
         out[f"share {share}"] = {
             "wall_s": round(wall, 2),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import threading
 import time
@@ -388,3 +389,32 @@ class FakeSGLang(_ThreadedApp):
 
 def dump_hits(server: FakeOpenRouter) -> str:
     return json.dumps([(h.prompt[:40], h.attempt, h.fault) for h in server.hits], indent=1)
+
+
+# Faults a busy provider sends whatever the load (the words of `[[...]]` above), in the mix a bad day brings.
+FIRST_ATTEMPT_FAULTS = (
+    "429",
+    "429",
+    "429ra=0.5",
+    "429ra=1",
+    "500",
+    "502",
+    "503",
+    "reset",
+    "body429",
+    "body502",
+    "malformed",
+)
+
+
+def scripted_fault_prompts(n: int, share: float, seed: int, prefix: str = "q") -> list[str]:
+    """`n` prompt texts; a `share` of them carry one to three of FIRST_ATTEMPT_FAULTS on their first attempts."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if rng.random() < share:
+            faults = ",".join(rng.choice(FIRST_ATTEMPT_FAULTS) for _ in range(rng.randint(1, 3)))
+            out.append(f"{prefix} {i} [[{faults}]]")
+        else:
+            out.append(f"{prefix} {i}")
+    return out

@@ -246,28 +246,11 @@ def test_the_engine_keeps_its_window_against_a_provider_whose_refusals_do_not_de
     with and without Retry-After, 503, 5xx, resets, errors in 200 bodies, malformed answers), answers take 0.1 s,
     and nothing limits the load. The window fell to 1-3 in flight here (the run took 27-277 s, 1.8 s without the
     faults); now it stays near its 300 ceiling once it got there."""
-    from .fake_servers import FakeOpenRouter
+    from .fake_servers import FakeOpenRouter, scripted_fault_prompts
     from .test_engine import dataset
     from .test_limits import assert_all_answered, drive
 
-    rng = random.Random(5)
-    words = [
-        "429",
-        "429",
-        "429ra=0.5",
-        "429ra=1",
-        "500",
-        "502",
-        "503",
-        "reset",
-        "body429",
-        "body502",
-        "malformed",
-    ]
-    texts = []
-    for i in range(3000):
-        faults = ",".join(rng.choice(words) for _ in range(rng.randint(1, 3))) if rng.random() < 0.4 else ""
-        texts.append(f"noise {i} [[{faults}]]" if faults else f"noise {i}")
+    texts = scripted_fault_prompts(3000, 0.4, seed=5, prefix="noise")
     layout = dataset(tmp_path, texts)
     ceiling = 300
     with FakeOpenRouter(latency=0.1) as server:
