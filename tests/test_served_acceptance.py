@@ -102,53 +102,7 @@ def test_a_server_that_does_not_start_names_its_log(tmp_path):
     assert "boom" in str(e.value)
 
 
-FAKE = """
-import json, os, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
-port = int(sys.argv[sys.argv.index("--port") + 1])
-served = []
-
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a):
-        pass
-
-    def _send(self, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        if self.path.endswith("/models"):
-            self._send({"data": [{"id": "target"}]})
-        else:
-            self._send({})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        served.append(body)
-        if len(served) > 1:  # the warm-up answers; the first measured request kills the server
-            print("engine core died: out of memory", flush=True)
-            os._exit(9)
-        self._send({"choices": [{"token_ids": [1]}]})
-
-HTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
-
-def test_a_server_that_dies_mid_part_names_its_log_and_is_stopped(tmp_path):
-    measurer = VllmMeasurer(
-        _project(tmp_path, _script(tmp_path, FAKE)), [2], tmp_path / "work", log=lambda m: None
-    )
-    with pytest.raises(ServedAcceptanceError, match=r"died \(exit .*; log: .*\.log\)") as e:
-        measurer.greedy(PromptSet(["a"], [[1, 2]]))
-    assert "out of memory" in str(e.value)
-
-
-HANGING = """
+FAKE_SERVER = """
 import json, os, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -173,19 +127,37 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         served.append(body)
-        if len(served) > 1:  # a measured request: a thinking target's answer, minutes long
-            open(PID_FILE, "w").write(str(os.getpid()))
-            time.sleep(600)
+        if len(served) > 1:  # the warm-up answered; this is a measured request
+            ON_MEASURED
         self._send({"choices": [{"token_ids": [1]}]})
 
 HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
+def fake_server(on_measured: str) -> str:
+    """A stand-in vLLM server that answers the warm-up and runs `on_measured` (one line) on a measured request."""
+    return FAKE_SERVER.replace("ON_MEASURED", on_measured)
+
+
+# The first measured request kills the server.
+DYING = fake_server('print("engine core died: out of memory", flush=True); os._exit(9)')
+
+
+def test_a_server_that_dies_mid_part_names_its_log_and_is_stopped(tmp_path):
+    measurer = VllmMeasurer(
+        _project(tmp_path, _script(tmp_path, DYING)), [2], tmp_path / "work", log=lambda m: None
+    )
+    with pytest.raises(ServedAcceptanceError, match=r"died \(exit .*; log: .*\.log\)") as e:
+        measurer.greedy(PromptSet(["a"], [[1, 2]]))
+    assert "out of memory" in str(e.value)
+
+
 def test_terminate_mid_part_stops_the_server_the_step_started(tmp_path):
     """Dagster's Terminate is a SIGINT in the step's process: the server (its whole process group) goes with it."""
     pid_file = tmp_path / "server.pid"
-    server = f"PID_FILE = {str(pid_file)!r}\n" + HANGING
+    # A measured request is a thinking target's answer, minutes long.
+    server = fake_server(f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)")
     measurer = VllmMeasurer(
         _project(tmp_path, _script(tmp_path, server)), [2], tmp_path / "work", log=lambda m: None
     )
