@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,3 +243,33 @@ class FullTargetGuard:
         monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
         monkeypatch.setattr(loading, "load_model", refuse)
         monkeypatch.setattr(loading, "shared_model", refuse)
+
+
+@contextlib.contextmanager
+def moto_server(bucket: str) -> Iterator[str]:
+    """moto's S3-compatible server started on a free loopback port, with `bucket` created; yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
+                time.sleep(0.3)
+        # moto accepts any credentials; a bucket is created with one plain PUT.
+        urllib.request.urlopen(urllib.request.Request(f"{url}/{bucket}", method="PUT"), timeout=10)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

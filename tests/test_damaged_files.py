@@ -8,11 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +37,7 @@ from eagle3_assets.core.storage.quarantine import parquet_problem, quarantined, 
 from eagle3_assets.core.storage.tables import IMPORT_REJECTED_SCHEMA
 from eagle3_assets.core.tokens.build import build_tokens
 
-from .conftest import make_plan, make_project, user_rows, write_jsonl
+from .conftest import make_plan, make_project, moto_server, user_rows, write_jsonl
 
 KINDS = ["truncated", "not_parquet", "wrong_schema"]
 N = 12  # prompts per dataset: small, every test runs in a second or two
@@ -456,28 +452,8 @@ BUCKET = "eagle3-damage"
 
 @pytest.fixture(scope="module")
 def s3_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
-            time.sleep(0.3)
-    urllib.request.urlopen(urllib.request.Request(f"{url}/{BUCKET}", method="PUT"), timeout=10)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    with moto_server(BUCKET) as url:
+        yield url
 
 
 @pytest.fixture

@@ -5,11 +5,7 @@ a top-up moves what it adds, two writers cannot both win, and the dataset lease 
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import dagster as dg
 import obstore as obs
@@ -20,40 +16,15 @@ from eagle3_assets.config import load_config
 from eagle3_assets.core.storage.remote import ConflictError, LeaseHeld, RemoteRoot
 from eagle3_assets.definitions import build_definitions
 
-from .conftest import make_project, user_rows
+from .conftest import make_project, moto_server, user_rows
 
 BUCKET = "eagle3-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_server():
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
-            time.sleep(0.3)
-    # moto accepts any credentials; a bucket is created with one plain PUT.
-    urllib.request.urlopen(urllib.request.Request(f"{url}/{BUCKET}", method="PUT"), timeout=10)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    with moto_server(BUCKET) as url:
+        yield url
 
 
 @pytest.fixture
