@@ -18,8 +18,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from eagle3_assets.config import HiddenStatesConfig
 from eagle3_assets.core.hidden_states.export import FORMATS, MIN_SAMPLES, ExportError, export
+from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 from eagle3_assets.core.hidden_states.shards import HiddenStatesReader
+from eagle3_assets.core.storage.layout import DatasetLayout
 
 from .consumers import environments
 
@@ -113,6 +116,48 @@ def test_speculators_refuses_an_export_without_the_torch_format(exports, smollm2
     )
     assert r["format_type"] is None
     assert len(r["sample_failures"]) == N and "must be Tensor" in r["sample_failures"][0]
+
+
+@pytest.fixture(scope="module")
+def fp8_export(shipped_b3, tmp_path_factory) -> Path:
+    """The shipped B3's tokens extracted again with `storage_dtype: float8_e4m3fn`, exported for speculators."""
+    root = tmp_path_factory.mktemp("fp8")
+    layout = DatasetLayout(root, "B3").ensure()
+    shutil.copy(shipped_b3.layout.tokens, layout.tokens)
+    settings = ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype="float8_e4m3fn"))
+    extract_dataset(layout, settings, log=lambda m: None)
+    out = root / "export"
+    assert export(layout.hidden_states_dir, out, "speculators", log=lambda m: None) == N
+    return out
+
+
+def test_speculators_reads_fp8_states_through_fp8transfer_and_trains(fp8_export, smollm2_dir, tmp_path):
+    """FP8 shards stay FP8 in the speculators export; hs-connectors' own FP8Transfer (`--hidden-states-backend fp8`)
+    dequantizes them to what our reader gives, speculators' checks and loader accept them, and its draft trains."""
+    m = manifest(fp8_export)
+    assert m["dtype"] == "float8_e4m3fn" and m["dequantized"] is False
+    assert m["train_command"].endswith("--hidden-states-backend fp8")
+    r = consume(
+        "speculators", fp8_export, smollm2_dir, "--target-layer-ids", "2", "15", "27", "--draft-vocab-size", "64",
+        "--hidden-states-backend", "fp8", cwd=tmp_path,
+    )  # fmt: skip
+    assert r["transfer"] == "FP8Transfer"
+    assert r["stored"]["hidden_states"] == "F8_E4M3" and r["stored"]["hidden_states_scales"] == "F32"
+    assert r["read_as"] == ["torch.bfloat16"] and r["sample_failures"] == []
+    import datasets
+    import torch
+
+    ds = datasets.load_from_disk(str(fp8_export))
+    reader = HiddenStatesReader(fp8_export.parent / "B3" / "hidden_states")
+    assert len(r["hidden_states_abs_sums"]) == N
+    for i, got in enumerate(r["hidden_states_abs_sums"]):
+        s = reader.sample(ds[i]["id"])  # dequantized in float32
+        want = float(sum(s[k].double().abs().sum() for k in ("aux_hidden_states", "last_hidden_state")))
+        # FP8Transfer multiplies in bf16 (a scale rounded to 8 bits): the same states within that rounding.
+        assert got == pytest.approx(want, rel=4e-3), i
+    assert r["target_head_top1"] > 0.95  # dequantized last states still name the answer through the head
+    assert r["loader_samples"] == N and r["loader_errors"] == 0
+    assert len(r["losses"]) == 3 and r["losses_finite"], r["losses"]
 
 
 def test_specforge_reads_its_export_loads_the_gate_draft_and_trains(exports, shipped_b3, tmp_path):

@@ -31,11 +31,13 @@ def main() -> dict:
     p.add_argument("--total-seq-len", type=int, default=1024)
     p.add_argument("--draft-vocab-size", type=int, default=256)
     p.add_argument("--target-layer-ids", type=int, nargs="+", required=True)
+    p.add_argument("--hidden-states-backend", default="file")  # fp8: hs-connectors' FP8Transfer
     a = p.parse_args()
 
     import datasets
     import torch
     from hs_connectors import HiddenStatesBackend
+    from safetensors import safe_open
     from speculators.data_generation.offline import check_hidden_states
     from speculators.model import SpeculatorModel
     from speculators.models.eagle3.data import shift_batch
@@ -56,6 +58,7 @@ def main() -> dict:
         "--draft-attn-impl", "sdpa",  # flex attention has no backward on CPU
         "--num-workers", "0", "--max-steps", str(max(a.steps, 1)), "--total-seq-len", str(a.total_seq_len),
         "--draft-vocab-size", str(a.draft_vocab_size), "--on-missing", "raise",
+        "--hidden-states-backend", a.hidden_states_backend,
         "--save-path", str(work / "ckpt"), "--log-dir", str(work / "logs"),
     ]  # fmt: skip
     args = argparse.Namespace(**TrainConfig.resolve(argv).flatten())
@@ -65,20 +68,29 @@ def main() -> dict:
     out["format_type"] = raw.format["type"]
     out["n_samples"] = n = len(raw)
     transfer = HiddenStatesBackend.registry[args.hidden_states_backend].from_train_args(args, args.data_path)
+    out["transfer"] = type(transfer).__name__
+    with safe_open(str(Path(a.export) / "hidden_states" / "hs_0.safetensors"), "pt") as f:
+        out["stored"] = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
     every = ArrowDataset(
         max_len=args.total_seq_len, datapath=a.export, transfer=transfer, on_missing="raise",
         train_ratio=1.0, split="train", hidden_states_dtype=torch.bfloat16, model=a.target,
     )  # fmt: skip
     failures: list[str] = []
+    read_as: set[str] = set()
+    abs_sums: list[float] = []  # what the backend hands the trainer, per sample, for the test to compare
     for i in range(n):
         try:
             hs = transfer.get_cached(i)
             check_hidden_states(hs, [int(x) for x in raw[i]["input_ids"]])
+            read_as.add(str(hs["hidden_states"].dtype))
+            abs_sums.append(float(hs["hidden_states"].double().abs().sum()))
             if isinstance(every[i], SampleUnavailable):
                 failures.append(f"{i}: ArrowDataset says the sample is unavailable")
         except Exception as e:  # one line per sample that speculators refuses
             failures.append(f"{i}: {type(e).__name__}: {str(e)[:300]}")
     out["sample_failures"] = failures
+    out["read_as"] = sorted(read_as)
+    out["hidden_states_abs_sums"] = abs_sums
     if failures:  # speculators would stop here: nothing below can train on these samples
         return out
 
