@@ -4,7 +4,8 @@ Builds the partition the way `make demo` does (the embedded target answers B3's 
 device), then times each phase of the gate. Baseline, measured in the same run: plain greedy decoding of the same
 measured prompts with the target (`generate`, the same number of new tokens), so the measurement phases read as a
 multiple of "just decoding them". Also printed: acceptance lengths (train, heldout, untrained floor, the source's own
-answers) and the speed-up they imply in target forwards.
+answers) and the speed-up they imply in target forwards. Then the same partition's states are extracted again in FP8
+(`storage_dtype: float8_e4m3fn`) and the gate runs again on them: heldout acceptance on FP8 states against bf16.
 
 `python -m bench acceptance` (`--quick`: 12 prompts, 60 training steps, 32 new tokens).
 """
@@ -49,7 +50,7 @@ def run(quick: bool = False) -> dict:
     from eagle3_assets.assets.acceptance import gate_engines
     from eagle3_assets.assets.hidden_states import extraction_settings
     from eagle3_assets.core.acceptance.gate import load_samples, rendered_prompts, run_gate
-    from eagle3_assets.core.hidden_states.extraction import load_target_model
+    from eagle3_assets.core.hidden_states.extraction import extract_dataset, load_target_model
     from eagle3_assets.core.storage.layout import DatasetLayout
     from eagle3_assets.core.target.loading import pick_device
     from resources import Target
@@ -85,6 +86,13 @@ def run(quick: bool = False) -> dict:
                 )
         greedy_s = time.perf_counter() - t0
 
+        # The same partition stored in FP8 (changing storage_dtype recomputes every shard), the gate again.
+        hs = cfg.hidden_states.model_copy(update={"storage_dtype": "float8_e4m3fn"})
+        cfg_fp8 = cfg.model_copy(update={"hidden_states": hs})
+        extract_dataset(layout, extraction_settings(cfg_fp8), log=lambda m: None)
+        engines = gate_engines(cfg_fp8, layout, chat, log=lambda m: None)
+        fp8 = run_gate(layout, settings, engines, chat, log=lambda m: None).report
+
     secs = r["seconds"]
     measured_parts = 3 + (1 if "heldout" in r["source_answers"] else 0)
     result = {
@@ -98,6 +106,11 @@ def run(quick: bool = False) -> dict:
         | {"source_answers_heldout": r["source_answers"].get("heldout", {}).get("acceptance_length")},
         "gate_passed": r["gate"]["passed"],
         "measured_parts": measured_parts,
+        "fp8": {
+            "acceptance_length": {p: fp8[p]["acceptance_length"] for p in ("train", "heldout", "untrained")},
+            "gate_passed": fp8["gate"]["passed"],
+            "heldout_vs_bf16": fp8["heldout"]["acceptance_length"] - r["heldout"]["acceptance_length"],
+        },
     }
     print(
         f"B3 on {device}: {result['samples_trained']} samples trained, {result['heldout_prompts']} heldout prompts, "
@@ -119,6 +132,12 @@ def run(quick: bool = False) -> dict:
         f"untrained {al['untrained']:.2f}, trained on the source's own answers "
         + (f"{src:.2f}" if src is not None else "n/a")
         + f"; gate {'passed' if result['gate_passed'] else 'FAILED'}"
+    )
+    f = result["fp8"]["acceptance_length"]
+    print(
+        f"FP8 states (storage_dtype: float8_e4m3fn), the same gate: train {f['train']:.2f}, heldout "
+        f"{f['heldout']:.2f} ({result['fp8']['heldout_vs_bf16']:+.2f} vs bf16), untrained {f['untrained']:.2f}; "
+        f"gate {'passed' if result['fp8']['gate_passed'] else 'FAILED'}"
     )
     print(json.dumps({"partition_build_s": result["partition_build_s"]}))
     return result
