@@ -1,4 +1,4 @@
-"""`eagle3`: the commands beside the Dagster UI (demo, preflight, importing responses, exports, pools)."""
+"""`eagle3`: the commands beside the Dagster UI (demo, preflight, importing responses, exports, the instance's pools)."""
 
 from __future__ import annotations
 
@@ -312,11 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("extra", nargs=argparse.REMAINDER, help="further vLLM arguments, after --")
     comp = sub.add_parser("compact", help="fold a dataset's journal into one file per table (occasional)")
     comp.add_argument("--dataset", required=True)
-    for name in ("instance", "pools"):
-        sub.add_parser(
-            name,
-            help="apply the config's pool limits and one run per dataset to the instance of DAGSTER_HOME",
-        )
+    sub.add_parser(
+        "instance",
+        help="apply the config's pool limits and one run per dataset to the instance of DAGSTER_HOME",
+    )
     demo = sub.add_parser("demo", help="the main job over all (or the given) datasets, then a summary table")
     demo.add_argument("datasets", nargs="*")
     return p
@@ -330,7 +329,6 @@ COMMANDS = {
     "vllm-serve": cmd_vllm_serve,
     "compact": cmd_compact,
     "instance": cmd_instance,
-    "pools": cmd_instance,
     "demo": cmd_demo,
 }
 

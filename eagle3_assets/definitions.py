@@ -19,12 +19,19 @@ from .assets import (
     build_tokens_asset,
 )
 from .automation import automation_sensor, follow_upstream, ingest_condition, top_up_condition
-from .config import ProjectConfig, get_config
+from .config import ProjectConfig, config_path, get_config
 from .partitions import dataset_partitions
 
-# Per-partition asset checks are a 1.13 preview; the project relies on them knowingly.
-warnings.filterwarnings("ignore", category=dg.PreviewWarning)
-warnings.filterwarnings("ignore", category=dg.BetaWarning)
+# Features the project relies on knowingly, each named: per-partition asset checks (preview), one run per backfill
+# (`backfill_policy`, beta) and the automation sensor in the user code server (beta). Any other notice shows.
+for _message in (
+    r"Specifying a partitions_def on an AssetCheckSpec is currently in preview",
+    r"Parameter `backfill_policy` of function `asset` is currently in beta",
+    r"Parameter `use_user_code_server` of initializer `AutomationConditionSensorDefinition",
+):
+    warnings.filterwarnings("ignore", message=_message, category=dg.PreviewWarning)
+    warnings.filterwarnings("ignore", message=_message, category=dg.BetaWarning)
+
 
 TRAINING_DATA_JOB = "training_data"
 HIDDEN_STATES_JOB = "hidden_states_job"
@@ -101,19 +108,16 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     training_data = dg.define_asset_job(
         TRAINING_DATA_JOB,
         selection=dg.AssetSelection.assets(*OFFLINE_STAGES),
-        partitions_def=partitions,
         description="prompts → responses → tokens → validation_report for one dataset (the main job).",
     )
     hidden_states_job = dg.define_asset_job(
         HIDDEN_STATES_JOB,
         selection=dg.AssetSelection.assets("hidden_states"),
-        partitions_def=partitions,
         description="hidden_states for one dataset (GPU; one step per shard).",
     )
     acceptance_job = dg.define_asset_job(
         ACCEPTANCE_JOB,
         selection=dg.AssetSelection.assets("acceptance"),
-        partitions_def=partitions,
         description="The acceptance gate for one dataset: a small EAGLE-3 draft trained on its hidden states, "
         "measured against the target (GPU pool; CPU for the embedded target).",
     )
@@ -127,10 +131,8 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     )
 
 
-def _load() -> dg.Definitions:
-    from .config import config_path
-
+@dg.definitions
+def defs() -> dg.Definitions:
+    """Built when Dagster loads the code location, from the config this process was given (`EAGLE3_CONFIG`, else
+    ./eagle3.yaml, else the checkout's): importing this module reads no config."""
     return build_definitions(get_config(), str(config_path()))
-
-
-defs = _load()

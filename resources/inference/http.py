@@ -13,25 +13,13 @@ from typing import Any
 from urllib.parse import quote, quote_plus
 
 import aiohttp
+import orjson
 
 from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError, describe
 
-try:  # orjson parses responses 2-4x faster; plain json works too
-    import orjson
-
-    def loads(data: bytes) -> Any:
-        return orjson.loads(data)
-
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-except ImportError:  # pragma: no cover
-    import json
-
-    def loads(data: bytes) -> Any:
-        return json.loads(data)
-
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj).encode()
+# orjson parses a response body 2-4x faster than json: at thousands of answers a second it is the client's cost.
+loads = orjson.loads
+dumps = orjson.dumps
 
 
 CONTEXT_MARKERS = (
