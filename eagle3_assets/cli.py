@@ -211,41 +211,22 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return 0
 
 
-ONE_RUN_PER_DATASET = {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}
-
-
-def _ensure_run_limit(home: Path) -> str:
-    """One run per dataset at a time: the per-partition run-tag limit in $DAGSTER_HOME/dagster.yaml (the queued
-    run coordinator enforces it for every run, two pods on a shared volume included, where a file lock is not
-    reliable). Added when missing; the rest of the file is kept."""
-    import yaml
-
-    path = home / "dagster.yaml"
-    doc = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
-    limits = doc.setdefault("concurrency", {}).setdefault("runs", {}).setdefault("tag_concurrency_limits", [])
-    if any(x.get("key") == "dagster/partition" for x in limits):
-        return f"one run per dataset: already in {path}"
-    limits.append(ONE_RUN_PER_DATASET)
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return f"one run per dataset: added to {path} (restart the daemon to apply it)"
-
-
 def cmd_instance(args: argparse.Namespace) -> int:
     """Apply the config's pool limits (llm_api, gpu) and the one-run-per-dataset limit to DAGSTER_HOME's instance."""
     import os
 
     import dagster as dg
 
+    from .instance import apply_pools, ensure_run_limit
+
     cfg, _ = _resources(args)
     home = os.environ.get("DAGSTER_HOME")
     if not home:
         print("set DAGSTER_HOME to the instance's folder (make dev / make demo use .dagster/)")
         return 1
-    print(_ensure_run_limit(Path(home)))
+    print(ensure_run_limit(Path(home)))
     with dg.DagsterInstance.get() as instance:
-        for pool, limit in cfg.pools.model_dump().items():
-            instance.event_log_storage.set_concurrency_slots(pool, limit)
-            print(f"pool {pool}: {limit} concurrent step(s)")
+        print("\n".join(apply_pools(instance, cfg.pools.model_dump())))
     return 0
 
 

@@ -84,3 +84,17 @@ def test_under_kubernetes_the_key_reaches_only_the_responses_pods(tmp_path):
     assert all("envSecrets" not in d for d in values["dagster-user-deployments"]["deployments"])
     k8s_cfg = yaml.safe_load((REPO / "deploy" / "k8s" / "eagle3.k8s.yaml").read_text())
     assert k8s_cfg["execution"]["executor"] == "k8s" and k8s_cfg["execution"]["k8s_api_key_secret"]
+
+
+def test_every_shipped_instance_carries_the_one_run_per_dataset_limit():
+    """The instance files under deploy/ are YAML the platform cannot import: each is held to the one owner."""
+    import yaml
+
+    from eagle3_assets.instance import ONE_RUN_PER_DATASET
+
+    for name in ("local", "postgres"):
+        doc = yaml.safe_load((REPO / "deploy" / name / "dagster.yaml").read_text())
+        assert ONE_RUN_PER_DATASET in doc["concurrency"]["runs"]["tag_concurrency_limits"], name
+    values = yaml.safe_load((REPO / "deploy" / "k8s" / "values.yaml").read_text())
+    queued = values["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"]
+    assert ONE_RUN_PER_DATASET in queued["tagConcurrencyLimits"]
