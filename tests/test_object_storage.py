@@ -13,7 +13,8 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import load_config
-from eagle3_assets.core.storage.remote import ConflictError, LeaseHeld, RemoteRoot
+from eagle3_assets.core.storage.remote import ConflictError, RemoteRoot
+from eagle3_assets.core.storage.remote_lease import LeaseHeld
 from eagle3_assets.definitions import build_definitions
 
 from .conftest import make_project, moto_server, user_rows

@@ -14,14 +14,9 @@ import polars as pl
 import pytest
 import yaml
 
-from eagle3_assets.core.storage.remote import (
-    MANIFEST,
-    ConflictError,
-    LeaseHeld,
-    RemoteRoot,
-    RetryPolicy,
-    StoreUnavailable,
-)
+from eagle3_assets.core.storage.remote import MANIFEST, ConflictError, RemoteRoot
+from eagle3_assets.core.storage.remote_lease import LeaseHeld
+from eagle3_assets.core.storage.remote_writes import RetryPolicy, StoreUnavailable
 
 from .fault_proxy import FaultProxy
 from .test_object_storage import BUCKET, aws_env, materialize, options, project, s3_server  # noqa: F401
@@ -167,10 +162,14 @@ def test_obstore_alone_does_not_retry_a_conditional_put_that_was_reset(proxy, aw
 
 def test_holds_compares_bytes_where_the_etag_is_not_an_md5(tmp_path):
     r = RemoteRoot("memory://", {}, tmp_path)
-    etag = obs.put(r._writes, "k/a", b"abc")["e_tag"]
+    etag = obs.put(r.writes._writes, "k/a", b"abc")["e_tag"]
     assert etag.strip('"') != __import__("hashlib").md5(b"abc").hexdigest()
-    assert r._holds("k/a", b"abc") == etag
-    assert r._holds("k/a", b"abd") is None and r._holds("k/a", b"ab") is None and r._holds("k/b", b"") is None
+    assert r.writes.holds("k/a", b"abc") == etag
+    assert (
+        r.writes.holds("k/a", b"abd") is None
+        and r.writes.holds("k/a", b"ab") is None
+        and r.writes.holds("k/b", b"") is None
+    )
 
 
 def test_a_push_that_outlasts_the_retries_leaves_the_old_state_and_the_next_push_finishes(
@@ -283,7 +282,9 @@ def test_the_retry_policy_comes_from_the_storage_options(tmp_path, aws_env):  # 
     assert r.retry == RetryPolicy(max_retries=3, init_backoff_s=0.5)
     assert r.store.retry_config["max_retries"] == 3
     assert r.store.retry_config["backoff"]["init_backoff"].total_seconds() == 0.5
-    assert r._writes.retry_config["max_retries"] == 0  # conditional writes: retried by remote.py itself
+    assert (
+        r.writes._writes.retry_config["max_retries"] == 0
+    )  # conditional writes: retried by remote_writes.py
     assert RemoteRoot(f"s3://{BUCKET}/p", options("http://127.0.0.1:9"), tmp_path).retry == RetryPolicy()
     with pytest.raises(ValueError, match="unknown keys"):
         RetryPolicy.from_options({"retries": 3})

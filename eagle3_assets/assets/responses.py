@@ -8,6 +8,7 @@ partition at a time are unchanged; the pool `llm_api` keeps generation to one st
 """
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import dagster as dg
@@ -15,10 +16,12 @@ import polars as pl
 
 from resources import Inference, Project, Storage, Target
 
+from ..config import ProjectConfig
 from ..core.generation.run import DatasetJob, GenerationPlan, GenerationSummary, generate_datasets
 from ..core.generation.stopping import watching
 from ..core.prompts.ingest import ensure_prompts
 from ..core.report import validation
+from ..core.storage.layout import DatasetLayout
 from ..core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 from ..core.storage.versions import content_version, rows_version
 from ..core.target.pairing import pairing_preflight
@@ -116,6 +119,43 @@ def startup_timeline(
     return {k: round(v, 2) for k, v in phases.items()}
 
 
+def _preflight(cfg: ProjectConfig, target: Target, warn: Callable[[str], None]) -> list[str]:
+    """What stops the run before a request is sent: the target's files, then whether tokenizer and model belong
+    together (a passed comparison is remembered)."""
+    problems = list(target.problems())
+    if not problems:
+        pairing = pairing_preflight(cfg)
+        problems += pairing.problems
+        for warning in pairing.warnings:
+            warn(warning)
+    return problems
+
+
+def _repair_prompts(
+    cfg: ProjectConfig, storage: Storage, keys: list[str], warn: Callable[[str], None]
+) -> None:
+    """A damaged prompts.parquet is written again from the source, as the prompts stage would: the engine reads
+    the prompts of every dataset it answers."""
+    for k in keys:
+        ds = cfg.dataset(k)
+        with storage.stage(k, "prompts") as prompts_layout:
+            for q in ensure_prompts(cfg.resolve_path(ds.source), prompts_layout, ds):
+                warn(f"{k}: set aside {q.describe()}; written again from the source")
+
+
+def _dataset_job(
+    cfg: ProjectConfig, config: ResponsesRunConfig, storage: Storage, key: str, layout: DatasetLayout
+) -> DatasetJob:
+    plan = GenerationPlan(
+        key=key,
+        dataset=cfg.dataset(key),
+        sampling=cfg.sampling_for(key),
+        retry_permanent_failures=config.retry_permanent_failures,
+        limit=config.limit,
+    )
+    return DatasetJob(layout, plan, storage.lock(key), storage.flusher(key))
+
+
 def build_responses_asset(
     partitions: dg.PartitionsDefinition,
     automation_condition: dg.AutomationCondition | None = None,
@@ -152,36 +192,12 @@ def build_responses_asset(
         # preflight that passed before for these files is remembered (Target.problems).
         chat = target.deferred_chat_tokenizer()
         settings = inference.engine_settings(config.max_concurrency)
-        preflight = target.problems()
-        if not preflight:  # tokenizer and model belong together (a passed comparison is remembered too)
-            pairing = pairing_preflight(cfg)
-            preflight += pairing.problems
-            for warning in pairing.warnings:
-                context.log.warning(warning)
-        # A damaged prompts.parquet is written again from the source, as the prompts stage would.
-        for k in keys:
-            ds = cfg.dataset(k)
-            with storage.stage(k, "prompts") as prompts_layout:
-                for q in ensure_prompts(cfg.resolve_path(ds.source), prompts_layout, ds):
-                    context.log.warning(f"{k}: set aside {q.describe()}; written again from the source")
+        preflight = _preflight(cfg, target, context.log.warning)
+        _repair_prompts(cfg, storage, keys, context.log.warning)
         with ExitStack() as stack:
             # Append-only: after a failure too, every answer that was paid for is stored.
             layouts = {k: stack.enter_context(storage.stage(k, "responses", append_only=True)) for k in keys}
-            jobs = [
-                DatasetJob(
-                    layouts[k],
-                    GenerationPlan(
-                        key=k,
-                        dataset=cfg.dataset(k),
-                        sampling=cfg.sampling_for(k),
-                        retry_permanent_failures=config.retry_permanent_failures,
-                        limit=config.limit,
-                    ),
-                    storage.lock(k),
-                    storage.flusher(k),
-                )
-                for k in keys
-            ]
+            jobs = [_dataset_job(cfg, config, storage, k, layouts[k]) for k in keys]
             with watching(operator_stop(context)):
                 summaries = generate_datasets(
                     jobs,

@@ -7,6 +7,7 @@ from resources import Project, Storage, Target
 
 from ..core.prompts.ingest import ensure_prompts
 from ..core.report import validation
+from ..core.storage.layout import DatasetLayout
 from ..core.storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..core.storage.versions import rows_version
 from ..core.tokens.build import build_tokens
@@ -78,6 +79,17 @@ def build_tokens_asset(
     return tokens
 
 
+def _token_coverage(layout: DatasetLayout, limit: float) -> validation.Verdict:
+    responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).keys()
+    tokens, conversations = validation.token_rows(layout.tokens)
+    errors = (
+        set(pl.read_parquet(layout.tokens_errors, columns=["id"])["id"].to_list())
+        if layout.tokens_errors.exists()
+        else set()
+    )
+    return validation.token_coverage(responses, tokens, errors, limit, conversations)
+
+
 def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
     @dg.asset_check(
         asset="tokens",
@@ -136,15 +148,7 @@ def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChe
         layout = storage.checkout(context.partition_key, "tokens")
         if not layout.tokens.exists():
             return MISSING
-        responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).keys()
-        tokens, conversations = validation.token_rows(layout.tokens)
-        errors = (
-            set(pl.read_parquet(layout.tokens_errors, columns=["id"])["id"].to_list())
-            if layout.tokens_errors.exists()
-            else set()
-        )
-        limit = project.cfg.checks.max_token_error_share
-        return check_result(validation.token_coverage(responses, tokens, errors, limit, conversations))
+        return check_result(_token_coverage(layout, project.cfg.checks.max_token_error_share))
 
     @dg.asset_check(
         asset="tokens",

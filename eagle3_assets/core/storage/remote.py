@@ -42,24 +42,19 @@ Faults are ridden, not fatal. A store that answers 503 SlowDown or drops connect
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import random
-import re
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlparse
 
+from .remote_lease import hold_lease
+from .remote_writes import ConditionalWrites, RetryPolicy, StoreUnavailable, make_store
+
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MANIFEST = ".remote-manifest.json"  # per local partition copy: relative path -> [etag, size, mtime_ns]
 LEASE = ".lease.json"
@@ -73,102 +68,8 @@ class ConflictError(RuntimeError):
     """Another writer changed the object since this copy saw it (or created it first): this write lost."""
 
 
-class LeaseHeld(RuntimeError):
-    """Another process holds the dataset's lease."""
-
-
-class StoreUnavailable(RuntimeError):
-    """The object store kept failing (5xx, dropped connections) after every retry of the policy."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How requests to the store are retried (`storage.options.retry`): at most `max_retries` retries and
-    `retry_timeout_s` from the first attempt, the n-th waiting a random time between `init_backoff_s` and `base`
-    times the previous wait, capped at `max_backoff_s` (object_store's jittered exponential backoff)."""
-
-    max_retries: int = 10
-    init_backoff_s: float = 0.1
-    max_backoff_s: float = 15.0
-    base: float = 2.0
-    retry_timeout_s: float = 180.0
-
-    @classmethod
-    def from_options(cls, value: Any) -> RetryPolicy:
-        if value is None:
-            return cls()
-        if isinstance(value, RetryPolicy):
-            return value
-        known = {f.name for f in fields(cls)}
-        unknown = set(value) - known
-        if unknown:
-            raise ValueError(
-                f"storage.options.retry: unknown keys {sorted(unknown)}; the keys are {sorted(known)}"
-            )
-        return cls(**value)
-
-    def obstore(self) -> dict[str, Any]:
-        """The policy as obstore's `retry_config`."""
-        return {
-            "max_retries": self.max_retries,
-            "retry_timeout": timedelta(seconds=self.retry_timeout_s),
-            "backoff": {
-                "init_backoff": timedelta(seconds=self.init_backoff_s),
-                "max_backoff": timedelta(seconds=self.max_backoff_s),
-                "base": self.base,
-            },
-        }
-
-    def waits(self) -> Iterator[float]:
-        nxt = self.init_backoff_s
-        while True:
-            wait = nxt
-            nxt = min(
-                self.max_backoff_s,
-                random.uniform(self.init_backoff_s, max(nxt * self.base, self.init_backoff_s)),
-            )
-            yield wait
-
-
 def is_remote(root: str) -> bool:
     return root.startswith(SCHEMES)
-
-
-def make_store(url: str, options: dict[str, Any], retry: RetryPolicy | None = None) -> Any:
-    """An obstore store for `url` (its path is the prefix); credentials come from the environment (AWS_*, ...).
-    `retry` (default: `options["retry"]`) is its retry policy."""
-    from obstore.store import from_url
-
-    retry = retry or RetryPolicy.from_options(options.get("retry"))
-    opts = {k: v for k, v in options.items() if k not in ("allow_http", "client_options", "retry")}
-    client = dict(options.get("client_options") or {})
-    if options.get("allow_http") or str(opts.get("endpoint", opts.get("endpoint_url", ""))).startswith(
-        "http://"
-    ):
-        client["allow_http"] = True
-    if "endpoint_url" in opts:
-        opts["endpoint"] = opts.pop("endpoint_url")
-    return from_url(url, client_options=client or None, retry_config=retry.obstore(), **opts)
-
-
-_STATUS = re.compile(r"status code: (\d{3})")
-
-
-class _Busy(RuntimeError):
-    """A 409 to a conditional replacement: retried like a 503."""
-
-
-def _transient(e: BaseException) -> bool:
-    """A failure worth retrying: a 5xx / 429 / 408 answer, or a connection that failed or was dropped (obstore's
-    GenericError without a 4xx status)."""
-    from obstore.exceptions import BaseError, GenericError
-
-    if isinstance(e, (ConnectionError, TimeoutError, _Busy)):
-        return True
-    if not (isinstance(e, GenericError) or type(e) is BaseError):
-        return False  # not found, already exists, precondition, permission, ...: an answer, not a fault
-    m = _STATUS.search(str(e))
-    return not m or int(m.group(1)) >= 500 or int(m.group(1)) in (408, 429)
 
 
 class RemoteRoot:
@@ -178,13 +79,14 @@ class RemoteRoot:
         self.url = url.rstrip("/")
         self.retry = RetryPolicy.from_options(options.get("retry"))
         self.store = make_store(self.url, options, self.retry)  # reads and overwrites: obstore retries them
-        # Conditional PUTs and deletes: retried here, where a lost answer can be checked (`_put`, `_delete`).
+        # Conditional PUTs and deletes: retried here, where a lost answer can be checked (`ConditionalWrites`).
         # (memory:// is one store per client and never fails: the same one.)
-        self._writes = (
+        writes = (
             self.store
             if self.url.startswith("memory:")
             else make_store(self.url, options, RetryPolicy(max_retries=0))
         )
+        self.writes = ConditionalWrites(self.url, self.store, writes, self.retry)
         self.cache = self.cache_folder(self.url, cache_dir)
         self.cache.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -208,103 +110,6 @@ class RemoteRoot:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(manifest))
         os.replace(tmp, path)
-
-    # -- writes obstore cannot retry safely ------------------------------------------------------------------
-    def _retrying(
-        self,
-        what: str,
-        attempt: Callable[[], T],
-        deadline: float | None = None,
-        stop: threading.Event | None = None,
-    ) -> T:
-        """`attempt()` until it succeeds or fails for good: transient failures (`_transient`) are retried under
-        the policy, and not past `deadline` (a time.time()) nor once `stop` is set, when given."""
-        start = time.monotonic()
-        waits = self.retry.waits()
-        tries = 0
-        while True:
-            try:
-                return attempt()
-            except Exception as e:
-                if not _transient(e):
-                    raise
-                tries += 1
-                wait = next(waits)
-                elapsed = time.monotonic() - start
-                if (
-                    tries > self.retry.max_retries
-                    or elapsed + wait > self.retry.retry_timeout_s
-                    or (deadline is not None and time.time() + wait > deadline)
-                ):
-                    raise StoreUnavailable(
-                        f"{what}: the object store kept failing ({tries} attempt(s) in {elapsed:.1f}s, "
-                        f"storage.options.retry: {self.retry}): {str(e).splitlines()[0]}"
-                    ) from e
-                log.info("%s failed (%s); retry %d in %.2fs", what, str(e).splitlines()[0], tries, wait)
-                if stop is not None and stop.wait(wait):
-                    raise StoreUnavailable(f"{what}: stopped while retrying") from e
-                if stop is None:
-                    time.sleep(wait)
-
-    def _put(
-        self,
-        path: str,
-        data: bytes,
-        mode: Any,
-        deadline: float | None = None,
-        stop: threading.Event | None = None,
-    ) -> str:
-        """A conditional PUT ("create" or {"e_tag": ...}), retried; returns the new ETag. A refusal (412, already
-        exists) is a conflict only if the object does not hold exactly `data`: when it does, an earlier attempt
-        whose answer was lost stored it, and this write succeeded."""
-        import obstore as obs
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-        def attempt() -> str:
-            try:
-                return obs.put(self._writes, path, data, mode=mode)["e_tag"]
-            except (AlreadyExistsError, PreconditionError) as e:
-                etag = self._holds(path, data)
-                if etag is None and isinstance(e, AlreadyExistsError) and mode != "create":
-                    # 409 ConditionalRequestConflict: S3's "an If-Match PUT on this key is in flight, retry".
-                    raise _Busy(str(e)) from e
-                if etag is None:
-                    raise
-                log.info(
-                    "PUT %s/%s: refused, but the object holds these bytes (a lost answer); done",
-                    self.url,
-                    path,
-                )
-                return etag
-
-        return self._retrying(f"PUT {self.url}/{path}", attempt, deadline, stop)
-
-    def _holds(self, path: str, data: bytes) -> str | None:
-        """The object's ETag if it holds exactly `data`, else None. Compares the size, then S3's MD5 ETag of a
-        single-part upload, and otherwise (multipart, encrypted, other stores) the bytes themselves."""
-        import obstore as obs
-
-        try:
-            meta = obs.head(self.store, path)
-        except FileNotFoundError:
-            return None
-        if meta["size"] != len(data):
-            return None
-        etag = meta["e_tag"] or ""
-        if etag.strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest():
-            return etag
-        got = obs.get(self.store, path)
-        return got.meta["e_tag"] if bytes(got.bytes()) == data else None
-
-    def _delete(self, path: str) -> None:
-        """Delete, retried; an object already gone (an earlier attempt whose answer was lost) is a success."""
-        import obstore as obs
-
-        def attempt() -> None:
-            with contextlib.suppress(FileNotFoundError):
-                obs.delete(self._writes, path)
-
-        self._retrying(f"DELETE {self.url}/{path}", attempt)
 
     # -- pull ------------------------------------------------------------------------------------------------
     def pull(self, key: str, reads: list[str]) -> int:
@@ -384,7 +189,7 @@ class RemoteRoot:
                     mode: Any = {"e_tag": known[0]} if known else "create"
                     data = (folder / rel).read_bytes()
                     try:
-                        etag = self._put(f"{key}/{rel}", data, mode)
+                        etag = self.writes.put(f"{key}/{rel}", data, mode)
                     except (AlreadyExistsError, PreconditionError) as e:
                         raise ConflictError(
                             f"{self.url}/{key}/{rel} was changed by another writer since this copy saw it; this "
@@ -395,7 +200,7 @@ class RemoteRoot:
                     uploaded += 1
                 # New files are in place before removed ones go: a reader never sees rows vanish.
                 for rel in gone:
-                    self._delete(f"{key}/{rel}")
+                    self.writes.delete(f"{key}/{rel}")
                     del manifest[rel]
             except StoreUnavailable as e:
                 raise StoreUnavailable(
@@ -415,73 +220,9 @@ class RemoteRoot:
         except FileNotFoundError:
             return None
 
-    # -- lease -----------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lease(self, key: str, what: str, ttl_s: float = 120.0) -> Iterator[None]:
-        """Hold `<key>/.lease.json` while the block runs; another holder's unexpired lease refuses the block.
-
-        It is renewed every ttl/3; a renewal that fails on a fault is retried until the lease would expire (and
-        after that at once again, in case no one took it), so a flaky store does not drop it. Taken over by
-        another process (after it expired), it is logged and left alone, not deleted at the end."""
-        import obstore as obs
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-        path = f"{key}/{LEASE}"
-        me = f"{os.uname().nodename} pid {os.getpid()} {uuid.uuid4().hex[:8]}"
-
-        def body() -> bytes:
-            return json.dumps({"holder": me, "expires": time.time() + ttl_s}).encode()
-
-        first = body()
-        try:
-            etag = self._put(path, first, "create")
-        except AlreadyExistsError:
-            got = obs.get(self.store, path)
-            held = json.loads(bytes(got.bytes()))
-            if held.get("expires", 0) > time.time():
-                raise LeaseHeld(
-                    f"{what} is already running ({held.get('holder')}); wait for it or stop it first"
-                ) from None
-            first = body()
-            try:  # expired: its holder died; take it over, unless someone else just did
-                etag = self._put(path, first, {"e_tag": got.meta["e_tag"]})
-            except PreconditionError:
-                raise LeaseHeld(f"{what} was just started by another process") from None
-        stop = threading.Event()
-        state: dict[str, Any] = {"etag": etag, "expires": json.loads(first)["expires"], "lost": False}
-
-        def renew() -> None:
-            wait = ttl_s / 3
-            while not stop.wait(wait):
-                data = body()
-                try:
-                    state["etag"] = self._put(
-                        path, data, {"e_tag": state["etag"]}, deadline=state["expires"], stop=stop
-                    )
-                    state["expires"] = json.loads(data)["expires"]
-                    wait = ttl_s / 3
-                except (AlreadyExistsError, PreconditionError):
-                    if stop.is_set():  # released meanwhile (the lease is gone): nothing was lost
-                        return
-                    state["lost"] = True
-                    log.error(
-                        "the lease %s/%s was taken over by another process while %s ran", self.url, path, what
-                    )
-                    return
-                except Exception as e:  # the store kept failing until the lease's expiry: keep trying
-                    log.warning("renewing the lease %s/%s failed: %s", self.url, path, e)
-                    wait = min(ttl_s / 3, 1.0)
-
-        thread = threading.Thread(target=renew, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join(5)
-            if not state["lost"]:
-                with contextlib.suppress(Exception):
-                    self._delete(path)
+    def lease(self, key: str, what: str, ttl_s: float = 120.0) -> contextlib.AbstractContextManager[None]:
+        """Hold `<key>/.lease.json` while the block runs (`remote_lease.hold_lease`)."""
+        return hold_lease(self.writes, f"{key}/{LEASE}", what, ttl_s)
 
 
 def _publish_order(rel: str) -> tuple[int, str]:
