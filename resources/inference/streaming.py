@@ -25,161 +25,20 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 
-from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError, describe
+from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError
 
-from .http import _error_response, loads, redact
+from .http import _error_response, redact
+from .sse import EventBatches, OnEvents, Response
 
 KEEPALIVE_S = 30.0  # an idle connection older than this is closed, not reused (servers drop them around 60 s)
 MIN_TICK_S, MAX_TICK_S, FIRST_TICK_S = 0.005, 0.25, 0.01
 TIMEOUT_CHECK_S = 1.0  # how often the pump looks for silent or overlong streams
-
-# Called with each batch of a stream's events, in order (it may raise a classified error to end the stream).
-OnEvents = Callable[[list[dict], Mapping[str, str]], None]
-
-
-class _Headers(dict):
-    """Response headers, looked up without regard to case (`Retry-After`, `X-RateLimit-Reset`)."""
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return super().get(key.lower(), default)
-
-    def __getitem__(self, key: str) -> Any:
-        return super().__getitem__(key.lower())
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and super().__contains__(key.lower())
-
-
-class _Response:
-    """The parser's view of one response: its head, its payload so far (the framing already undone), its end."""
-
-    __slots__ = (
-        "close_delimited",
-        "complete",
-        "error",
-        "headers",
-        "keep_alive",
-        "on_body",
-        "on_headers_complete",
-        "parts",
-    )
-
-    def __init__(self, on_head: Callable[[], None]) -> None:
-        self.on_headers_complete = on_head  # httptools looks its callbacks up once, when the parser is made
-        self.headers = _Headers()
-        self.parts: list[bytes] = []
-        # The C parser appends each piece of payload: no Python frame per chunk.
-        self.on_body = self.parts.append
-        self.complete = False  # the body ended: its last chunk, its Content-Length, or the close that ends it
-        self.close_delimited = False  # neither chunked nor sized: the body ends when the connection does
-        self.keep_alive = False
-        self.error: BaseException | None = None
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-
-    def take(self) -> bytes:
-        parts = self.parts
-        if not parts:
-            return b""
-        out = parts[0] if len(parts) == 1 else b"".join(parts)
-        parts.clear()
-        return out
-
-
-class _Events:
-    """The `data:` events of one streamed body: decoded in batches, handed on in order, `[DONE]` noticed."""
-
-    __slots__ = ("collect", "done", "error", "finished", "headers", "on_events", "pending", "secrets")
-
-    def __init__(self, headers: _Headers, on_events: OnEvents, secrets: tuple[bytes, ...]):
-        self.headers = headers
-        self.on_events = on_events
-        self.secrets = secrets
-        self.pending = b""  # payload after the last complete line
-        self.done = False  # saw `data: [DONE]`
-        self.finished: asyncio.Future | None = None
-        self.error: BaseException | None = None
-        self.collect: bytearray | None = (
-            None  # an error status: the body is kept whole, not decoded as events
-        )
-
-    def feed(self, payload: bytes, final: bool = False) -> None:
-        """Decode the complete lines of what has arrived (all of it when `final`) and hand their events on."""
-        buf = self.pending + payload if self.pending else payload
-        if final:
-            cut = len(buf)
-        else:
-            cut = buf.rfind(b"\n\n") + 2  # whole events, so the common case below applies
-            if cut == 1:
-                cut = buf.rfind(b"\n") + 1  # no blank line yet (or `\r\n` line ends): complete lines
-                if cut == 0:
-                    self.pending = buf
-                    return
-        text, self.pending = buf[:cut], buf[cut:]
-        if self.secrets:
-            text = redact(text, self.secrets)
-        events = self._common(text)
-        if events is None:
-            events = self._lines(text)
-        if events:
-            self.on_events(events, self.headers)
-
-    def _common(self, text: bytes) -> list[dict] | None:
-        """Events as providers send them, `data: <json>` and a blank line each (the last may be `[DONE]`): one
-        orjson call for the batch. A JSON text holds no raw newline, so a separator cannot occur inside an event,
-        and anything else between events (a comment, another field, a `data:` line on its own) leaves the batch
-        unparsable: None, and it is read line by line, which names what is wrong. Stray whitespace (`\r`) is
-        whitespace to JSON as it is to `strip`, so both paths read the same events."""
-        if not (text.startswith(b"data: ") and text.endswith(b"\n\n")):
-            return None
-        body, done = text[6:-2], False
-        if body.endswith(b"[DONE]"):
-            if body == b"[DONE]":
-                self.done = True
-                return []
-            if not body.endswith(b"\n\ndata: [DONE]"):
-                return None
-            body, done = body[:-14], True
-        try:
-            events = loads(b"[%b]" % body.replace(b"\n\ndata: ", b","))
-        except ValueError:
-            return None
-        self.done = self.done or done
-        return [e for e in events if type(e) is dict]
-
-    def _lines(self, text: bytes) -> list[dict]:
-        """Line by line: blank separators, `: keep-alive` comments, `event:`/`id:` fields, `[DONE]`."""
-        events = []
-        for line in text.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                self.done = True
-                break
-            if not data:
-                continue
-            try:
-                event = loads(data)
-            except ValueError:
-                raise InferenceError(
-                    ErrorKind.MALFORMED,
-                    f"unparsable stream event: {describe(data.decode('utf-8', 'replace'))}",
-                    status=200,
-                ) from None
-            if isinstance(event, dict):
-                events.append(event)
-        return events
 
 
 class _Connection(asyncio.Protocol):
@@ -191,17 +50,17 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.idle_since = 0.0
-        self.response: _Response | None = None  # None while idle
+        self.response: Response | None = None  # None while idle
         self.parser: Any = None
         self.head_ready: asyncio.Future | None = None
-        self.events: _Events | None = None  # set once the reader has taken over the response
+        self.events: EventBatches | None = None  # set once the reader has taken over the response
         self.queued = False  # paused, waiting for the pump
         self.got_bytes = False
         self.started_at = self.last_data_at = time.monotonic()
 
     def begin(self, head_ready: asyncio.Future) -> None:
         """A new request on this connection: a fresh response and parser."""
-        self.response = _Response(self._head_complete)
+        self.response = Response(self._head_complete)
         self.parser = httptools.HttpResponseParser(self.response)
         self.head_ready = head_ready
         self.events = None
@@ -403,7 +262,7 @@ class StreamClient:
     async def _read(self, conn: _Connection, on_events: OnEvents) -> bool:
         r = conn.response
         assert r is not None
-        events = _Events(r.headers, on_events, self.secrets)
+        events = EventBatches(r.headers, on_events, self.secrets)
         events.finished = asyncio.get_running_loop().create_future()
         status = conn.parser.get_status_code()
         if status != 200:
