@@ -71,7 +71,10 @@ def _overall_match(root, keys: list[str]) -> str:
     if df.height == 0:
         return "n/a (no reference ids)"
     fin = df.filter(pl.col("finish_reason") == "stop")
-    pct = lambda s: f"{100 * s.mean():.2f}% ({int(s.sum())}/{s.len()})"  # noqa: E731
+
+    def pct(s: pl.Series) -> str:
+        return f"{100 * s.mean():.2f}% ({int(s.sum())}/{s.len()})" if s.len() else "n/a (0 rows)"
+
     kinds = df.filter(~pl.col("reference_match"))["mismatch"].value_counts(sort=True)
     differences = ", ".join(f"{k} {n}" for k, n in kinds.iter_rows()) or "none"
     return (
@@ -108,11 +111,13 @@ def _run(job, key: str, instance):
     )
 
 
-def _hidden_states(key: str, instance, storage: Storage) -> tuple[bool, str, float]:
+def _hidden_states(
+    definitions: dg.Definitions, key: str, instance, storage: Storage
+) -> tuple[bool, str, float]:
     """hidden_states (CPU for the embedded model) with its blocking checks, then a speculators export (stored
     with the partition's other outputs, an object-store root included)."""
     t0 = time.monotonic()
-    result = _run(defs.resolve_job_def(HIDDEN_STATES_JOB), key, instance)
+    result = _run(definitions.resolve_job_def(HIDDEN_STATES_JOB), key, instance)
     passed, total = _checks(result)
     if not result.success:
         return False, f"FAILED ({passed}/{total} checks)", time.monotonic() - t0
@@ -125,9 +130,9 @@ def _hidden_states(key: str, instance, storage: Storage) -> tuple[bool, str, flo
     return True, f"{n} samples, {passed}/{total} checks, exported", time.monotonic() - t0
 
 
-def _acceptance(key: str, instance, root) -> tuple[bool, str]:
+def _acceptance(definitions: dg.Definitions, key: str, instance, root) -> tuple[bool, str]:
     """The acceptance gate: a draft trained on the partition's hidden states, measured against the target."""
-    result = _run(defs.resolve_job_def(ACCEPTANCE_JOB), key, instance)
+    result = _run(definitions.resolve_job_def(ACCEPTANCE_JOB), key, instance)
     passed, total = _checks(result)
     path = DatasetLayout(root, key).acceptance_report
     if not result.success or not path.exists():
@@ -147,7 +152,8 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
     hidden_keys = hidden_keys if hidden_keys is not None else ["B3" if "B3" in keys else keys[0]]
     instance = _instance()
     storage = Storage(cfg)
-    job = defs.resolve_job_def(TRAINING_DATA_JOB)
+    definitions = defs()
+    job = definitions.resolve_job_def(TRAINING_DATA_JOB)
     print(f"eagle3-assets demo: config {config_path()}, backend {cfg.backend}, {len(keys)} datasets")
     print(
         f"outputs under {cfg.storage_root}; Dagster instance {os.environ.get('DAGSTER_HOME', '(ephemeral)')}\n"
@@ -159,9 +165,9 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
         passed, total = _checks(result)
         ok, hidden, gate = result.success, "-", "-"
         if ok and key in hidden_keys:
-            ok, hidden, _ = _hidden_states(key, instance, storage)
+            ok, hidden, _ = _hidden_states(definitions, key, instance, storage)
             if ok:
-                ok, gate = _acceptance(key, instance, cfg.storage_root)
+                ok, gate = _acceptance(definitions, key, instance, cfg.storage_root)
         rows.append(
             _row(
                 key,

@@ -37,3 +37,15 @@ def test_the_location_is_built_from_the_given_config(tmp_path):
     done = _python(code, tmp_path, path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "['Q1', 'Q2']"
+
+
+def test_the_demo_runs_the_main_job_from_the_given_config(tmp_path):
+    """`make demo`'s entry point on a two-prompt project (the hidden states and the gate: the shipped-defaults
+    test): it loads the definitions lazily and prints its table."""
+    path = make_project(tmp_path, {"Q1": {"rows": [{"messages": [{"role": "user", "content": "Say hi."}]}]}})
+    code = "import sys, eagle3_assets.demo as d; sys.exit(d.main(['Q1'], hidden_keys=[]))"
+    done = _python(code, tmp_path, path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"config {path}" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("Q1 "))
+    assert " ok " in row, done.stdout

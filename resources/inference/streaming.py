@@ -3,7 +3,7 @@
 Why not aiohttp for the streams: measured here (`bench/limits.py`, `streaming_cpu`), a minimal aiohttp client spends
 ~16 µs of client CPU per event when every event comes in its own TCP segment, as providers send them (one token at a
 time): a wake-up of the loop, a read, Python callbacks of the HTTP parser per chunk, a switch to the reading task.
-The seed's 40,000 events/s would take two thirds of a core; the engine has one, for everything. Here a connection's
+A backfill's 40,000 events/s would take two thirds of a core; the engine has one, for everything. Here a connection's
 protocol hands what arrives to a C HTTP parser (httptools: the chunked framing is undone with no Python frame per
 chunk), then pauses its socket; a pump, every `tick_s`, takes each waiting stream's payload, parses its `data:`
 events in one orjson call, hands them on as one batch, and lets the socket read again, so the kernel collects the
