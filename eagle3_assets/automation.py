@@ -79,7 +79,8 @@ def ingest_condition(cron: str, config_path: str, backend: str | None) -> dg.Aut
 
 def top_up_condition(cron: str, config_path: str, backend: str | None) -> dg.AutomationCondition:
     """responses: on the cron where there is work for generation, and whenever the prompts' content changed."""
-    tick = dg.AutomationCondition.cron_tick_passed(cron).since_last_handled()
+    # Dagster types since_last_handled on conditions over assets and checks; this one is over assets only.
+    tick = dg.AutomationCondition.cron_tick_passed(cron).since_last_handled()  # type: ignore[misc]
     scheduled = (tick & BudgetNotMet(config_path, backend) & _quiet()).with_label("scheduled top-up")
     return (scheduled | follow_upstream()).with_label("scheduled top-up, or prompts changed")
 

@@ -73,7 +73,10 @@ def _overall_match(root, keys: list[str]) -> str:
     fin = df.filter(pl.col("finish_reason") == "stop")
 
     def pct(s: pl.Series) -> str:
-        return f"{100 * s.mean():.2f}% ({int(s.sum())}/{s.len()})" if s.len() else "n/a (0 rows)"
+        if not s.len():
+            return "n/a (0 rows)"
+        hits = int(s.cast(pl.Int64).sum())
+        return f"{100 * hits / s.len():.2f}% ({hits}/{s.len()})"
 
     kinds = df.filter(~pl.col("reference_match"))["mismatch"].value_counts(sort=True)
     differences = ", ".join(f"{k} {n}" for k, n in kinds.iter_rows()) or "none"
@@ -179,11 +182,11 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
                 gate,
             )
         )
-    total = time.monotonic() - started
+    elapsed = time.monotonic() - started
     print()
     _print_table(rows)
     print(f"\nreference match over all datasets: {_overall_match(cfg.storage_root, keys)}")
-    print(f"total time {total / 60:.1f} min")
+    print(f"total time {elapsed / 60:.1f} min")
     print(f"outputs: {cfg.storage_root}/<dataset>/ (prompts.parquet, responses/, tokens.parquet, report.md)")
     for key in hidden_keys:
         print(

@@ -72,17 +72,23 @@ class Storage:
 
     def lock(self, key: str) -> Callable[[str], contextlib.AbstractContextManager]:
         """One generating process per dataset: a lease object in the store, or a file lock in the folder."""
-        if self.remote is not None:
-            return lambda what: self.remote.lease(key, what)
+        remote = self.remote
+        if remote is not None:
+            return lambda what: remote.lease(key, what)
         return lambda what: JournalTable(self.layout(key).responses_dir, RESPONSE_SCHEMA).exclusive(what)
 
     def flusher(self, key: str) -> Callable[[], None] | None:
         """Called after every journal flush: with an object store, the new parts go up at once (a dead pod loses
         what a local kill -9 loses, no more)."""
-        if self.remote is None:
+        remote = self.remote
+        if remote is None:
             return None
         paths = self.layout(key).journal_paths()
-        return lambda: self.remote.push(key, paths)
+
+        def push() -> None:
+            remote.push(key, paths)
+
+        return push
 
 
 class StorageJsonIOManager(dg.IOManager):
@@ -111,7 +117,10 @@ class StorageJsonIOManager(dg.IOManager):
         write_json(obj, path)
 
     def load_input(self, context: dg.InputContext) -> object:
-        rel = self._rel(context.upstream_output)
+        upstream = context.upstream_output
+        if upstream is None:
+            raise ValueError(f"{context.name}: an input with no upstream output has nothing to load")
+        rel = self._rel(upstream)
         if self.remote is not None:
             import obstore as obs
 

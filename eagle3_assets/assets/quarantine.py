@@ -34,5 +34,4 @@ def _check(stage: str, partitions: dg.PartitionsDefinition) -> dg.AssetChecksDef
 
         return check_each_partition(context, evaluate)
 
-    quarantined_files.__name__ = f"{stage}_quarantined_files"
     return quarantined_files

@@ -87,7 +87,7 @@ def _error_fields(body: Any) -> tuple[int | None, str, dict]:
             code = int(code) if code is not None else None
         except (TypeError, ValueError):
             code = None
-        meta = err.get("metadata") if isinstance(err.get("metadata"), dict) else {}
+        meta: dict[str, Any] = err["metadata"] if isinstance(err.get("metadata"), dict) else {}
         return (
             code,
             str(err.get("message") or describe(err)),
@@ -104,7 +104,7 @@ def classify(status: int, body: Any, headers: Mapping[str, str] | None = None) -
     code, message, meta = _error_fields(body)
     status = code or status
     retry_after = parse_retry_after(headers.get("Retry-After"))
-    avail = meta.get("availability") if isinstance(meta.get("availability"), dict) else {}
+    avail: dict[str, Any] = meta["availability"] if isinstance(meta.get("availability"), dict) else {}
     if retry_after is None and isinstance(avail.get("retry_after"), int | float):
         retry_after = float(avail["retry_after"])
     error_type = str(meta.get("error_type") or "")

@@ -148,11 +148,14 @@ class LocalBackend:
         if eos is not None and eos not in stop_ids:
             stop_ids.append(eos)
         pad = self.chat.tok.pad_token_id if self.chat.tok.pad_token_id is not None else stop_ids[0]
+        prompts = [r.prompt_ids for r in requests if r.prompt_ids is not None]
+        if len(prompts) != len(requests):  # the engine renders them: this backend says wants_prompt_ids
+            raise ValueError("the embedded backend was sent a request without prompt_ids")
         try:
             results = await asyncio.to_thread(
                 generate_batch,
                 self._weights,
-                [r.prompt_ids for r in requests],
+                prompts,
                 requests[0].max_tokens,
                 requests[0].sampling,
                 stop_ids,

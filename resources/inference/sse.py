@@ -18,7 +18,7 @@ OnEvents = Callable[[list[dict], Mapping[str, str]], None]
 class Headers(dict):
     """Response headers, looked up without regard to case (`Retry-After`, `X-RateLimit-Reset`)."""
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         return super().get(key.lower(), default)
 
     def __getitem__(self, key: str) -> Any:

@@ -40,16 +40,21 @@ SHAREGPT_ROLES = {
 }
 RAW_PREVIEW_CHARS = 2000
 
-PROMPT_SCHEMA = {
-    "id": pl.String,
-    "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
-    "source_row": pl.Int64,
-    "n_turns": pl.Int32,
+PROMPT_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String(),
+    "messages": pl.List(pl.Struct({"role": pl.String(), "content": pl.String()})),
+    "source_row": pl.Int64(),
+    "n_turns": pl.Int32(),
     # The source's own answer to the last turn (its trailing assistant turn, or an instruction row's response
     # field), null where it has none: the acceptance gate trains on it to show what regeneration buys.
-    "source_answer": pl.String,
+    "source_answer": pl.String(),
 }
-QUARANTINE_SCHEMA = {"source_row": pl.Int64, "id": pl.String, "reason": pl.String, "raw": pl.String}
+QUARANTINE_SCHEMA: dict[str, pl.DataType] = {
+    "source_row": pl.Int64(),
+    "id": pl.String(),
+    "reason": pl.String(),
+    "raw": pl.String(),
+}
 
 
 class RowError(ValueError):

@@ -13,7 +13,7 @@ from typing import Any
 import polars as pl
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     """Call `write(tmp)` on a hidden temporary file beside `path`, fsync it, then rename it into place.
 
     The temporary name does not end in the target's suffix, so globs such as `responses/*.parquet` never see it.

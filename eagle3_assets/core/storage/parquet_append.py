@@ -18,6 +18,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 # Compact-protocol type ids.
 _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT, _UUID = range(1, 14)
@@ -146,10 +147,10 @@ class _Writer:
         elif t in (_I16, _I32, _I64):
             self.zigzag(v)  # type: ignore[arg-type]
         elif t in (_DOUBLE, _UUID):
-            self.out += v  # type: ignore[operator]
+            self.out += cast(bytes, v)
         elif t == _BINARY:
             self.varint(len(v))  # type: ignore[arg-type]
-            self.out += v  # type: ignore[operator]
+            self.out += cast(bytes, v)
         elif t in (_LIST, _SET):
             lv: ListValue = v  # type: ignore[assignment]
             n = len(lv.items)
@@ -277,4 +278,4 @@ def append_file(base: Path, extra: Path, out: Path) -> int:
         dst.write(footer)
         dst.write(struct.pack("<I", len(footer)))
         dst.write(MAGIC)
-    return int(rows)  # type: ignore[arg-type]
+    return int(rows)

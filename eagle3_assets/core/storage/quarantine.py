@@ -19,9 +19,12 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
+
+if TYPE_CHECKING:
+    from polars._typing import PolarsDataType
 
 from .files import write_json
 
@@ -98,7 +101,7 @@ def parquet_problem(
     return None
 
 
-def _compatible(have: pl.DataType, want: pl.DataType) -> bool:
+def _compatible(have: PolarsDataType, want: PolarsDataType) -> bool:
     if have == want or have == pl.Null:
         return True
     if have.is_numeric() and want.is_numeric():

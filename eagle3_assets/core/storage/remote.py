@@ -120,7 +120,7 @@ class RemoteRoot:
         with self._lock:
             manifest = self._manifest(key)
             folder = self.local(key)
-            remote: dict[str, dict] = {}
+            remote: dict[str, Any] = {}
             for prefix in reads:
                 if prefix.endswith("/"):
                     for batch in obs.list(self.store, f"{key}/{prefix}"):

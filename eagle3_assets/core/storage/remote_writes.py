@@ -91,7 +91,8 @@ def make_store(url: str, options: dict[str, Any], retry: RetryPolicy | None = No
         client["allow_http"] = True
     if "endpoint_url" in opts:
         opts["endpoint"] = opts.pop("endpoint_url")
-    return from_url(url, client_options=client or None, retry_config=retry.obstore(), **opts)
+    kwargs: dict[str, Any] = {**opts, "client_options": client or None, "retry_config": retry.obstore()}
+    return from_url(url, **kwargs)
 
 
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -173,7 +174,7 @@ class ConditionalWrites:
 
         def attempt() -> str:
             try:
-                return obs.put(self._writes, path, data, mode=mode)["e_tag"]
+                return _etag(obs.put(self._writes, path, data, mode=mode)["e_tag"], path)
             except (AlreadyExistsError, PreconditionError) as e:
                 etag = self.holds(path, data)
                 if etag is None and isinstance(e, AlreadyExistsError) and mode != "create":
@@ -216,3 +217,10 @@ class ConditionalWrites:
                 obs.delete(self._writes, path)
 
         self.retrying(f"DELETE {self.url}/{path}", attempt)
+
+
+def _etag(etag: str | None, path: str) -> str:
+    """Conditional writes need the ETag a PUT returns; a store that gives none cannot hold a partition safely."""
+    if etag is None:
+        raise StoreUnavailable(f"PUT {path}: the store returned no ETag (conditional writes need one)")
+    return etag

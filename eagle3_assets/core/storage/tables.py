@@ -14,51 +14,53 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import polars as pl
 
 from .files import remove_stale_temporaries, sink_parquet, write_json, write_parquet
 from .quarantine import Quarantined, has_parquet_magic, parquet_problem, quarantine
 
+Keep = Literal["first", "last", "any", "none"]  # which copy of a key wins
+
 RESPONSE_SCHEMA: dict[str, pl.DataType] = {
-    "id": pl.String,
-    "backend": pl.String,
-    "model": pl.String,
-    "provider": pl.String,
-    "content": pl.String,
-    "reasoning": pl.String,
-    "finish_reason": pl.String,
-    "prompt_tokens": pl.Int64,
-    "completion_tokens": pl.Int64,
-    "cost_usd": pl.Float64,
-    "output_ids": pl.List(pl.Int32),
-    "native_finish_reason": pl.String,
-    "reasoning_tokens": pl.Int64,
-    "cached_tokens": pl.Int64,
-    "request_id": pl.String,
-    "latency_s": pl.Float64,
-    "created_at": pl.Float64,  # unix seconds
-    "run_id": pl.String,
-    "source": pl.String,  # "generated" or "imported:<file name>"
-    "usage_estimated": pl.Boolean,  # no usage from the server: completion_tokens counted with the target tokenizer
+    "id": pl.String(),
+    "backend": pl.String(),
+    "model": pl.String(),
+    "provider": pl.String(),
+    "content": pl.String(),
+    "reasoning": pl.String(),
+    "finish_reason": pl.String(),
+    "prompt_tokens": pl.Int64(),
+    "completion_tokens": pl.Int64(),
+    "cost_usd": pl.Float64(),
+    "output_ids": pl.List(pl.Int32()),
+    "native_finish_reason": pl.String(),
+    "reasoning_tokens": pl.Int64(),
+    "cached_tokens": pl.Int64(),
+    "request_id": pl.String(),
+    "latency_s": pl.Float64(),
+    "created_at": pl.Float64(),  # unix seconds
+    "run_id": pl.String(),
+    "source": pl.String(),  # "generated" or "imported:<file name>"
+    "usage_estimated": pl.Boolean(),  # no usage from the server: completion_tokens counted with the target tokenizer
 }
 
 FAILURE_SCHEMA: dict[str, pl.DataType] = {
-    "id": pl.String,
-    "error_kind": pl.String,
-    "message": pl.String,
-    "attempts": pl.Int32,
-    "permanent": pl.Boolean,
-    "backend": pl.String,
-    "status": pl.Int32,
-    "created_at": pl.Float64,
-    "run_id": pl.String,
+    "id": pl.String(),
+    "error_kind": pl.String(),
+    "message": pl.String(),
+    "attempts": pl.Int32(),
+    "permanent": pl.Boolean(),
+    "backend": pl.String(),
+    "status": pl.Int32(),
+    "created_at": pl.Float64(),
+    "run_id": pl.String(),
 }
 
 
 # Rows `eagle3 import-responses` could not use (imports/*.parquet).
-IMPORT_REJECTED_SCHEMA: dict[str, pl.DataType] = {"source_row": pl.Int64, "reason": pl.String}
+IMPORT_REJECTED_SCHEMA: dict[str, pl.DataType] = {"source_row": pl.Int64(), "reason": pl.String()}
 
 TALLY = (
     "tally.json"  # beside a table's parts: rows and sums per part, what a part held once it cannot be read
@@ -124,7 +126,7 @@ class JournalTable:
     def keys(self) -> set[str]:
         return set(self.scan([self.key]).collect()[self.key].to_list())
 
-    def read(self, keep: str = "first") -> pl.DataFrame:
+    def read(self, keep: Keep = "first") -> pl.DataFrame:
         """The table with one row per key (`keep`: which copy wins when a crash left two)."""
         return self.scan().unique(subset=[self.key], keep=keep, maintain_order=True).collect()
 
@@ -140,7 +142,7 @@ class JournalTable:
         self._tally({name: self._tally_entry(df.lazy())}, prune=False)
         return path
 
-    def compact(self, keep: str = "first", drop_keys: Iterable[str] | None = None) -> int:
+    def compact(self, keep: Keep = "first", drop_keys: Iterable[str] | None = None) -> int:
         """Fold all parts into one file with one row per key; returns the row count. O(table): an occasional step.
 
         The new file is in place before the old parts go, so a crash in between duplicates rows, never loses them.
