@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .support.projects import REPO
 
 CORE = REPO / "eagle3_assets" / "core"
 ORDER = ["storage", "target", "prompts", "generation", "tokens", "report", "hidden_states", "acceptance"]

@@ -28,9 +28,10 @@ from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
 
-from .conftest import REPO, make_plan, make_project, user_rows, write_jsonl
-from .fake_servers import FakeOpenRouter
-from .live import DagsterDev
+from .support.dagster_dev import DagsterDev
+from .support.engine_runs import make_plan
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import REPO, make_project, user_rows, write_jsonl
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
 KEY = "test-key-" + "t" * 24

@@ -10,7 +10,7 @@ import pytest
 from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
 from eagle3_assets.core.target.verbatim import verbatim_problem
 
-from .tokenizer_families import FAMILIES
+from .support.tokenizer_families import FAMILIES
 
 
 def loop(body: str) -> str:
@@ -200,7 +200,7 @@ def test_a_trimming_template_rebuilds_the_rows_it_rewrites_as_the_model_saw_them
     answer's reasoning is written as the model produced it (`<think>…</think>` before the content), exactly as a
     template that writes texts verbatim writes it: every one of these rows is rebuilt (9 of them were refused at
     first, then the 3 whose answer carries reasoning)."""
-    from .tokenizer_families import LLAMA3_TEMPLATE
+    from .support.tokenizer_families import LLAMA3_TEMPLATE
 
     tok = FAMILIES["llama3"]()
     chat = ChatTokenizer(tok)
