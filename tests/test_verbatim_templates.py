@@ -3,13 +3,12 @@ skipping the per-row render for a proven template changes no id, no mask and no 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
 from eagle3_assets.core.target.verbatim import verbatim_problem
 
+from .support.kimi_standin import CHAT_TEMPLATE
 from .support.tokenizer_families import FAMILIES
 
 
@@ -118,7 +117,7 @@ def test_the_real_templates_here():
     verdicts = {name: verbatim_problem(make().chat_template) for name, make in FAMILIES.items()}
     assert {n for n, v in verdicts.items() if v is None} == {"mistral", "phi3", "deepseek_v3"}
     assert "trim" in verdicts["llama3"] and "decides" in verdicts["qwen3"]
-    kimi = (Path(__file__).parent / "kimi_standin" / "chat_template.jinja").read_text()
+    kimi = CHAT_TEMPLATE.read_text()
     assert verbatim_problem(kimi) is not None
 
 
