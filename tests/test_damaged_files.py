@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import random
 import time
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from .support.object_store import s3_storage
 from .support.projects import make_project, user_rows, write_jsonl
 
 KINDS = ["truncated", "not_parquet", "wrong_schema"]
+GARBAGE = random.Random(0).randbytes(64)  # arbitrary bytes, the same in every run
 N = 12  # prompts per dataset: small, every test runs in a second or two
 
 
@@ -51,7 +52,7 @@ def damage(path: Path, kind: str) -> None:
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2])
     elif kind == "not_parquet":
-        path.write_bytes(b"this is not a parquet file\n" + os.urandom(64))
+        path.write_bytes(b"this is not a parquet file\n" + GARBAGE)
     elif kind == "wrong_schema":
         pl.DataFrame({"something": [1, 2, 3], "else": ["a", "b", "c"]}).write_parquet(path)
     else:
@@ -326,7 +327,7 @@ def test_a_damaged_shard_is_set_aside_and_its_samples_planned_again(tmp_path, ki
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         assert safetensors_problem(shard) is not None
     elif kind == "not_safetensors":
-        shard.write_bytes(b"not a safetensors file" + os.urandom(64))
+        shard.write_bytes(b"not a safetensors file" + GARBAGE)
         assert safetensors_problem(shard) is not None
     else:  # a whole safetensors file, of something else
         import torch
