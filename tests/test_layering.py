@@ -77,7 +77,8 @@ def test_every_stage_is_a_package_with_a_docstring_that_says_what_it_may_import(
 
 
 def test_the_layering_rule_can_fail(tmp_path):
-    """The check itself: an upward import is seen (in a copy of the layout under tmp_path, not the source tree)."""
+    """The check itself: an upward import is seen (in a probe laid out under tmp_path, not in the source
+    tree)."""
     bad = tmp_path / "eagle3_assets" / "core" / "storage" / "_upward_probe.py"
     bad.parent.mkdir(parents=True)
     bad.write_text("from ..acceptance.gate import run_gate\n")

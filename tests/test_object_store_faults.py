@@ -1,7 +1,8 @@
-"""Object-store faults are ridden, not fatal: through a fault proxy in front of the moto server (tests/support/fault_proxy.py)
-that answers 503 SlowDown or resets connections on a share of requests, including after a write reached the server,
-a stage's push and pull are retried with backoff and complete, a PUT whose answer was lost is not reported as a
-conflict, and a push that fails for good leaves the store consistent for the next one to finish."""
+"""Object-store faults are ridden, not fatal: through a fault proxy in front of the moto server
+(tests/support/fault_proxy.py) that answers 503 SlowDown or resets connections on a share of requests,
+including after a write reached the server, a stage's push and pull are retried with backoff and complete, a
+PUT whose answer was lost is not reported as a conflict, and a push that fails for good leaves the store
+consistent for the next one to finish."""
 
 from __future__ import annotations
 

@@ -194,9 +194,9 @@ def test_samples_without_an_answer_token_do_not_pass(right_states, pieces, tmp_p
 
 
 def test_sampled_answers_are_held_to_the_alignment_rule_not_the_argmax(right_states, pieces, chat, tmp_path):
-    """Answers not decoded greedily by the target (sampled, or written by someone else: the canned answers of
-    tests/support/hidden_states.py): the argmax rule does not apply and the metadata says so; the stored rows must
-    still name more answer tokens than the same rows one position off."""
+    """Answers not decoded greedily by the target (sampled, or written by someone else: the canned answers
+    of tests/support/hidden_states.py): the argmax rule does not apply and the metadata says so; the stored
+    rows must still name more answer tokens than the same rows one position off."""
     layout = write_tokens(chat, tmp_path / "canned", n=6)
     extract_dataset(layout, ExtractionSettings(hidden=HiddenStatesConfig()), log=lambda m: None)
     canned = layout.hidden_states_dir

@@ -44,8 +44,8 @@ EVENTS = [{"choices": [{"delta": {"content": f"w{i} "}}]} for i in range(20)]
 
 
 class RawServer:
-    """A TCP server on loopback whose handler gets each request and writes whatever bytes it likes. `dropped` is
-    set once the server has closed a connection."""
+    """A TCP server on loopback whose handler gets each request and writes whatever bytes it likes.
+    `dropped` is set once the server has closed a connection."""
 
     def __init__(self, handler, ssl_context: ssl.SSLContext | None = None):
         self.handler = handler
@@ -110,9 +110,9 @@ async def failed_posts(client: StreamClient, n: int) -> list[InferenceError]:
 def decode_in_pieces(
     response: bytes, ends: list[int], secrets: tuple[bytes, ...] = ()
 ) -> tuple[list[dict], bool]:
-    """The events of one HTTP response whose bytes arrive in pieces ending at `ends`, decoded as the client does
-    at each pump tick (the C parser fed the piece, the payload it has undone handed to the event decoder), and
-    whether the stream said `[DONE]`."""
+    """The events of one HTTP response whose bytes arrive in pieces ending at `ends`, decoded as the client
+    does at each pump tick (the C parser fed the piece, the payload it has undone handed to the event
+    decoder), and whether the stream said `[DONE]`."""
     seen: list[dict] = []
     r = _Response(lambda: None)
     parser = httptools.HttpResponseParser(r)
@@ -173,7 +173,8 @@ def test_keep_alive_reuse_and_a_connection_dropped_while_idle():
             for _ in range(2):
                 assert await client.post(b"{}", lambda e, h: None)
             assert server.connections == 1  # the second request reused the first connection
-            # The server has closed it (noticed while idle or on the next write): the next request opens another.
+            # The server has closed it (noticed while idle or on the next write): the next request opens
+            # another.
             await server.dropped.wait()
             assert await client.post(b"{}", lambda e, h: None)
             await client.close()
@@ -249,9 +250,9 @@ def test_an_unframed_body_ends_with_its_connection():
 
 
 def test_events_reach_the_caller_while_the_stream_is_still_open():
-    """The budget counts a streamed answer's tokens while it is in flight: events are handed on at the pump's
-    ticks, not only when the answer ends. The server holds the rest of the answer back until the caller has the
-    first event (or, if it never gets it, a minute later, and the order below fails the test)."""
+    """The budget counts a streamed answer's tokens while it is in flight: events are handed on at the
+    pump's ticks, not only when the answer ends. The server holds the rest of the answer back until the
+    caller has the first event (or, if it never gets it, a minute later, and the order below fails)."""
     order: list[str] = []
 
     async def main():

@@ -39,8 +39,8 @@ LATENCY_S = 2.0  # every answer takes this long: a run of hundreds of prompts is
 
 
 def _signal_when(server: FakeOpenRouter, hits: int, sig: int = signal.SIGINT) -> dict:
-    """Send `sig` to this process once the provider has seen `hits` requests; returns how many it had seen when
-    the signal was sent (`hits`, filled in then)."""
+    """Send `sig` to this process once the provider has seen `hits` requests; returns how many it had seen
+    when the signal was sent (`hits`, filled in then)."""
     sent: dict = {}
 
     def watch() -> None:
@@ -101,8 +101,9 @@ def test_sigint_stops_sending_stores_what_arrived_and_the_next_run_pays_only_the
             _generate(tmp_path, server, layout, chat, concurrency)
         assert "hits" in sent
         n_before = len(server.hits)
-        # Answers take LATENCY_S, far longer than the grace, so no slot frees after the signal: what reaches the
-        # provider after it is at most what was already on its way (the window). Sending on would be far more.
+        # Answers take LATENCY_S, far longer than the grace, so no slot frees after the signal: what
+        # reaches the provider after it is at most what was already on its way (the window). Sending on
+        # would be far more.
         assert n_before - sent["hits"] <= concurrency, f"{n_before - sent['hits']} requests after the stop"
         journal = ResponseJournal(layout)
         stored = journal.done_ids()

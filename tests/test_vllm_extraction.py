@@ -1,7 +1,7 @@
-"""Hidden states through a real vLLM server (the pinned CPU build, fp32, on loopback; tests/support/vllm_server.py): equal to
-the transformers path, checked and exported like it, resumable after a kill, robust to a server that dies and to
-connector files that are missing, cut or wrong; and the same server generates the answers whose ids the tokens
-stage compares with.
+"""Hidden states through a real vLLM server (the pinned CPU build, fp32, on loopback;
+tests/support/vllm_server.py): equal to the transformers path, checked and exported like it, resumable after a
+kill, robust to a server that dies and to connector files that are missing, cut or wrong; and the same server
+generates the answers whose ids the tokens stage compares with.
 """
 
 from __future__ import annotations
@@ -545,8 +545,9 @@ def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(se
         with pytest.raises(RunTerminated):
             extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(vllm, "B1", 4))
         first = proxy.posts
-        # After the signal: at most the window already on its way, and one window's worth dispatched as answers
-        # (quick here) landed before the loop took the signal. Sending on would be the 22 or so samples left.
+        # After the signal: at most the window already on its way, and one window's worth dispatched as
+        # answers (quick here) landed before the loop took the signal. Sending on would be the 22 or so
+        # samples left.
         late = first - stopped["requests"]
         assert late <= 2 * vllm.max_concurrency, f"{late} requests after the stop"
         _, stats, index = extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(vllm, "B1", 4))

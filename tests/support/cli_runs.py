@@ -1,5 +1,5 @@
-"""A stage run through the real command line (`dagster asset materialize` in a subprocess), and a crash of it at
-a moment the test chooses: what a user's terminal or a killed pod does to a run."""
+"""A stage run through the real command line (`dagster asset materialize` in a subprocess), and a crash of it
+at a moment the test chooses: what a user's terminal or a killed pod does to a run."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def env_for(config: Path, dagster_home: Path, key: str) -> dict[str, str]:
 def kill_once_written(
     cmd: list[str], folder: Path, pattern: str, count: int, timeout_s: float, env: dict | None = None
 ) -> None:
-    """Start `cmd` in its own session, wait until `folder` holds `count` files matching `pattern`, then kill -9
-    its whole process group: a crash at a moment the test chose, mid-run."""
+    """Start `cmd` in its own session, wait until `folder` holds `count` files matching `pattern`, then
+    kill -9 its whole process group: a crash at a moment the test chose, mid-run."""
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

@@ -1,6 +1,6 @@
-"""The generation engine run in process against an OpenRouter-shaped server on loopback: the dataset it reads,
-the settings it runs with, and what it stored. Shared by the engine, limit, robustness and tokenizer tests and by
-`bench engine`."""
+"""The generation engine run in process against an OpenRouter-shaped server on loopback: the dataset it
+reads, the settings it runs with, and what it stored. Shared by the engine, limit, robustness and tokenizer
+tests and by `bench engine`."""
 
 from __future__ import annotations
 

@@ -85,7 +85,8 @@ def served_settings(base_url: str, storage: Path, **hidden) -> ExtractionSetting
 
 
 def reference_states(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An independent plain forward of one sample, with hooks of its own: (aux [T, 3H], last pre-norm, post-norm)."""
+    """An independent plain forward of one sample, with hooks of its own: (aux [T, 3H], last pre-norm,
+    post-norm)."""
     grabbed = {}
     handles = [
         model.model.layers[i].register_forward_hook(
@@ -104,7 +105,7 @@ def reference_states(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def verdicts(layout, s) -> dict[str, bool]:
-    """Whether each of the five hidden_states checks passes on `layout`'s states extracted with settings `s`."""
+    """Whether each of the five hidden_states checks passes on `layout`'s states, extracted with `s`."""
     folder = layout.hidden_states_dir
     tokens = pl.read_parquet(layout.tokens)
     index = pl.read_parquet(folder / "index.parquet")
@@ -120,7 +121,8 @@ def verdicts(layout, s) -> dict[str, bool]:
 
 
 def rewrite_shard(folder, change: ShardChange, name: str | None = None) -> None:
-    """Load a shard (the first by default), let `change(tensors, meta)` alter it, save it back under its name."""
+    """Load a shard (the first by default), let `change(tensors, meta)` alter it, save it back under its
+    name."""
     name = name or sorted(finished_shards(folder))[0]
     path = folder / name
     with safe_open(str(path), framework="pt") as f:

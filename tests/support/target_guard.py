@@ -6,8 +6,9 @@ import pytest
 
 
 class FullTargetGuard:
-    """Refuses to load the whole target in this process and records the depth of every decoder forward: what the
-    steps past generation may run of a target that never fits (pieces of the checkpoint, never the whole)."""
+    """Refuses to load the whole target in this process and records the depth of every decoder forward:
+    what the steps past generation may run of a target that never fits (pieces of the checkpoint, never the
+    whole)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         import transformers
