@@ -175,8 +175,7 @@ def _measure(client: Callable[..., Awaitable[int]], server: LoopbackServer, conc
 def resume_check_seconds(n: int = 100_000) -> float:
     """Seconds to re-materialise a finished n-prompt partition (reads what is done, sends nothing)."""
     from eagle3_assets.core.generation.run import generate_responses
-    from tests.conftest import make_plan
-    from tests.test_engine import _MustNotBeCalled, write_finished_partition
+    from tests.support.engine_runs import NeverCalledBackend, make_plan, write_finished_partition
 
     with tempfile.TemporaryDirectory() as tmp:
         layout = write_finished_partition(Path(tmp), n)
@@ -184,7 +183,7 @@ def resume_check_seconds(n: int = 100_000) -> float:
         generate_responses(
             layout,
             make_plan("B9", 100, 10**12),
-            _MustNotBeCalled(),
+            NeverCalledBackend(),
             None,
             EngineSettings(max_concurrency=8),
             log=lambda m: None,

@@ -3,10 +3,10 @@ this engine beside today's fixed-concurrency policy and a client that pauses 10 
 fault mix against its fault-free time; faults scripted on first attempts (no limit behind them) against the same run
 without them; budget overshoot at 500 and 2000 in flight; client CPU of 2000 streams.
 
-Every provider is `tests.limited_provider.LimitedProvider` in its own process (so the client's CPU is its own),
-with heavy-tailed service times (log-normal, median 1 s). Goodput is counted by the provider between the 10% and
-90% quantiles of answers (ramp-up and drain left out); whole-run figures are printed beside it. Baselines that
-do not finish are stopped at a deadline and their unanswered prompts counted.
+Every provider is `tests.support.limited_provider.LimitedProvider` in its own process (so the client's CPU is
+its own), with heavy-tailed service times (log-normal, median 1 s). Goodput is counted by the provider between
+the 10% and 90% quantiles of answers (ramp-up and drain left out); whole-run figures are printed beside it.
+Baselines that do not finish are stopped at a deadline and their unanswered prompts counted.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
-from tests.fake_servers import FakeOpenRouter, scripted_fault_prompts
-from tests.limited_provider import LimitedProvider, ProviderSpec, goodput
+from tests.support.fake_servers import FakeOpenRouter, scripted_fault_prompts
+from tests.support.limited_provider import LimitedProvider, ProviderSpec, goodput
 
 from .baselines import run_fixed
 

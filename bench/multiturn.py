@@ -23,7 +23,7 @@ from eagle3_assets.core.generation.protocol import CompletionRequest, Sampling
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
-from tests.limited_provider import LimitedProvider, ProviderSpec
+from tests.support.limited_provider import LimitedProvider, ProviderSpec
 
 CAP = 600
 

@@ -43,7 +43,7 @@ from eagle3_assets.definitions import (
     build_definitions,
 )
 
-from .conftest import REPO
+from .support.projects import REPO
 
 pytestmark = pytest.mark.slow
 

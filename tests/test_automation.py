@@ -15,7 +15,7 @@ from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.definitions import build_definitions
 
-from .conftest import make_project, user_rows
+from .support.projects import make_project, user_rows
 
 T0 = dt.datetime(2026, 11, 29, 10, 1, tzinfo=dt.UTC)
 

@@ -16,9 +16,8 @@ from eagle3_assets.core.tokens.build import build_tokens
 from resources.inference.openrouter import OpenRouterBackend, parse_chat_completion
 from resources.inference.sglang import SGLangBackend, split_reasoning
 
-from .conftest import make_plan
-from .fake_servers import FakeOpenRouter, FakeSGLang
-from .test_engine import dataset
+from .support.engine_runs import KEY_ENV, dataset, make_plan
+from .support.fake_servers import FakeOpenRouter, FakeSGLang
 
 SETTINGS = dict(backoff_base_s=0.01, backoff_max_s=0.05, flush_interval_s=0.2, progress_interval_s=1)
 
@@ -122,11 +121,9 @@ def test_import_counts_toward_budget_and_serves_as_reference(tmp_path, chat, smo
     assert tokens.n_reference == 1 and tokens.n_match == 1
 
     # The imported 400+ tokens already exceed a 300-token budget: nothing more is sent.
-    monkeypatch.setenv("EAGLE3_TEST_OPENROUTER_KEY", "k")
+    monkeypatch.setenv(KEY_ENV, "k")
     with FakeOpenRouter(key="k") as server:
-        backend = OpenRouterBackend(
-            OpenRouterConfig(base_url=server.base_url, api_key_env="EAGLE3_TEST_OPENROUTER_KEY"), chat
-        )
+        backend = OpenRouterBackend(OpenRouterConfig(base_url=server.base_url, api_key_env=KEY_ENV), chat)
         plan = make_plan("B1", 50, 300)
         out = generate_responses(
             layout,

@@ -7,7 +7,7 @@ import yaml
 
 from eagle3_assets.config import ConfigError, load_config
 
-from .conftest import REPO, make_project, user_rows
+from .support.projects import REPO, make_project, user_rows
 
 
 def test_shipped_config_defines_b1_to_b8_with_contract_defaults():

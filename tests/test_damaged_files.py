@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import random
 import time
 from pathlib import Path
 
@@ -37,9 +37,12 @@ from eagle3_assets.core.storage.quarantine import parquet_problem, quarantined, 
 from eagle3_assets.core.storage.tables import IMPORT_REJECTED_SCHEMA
 from eagle3_assets.core.tokens.build import build_tokens
 
-from .conftest import make_plan, make_project, moto_server, user_rows, write_jsonl
+from .support.engine_runs import make_plan
+from .support.object_store import s3_storage
+from .support.projects import make_project, user_rows, write_jsonl
 
 KINDS = ["truncated", "not_parquet", "wrong_schema"]
+GARBAGE = random.Random(0).randbytes(64)  # arbitrary bytes, the same in every run
 N = 12  # prompts per dataset: small, every test runs in a second or two
 
 
@@ -49,7 +52,7 @@ def damage(path: Path, kind: str) -> None:
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2])
     elif kind == "not_parquet":
-        path.write_bytes(b"this is not a parquet file\n" + os.urandom(64))
+        path.write_bytes(b"this is not a parquet file\n" + GARBAGE)
     elif kind == "wrong_schema":
         pl.DataFrame({"something": [1, 2, 3], "else": ["a", "b", "c"]}).write_parquet(path)
     else:
@@ -324,7 +327,7 @@ def test_a_damaged_shard_is_set_aside_and_its_samples_planned_again(tmp_path, ki
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         assert safetensors_problem(shard) is not None
     elif kind == "not_safetensors":
-        shard.write_bytes(b"not a safetensors file" + os.urandom(64))
+        shard.write_bytes(b"not a safetensors file" + GARBAGE)
         assert safetensors_problem(shard) is not None
     else:  # a whole safetensors file, of something else
         import torch
@@ -447,23 +450,8 @@ def test_after_a_kill_a_cut_part_no_longer_bricks_the_partition(tmp_path):
 
 
 # -- an object-store root -------------------------------------------------------------------------------------
-BUCKET = "eagle3-damage"
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    with moto_server(BUCKET) as url:
-        yield url
-
-
 @pytest.fixture
-def remote_project(tmp_path, s3_server, monkeypatch):
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
+def remote_project(tmp_path, s3_server, aws_env):
     prefix = f"runs/{tmp_path.name}"
 
     def storage(cache: str):
@@ -472,11 +460,7 @@ def remote_project(tmp_path, s3_server, monkeypatch):
         path = make_project(
             tmp_path,
             {"B1": {"rows": user_rows([f"question {i}" for i in range(N)])}},
-            storage={
-                "root": f"s3://{BUCKET}/{prefix}",
-                "options": {"endpoint": s3_server, "region": "us-east-1", "allow_http": True},
-                "cache_dir": str(tmp_path / cache),
-            },
+            storage=s3_storage(s3_server, prefix, tmp_path / cache),
         )
         cfg = load_config(path)
         return Storage(cfg), cfg

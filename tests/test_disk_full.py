@@ -20,8 +20,9 @@ from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
 
-from .conftest import make_plan, user_rows, write_jsonl
-from .fake_servers import FakeOpenRouter
+from .support.engine_runs import make_plan
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import user_rows, write_jsonl
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
 N = 240

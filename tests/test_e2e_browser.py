@@ -12,9 +12,8 @@ import polars as pl
 import pytest
 from playwright.sync_api import Locator, Page, expect, sync_playwright
 
-from .conftest import REPO
-from .live import DagsterDev
-from .test_e2e_dagster_dev import prepare_home, small_project
+from .support.dagster_dev import DagsterDev, prepare_home, small_project
+from .support.projects import REPO
 
 CHROMIUM = Path("/usr/bin/chromium")
 # As root Chromium needs --no-sandbox; the background-networking flags stop it from calling Google services,

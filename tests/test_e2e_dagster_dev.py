@@ -4,15 +4,11 @@ GraphQL API and executed by the daemon; once on the default SQLite instance, onc
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import REPO, make_project, user_rows
-from .live import DagsterDev, PostgresServer, postgres_bin
+from .support.dagster_dev import DagsterDev, PostgresServer, postgres_bin, prepare_home, small_project
 
 STAGES = ["prompts", "responses", "tokens", "validation_report"]
 CHECKS = """
@@ -20,31 +16,6 @@ CHECKS = """
     assetKey { path }
     assetChecksOrError { ... on AssetChecks { checks { name blocking
       executionForLatestMaterialization { status evaluation { success } } } } } } }"""
-
-
-def small_project(tmp_path):
-    return make_project(
-        tmp_path,
-        {
-            "B1": {"rows": user_rows(["What is 2+2?", "Name a colour."]), "max_tokens": 8},
-            "B2": {"rows": user_rows(["Say hi."]), "max_tokens": 8},
-        },
-        pools={"llm_api": 1, "gpu": 1},
-    )
-
-
-def prepare_home(home, config, template: str, env: dict | None = None) -> None:
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / "deploy" / template / "dagster.yaml", home / "dagster.yaml")
-    done = subprocess.run(
-        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(config), "instance"],
-        cwd=REPO,
-        env={**__import__("os").environ, "DAGSTER_HOME": str(home), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def backfill_and_verify(dev: DagsterDev, tmp_path) -> None:

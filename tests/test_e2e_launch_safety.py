@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from .conftest import REPO, make_project, user_rows
-from .fake_servers import FakeOpenRouter
-from .live import DagsterDev
+from .support.dagster_dev import DagsterDev
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import REPO, make_project, user_rows
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
 

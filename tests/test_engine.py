@@ -5,67 +5,21 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from eagle3_assets.config import DatasetConfig, OpenRouterConfig
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.protocol import FatalRunError
 from eagle3_assets.core.generation.run import PreflightError, generate_responses
-from eagle3_assets.core.prompts.ingest import write_prompts
-from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
-from resources.inference.openrouter import OpenRouterBackend
 
-from .conftest import make_plan, user_rows, write_jsonl
-from .fake_servers import FakeOpenRouter, dump_hits
-
-KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
-KEY = "test-key-" + "x" * 24
-
-
-def dataset(tmp_path, texts: list[str], key: str = "B1") -> DatasetLayout:
-    layout = DatasetLayout(tmp_path / "data", key).ensure()
-    src = write_jsonl(tmp_path / f"{key}.jsonl", user_rows(texts))
-    write_prompts(src, layout, DatasetConfig(source=str(src), format="messages"))
-    return layout
-
-
-def run(
-    layout,
-    server,
-    chat,
-    *,
-    budget_tokens=10_000_000,
-    budget_usd=None,
-    concurrency=64,
-    retries=4,
-    max_tokens=100,
-    **resource,
-):
-    cfg = OpenRouterConfig(
-        base_url=server.base_url,
-        api_key_env=KEY_ENV,
-        max_concurrency=concurrency,
-        max_retries=retries,
-        request_timeout_s=resource.pop("timeout", 30),
-        **resource,
-    )
-    plan = make_plan(layout.key, max_tokens, budget_tokens, budget_usd)
-    settings = EngineSettings(
-        max_concurrency=concurrency,
-        max_retries=retries,
-        backoff_base_s=0.02,
-        backoff_max_s=0.1,
-        flush_interval_s=0.2,
-        progress_interval_s=0.5,
-        fatal_grace_s=2,
-    )
-    return generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
-
-
-def stored(layout):
-    return (
-        JournalTable(layout.responses_dir, RESPONSE_SCHEMA).read(),
-        JournalTable(layout.failures_dir, FAILURE_SCHEMA).read(keep="last"),
-    )
+from .support.engine_runs import (
+    KEY,
+    KEY_ENV,
+    NeverCalledBackend,
+    dataset,
+    make_plan,
+    run,
+    stored,
+    write_finished_partition,
+)
+from .support.fake_servers import FakeOpenRouter, dump_hits
 
 
 @pytest.fixture
@@ -251,51 +205,11 @@ def test_preflight_fails_before_any_request(tmp_path, chat, monkeypatch):
         run(layout, server, chat)  # the server is gone
 
 
-class _MustNotBeCalled:
-    name = "openrouter"
-    model = "m"
-    wants_prompt_ids = False
-
-    async def start(self):
-        raise AssertionError("a finished partition must not start the backend")
-
-    async def preflight(self):
-        raise AssertionError("a finished partition must not contact the backend")
-
-    async def complete(self, request):
-        raise AssertionError("nothing may be sent")
-
-    async def close(self):
-        pass
-
-
-def write_finished_partition(root, n: int) -> DatasetLayout:
-    """A dataset of n prompts, every one answered, written column-wise (as a 100k-prompt run leaves it)."""
-    layout = DatasetLayout(root, "B9").ensure()
-    ids = [f"id{i:07d}" for i in range(n)]
-    pl.DataFrame(
-        {"id": ids, "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(n)]},
-        schema={"id": pl.String, "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String}))},
-    ).write_parquet(layout.prompts)
-    cols = {k: [None] * n for k in RESPONSE_SCHEMA}
-    cols.update(
-        id=ids,
-        backend=["openrouter"] * n,
-        model=["m"] * n,
-        content=["a"] * n,
-        finish_reason=["stop"] * n,
-        completion_tokens=[10] * n,
-        prompt_tokens=[5] * n,
-    )
-    JournalTable(layout.responses_dir, RESPONSE_SCHEMA).append(pl.DataFrame(cols, schema=RESPONSE_SCHEMA))
-    return layout
-
-
 def test_rerunning_a_finished_100k_partition_sends_nothing(tmp_path, chat):
     layout = write_finished_partition(tmp_path / "data", 100_000)
     plan = make_plan("B9", 100, 10**9)
     summary = generate_responses(
-        layout, plan, _MustNotBeCalled(), chat, EngineSettings(max_concurrency=8), log=lambda m: None
+        layout, plan, NeverCalledBackend(), chat, EngineSettings(max_concurrency=8), log=lambda m: None
     )
     assert summary.todo == 0 and summary.report is None and summary.n_responses == 100_000
 

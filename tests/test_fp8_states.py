@@ -22,8 +22,15 @@ from eagle3_assets.core.hidden_states.extraction import expected_metadata, extra
 from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, bytes_per_token, finished_shards
 from eagle3_assets.core.hidden_states.sizing import NotEnoughSpace
 
-from .test_hidden_checks import rewrite_shard, verdicts
-from .test_hidden_states import H, reference_states, settings, write_tokens
+from .support.hidden_states import (
+    H,
+    extraction_settings,
+    reference_states,
+    rewrite_every_shard,
+    rewrite_shard,
+    verdicts,
+    write_tokens,
+)
 
 FP8 = "float8_e4m3fn"
 QUIET = {"log": lambda m: None}
@@ -41,24 +48,19 @@ def block_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-@pytest.fixture(scope="module")
-def reference_model(smollm2_dir):
-    from eagle3_assets.core.target.loading import load_model
-
-    return load_model(str(smollm2_dir), device="cpu")
-
-
 @pytest.fixture
 def fp8_extracted(chat, tmp_path):
     layout = write_tokens(chat, tmp_path, n=6)
-    s = settings(storage_dtype=FP8)
+    s = extraction_settings(storage_dtype=FP8)
     extract_dataset(layout, s, **QUIET)
     return layout, s
 
 
 def test_fp8_shards_are_a_per_token_per_layer_rounding_of_an_fp32_forward(chat, tmp_path, reference_model):
     layout = write_tokens(chat, tmp_path)
-    _, stats, index = extract_dataset(layout, settings(storage_dtype=FP8, shard_bytes=60_000), **QUIET)
+    _, stats, index = extract_dataset(
+        layout, extraction_settings(storage_dtype=FP8, shard_bytes=60_000), **QUIET
+    )
     assert index.height == 8 and len(stats.shards) >= 2
     assert set(index["storage_dtype"]) == {FP8}  # the index names the storage dtype too
     for name in finished_shards(layout.hidden_states_dir):
@@ -105,7 +107,7 @@ def test_fp8_shards_take_about_half_the_bytes_of_bf16(chat, tmp_path):
     sizes = {}
     for dtype in ("bfloat16", FP8):
         layout = write_tokens(chat, tmp_path / dtype)
-        work, stats, _ = extract_dataset(layout, settings(storage_dtype=dtype), **QUIET)
+        work, stats, _ = extract_dataset(layout, extraction_settings(storage_dtype=dtype), **QUIET)
         folder = layout.hidden_states_dir
         written = sum(p.stat().st_size for p in folder.glob("shard-*.safetensors"))
         assert written == pytest.approx(work.planned["planned_bytes"], rel=0.02)  # the plan said so before
@@ -152,11 +154,6 @@ def test_a_scale_no_quantization_writes_fails_finite(fp8_extracted, wrong):
     assert checks.finite(layout.hidden_states_dir).metadata["bad_scales"] == 1
 
 
-def _every_shard(layout, change) -> None:
-    for name in finished_shards(layout.hidden_states_dir):
-        rewrite_shard(layout.hidden_states_dir, change, name)
-
-
 @pytest.mark.parametrize(
     "how", ["shifted_by_a_row", "first_two_tokens_swapped", "last_layer_mid_tokens_swapped"]
 )
@@ -180,7 +177,7 @@ def test_scales_swapped_between_tokens_fail_the_spot_check(fp8_extracted, how):
                 for a in bounds[:-1]:
                     t[key][[a, a + 1]] = t[key][[a + 1, a]]
 
-    _every_shard(layout, swap)
+    rewrite_every_shard(layout.hidden_states_dir, swap)
     v = verdicts(layout, s)
     assert v["spot_check"] is False and v["finite"] and v["consistent"] and v["ids_match"]
 
@@ -197,7 +194,7 @@ def test_fp8_states_shifted_by_a_position_fail_the_spot_check(fp8_extracted):
         ):
             t[key] = torch.roll(t[key], 1, dims=0).contiguous()
 
-    _every_shard(layout, shift)
+    rewrite_every_shard(layout.hidden_states_dir, shift)
     v = verdicts(layout, s)
     assert v["spot_check"] is False and v["finite"] and v["consistent"]
 
@@ -205,27 +202,29 @@ def test_fp8_states_shifted_by_a_position_fail_the_spot_check(fp8_extracted):
 def test_fp8_states_off_by_a_layer_fail_the_spot_check(chat, tmp_path):
     """Layers [2, 15, 27] stored under the name [1, 14, 26]: consistent on paper, wrong against the forward."""
     layout = write_tokens(chat, tmp_path, n=6)
-    s = settings(storage_dtype=FP8)
-    extract_dataset(layout, settings(storage_dtype=FP8, aux_layers=[2, 15, 27]), **QUIET)
+    s = extraction_settings(storage_dtype=FP8)
+    extract_dataset(layout, extraction_settings(storage_dtype=FP8, aux_layers=[2, 15, 27]), **QUIET)
 
     def relabel(_t, meta):
         meta["aux_layers"] = json.dumps([1, 14, 26])
 
-    _every_shard(layout, relabel)
+    rewrite_every_shard(layout.hidden_states_dir, relabel)
     v = verdicts(layout, s)
     assert v["spot_check"] is False and v["consistent"] and v["finite"]
 
 
 def test_changing_storage_dtype_recomputes_the_shards(chat, tmp_path):
     layout = write_tokens(chat, tmp_path)
-    extract_dataset(layout, settings(), **QUIET)
+    extract_dataset(layout, extraction_settings(), **QUIET)
     bf16 = set(finished_shards(layout.hidden_states_dir))
-    work, stats, index = extract_dataset(layout, settings(storage_dtype=FP8), **QUIET)
+    work, stats, index = extract_dataset(layout, extraction_settings(storage_dtype=FP8), **QUIET)
     assert set(work.stale_shards) == bf16 and stats.samples == 8 and index.height == 8
     metas = finished_shards(layout.hidden_states_dir)
     assert {m["dtype"] for m in metas.values()} == {FP8}
-    assert checks.consistent(layout.hidden_states_dir, expected_metadata(settings(storage_dtype=FP8))).passed
-    again, stats, _ = extract_dataset(layout, settings(storage_dtype=FP8), **QUIET)
+    assert checks.consistent(
+        layout.hidden_states_dir, expected_metadata(extraction_settings(storage_dtype=FP8))
+    ).passed
+    again, stats, _ = extract_dataset(layout, extraction_settings(storage_dtype=FP8), **QUIET)
     assert (
         again.todo == [] and again.stale_shards == [] and stats.samples == 0
     )  # and unchanged, nothing redone
@@ -241,7 +240,7 @@ def test_the_plan_states_its_bytes_and_refuses_a_disk_too_small(chat, tmp_path, 
     real = shutil.disk_usage
     monkeypatch.setattr(sizing.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
     with pytest.raises(NotEnoughSpace) as e:
-        prepare(layout, settings(), **QUIET)
+        prepare(layout, extraction_settings(), **QUIET)
     planned = tokens * bytes_per_token(H, "bfloat16")
     message = str(e.value)
     assert (
@@ -250,14 +249,16 @@ def test_the_plan_states_its_bytes_and_refuses_a_disk_too_small(chat, tmp_path, 
         and "storage_dtype bfloat16" in message
     )
     assert not list(layout.hidden_states_dir.glob("shard-*"))
-    work = prepare(layout, settings(storage_dtype=FP8), **QUIET)  # half the bytes fit
+    work = prepare(layout, extraction_settings(storage_dtype=FP8), **QUIET)  # half the bytes fit
     assert work.planned["planned_bytes"] == tokens * bytes_per_token(H, FP8) < 1_000_000
     plan = json.loads(layout.extraction_plan.read_text())
     assert (
         plan["planned"]["planned_bytes"] == work.planned["planned_bytes"]
         and plan["planned"]["storage_dtype"] == FP8
     )
-    assert prepare(layout, settings(), check_space=False, **QUIET).planned["planned_bytes"] == planned
+    assert (
+        prepare(layout, extraction_settings(), check_space=False, **QUIET).planned["planned_bytes"] == planned
+    )
 
 
 @pytest.fixture
@@ -280,9 +281,9 @@ def test_a_real_small_disk_refuses_bf16_and_takes_fp8(chat, small_disk):
     shards are extracted."""
     layout = write_tokens(chat, small_disk)
     with pytest.raises(NotEnoughSpace, match="storage_dtype bfloat16"):
-        extract_dataset(layout, settings(), **QUIET)
+        extract_dataset(layout, extraction_settings(), **QUIET)
     assert not list(layout.hidden_states_dir.glob("shard-*"))
-    _, stats, index = extract_dataset(layout, settings(storage_dtype=FP8), **QUIET)
+    _, stats, index = extract_dataset(layout, extraction_settings(storage_dtype=FP8), **QUIET)
     assert index.height == 8 and stats.samples == 8
 
 
@@ -405,9 +406,12 @@ def test_half_precision_compute_stored_in_fp8_passes_its_rule_and_a_layer_off_st
     folders = {}
     for tag, aux in (("right", None), ("layer_off", [2, 15, 27])):
         layout = write_tokens(chat, tmp_path / tag, n=6)
-        extract_dataset(layout, settings(storage_dtype=FP8, aux_layers=aux), **QUIET)
+        extract_dataset(layout, extraction_settings(storage_dtype=FP8, aux_layers=aux), **QUIET)
         if aux:
-            _every_shard(layout, lambda _t, meta: meta.__setitem__("aux_layers", json.dumps([1, 14, 26])))
+            rewrite_every_shard(
+                layout.hidden_states_dir,
+                lambda _t, meta: meta.__setitem__("aux_layers", json.dumps([1, 14, 26])),
+            )
         folders[tag] = layout.hidden_states_dir
     results = {}
     for tag, folder in folders.items():
@@ -428,7 +432,7 @@ def test_through_dagster_fp8_shards_pass_every_check_and_say_their_dtype(chat, t
     from eagle3_assets.config import load_config
     from eagle3_assets.definitions import HIDDEN_STATES_JOB, build_definitions
 
-    from .conftest import make_project, user_rows
+    from .support.projects import make_project, user_rows
 
     path = make_project(tmp_path, {"B1": {"rows": user_rows(["x"])}}, hidden_states={"storage_dtype": FP8})
     write_tokens(chat, tmp_path / "data")
@@ -469,7 +473,7 @@ def test_the_served_spot_check_reads_fp8_and_fails_rolled_scales(chat, fp8_extra
     def roll(t, _meta):
         t["aux_hidden_states_scales"] = torch.roll(t["aux_hidden_states_scales"], 1, dims=0).contiguous()
 
-    _every_shard(layout, roll)
+    rewrite_every_shard(layout.hidden_states_dir, roll)
     wrong = checks.spot_check_pieces(folder, pieces, ids, sampled)
     assert not wrong.passed  # every cosine as before: only the magnitude shows
     assert wrong.metadata["min_token_cosine"] == pytest.approx(right.metadata["min_token_cosine"], abs=1e-5)
@@ -479,10 +483,12 @@ def test_a_shard_naming_another_model_is_not_deleted_but_fails_consistency(chat,
     """Only what a shard holds (storage dtype, layers) makes it stale; a renamed model path must not cost the
     states: the consistency check names it instead."""
     layout = write_tokens(chat, tmp_path, n=4)
-    s = settings()
+    s = extraction_settings()
     extract_dataset(layout, s, **QUIET)
     before = set(finished_shards(layout.hidden_states_dir))
-    _every_shard(layout, lambda _t, meta: meta.__setitem__("model", "/old/path/to/smollm2"))
+    rewrite_every_shard(
+        layout.hidden_states_dir, lambda _t, meta: meta.__setitem__("model", "/old/path/to/smollm2")
+    )
     work, stats, _ = extract_dataset(layout, s, **QUIET)
     assert (
         work.stale_shards == []
@@ -497,7 +503,9 @@ def test_quantize_follows_the_contract():
     block of zeros gets scale 1 (a stored zero scale is always a fault)."""
     from eagle3_assets.core.hidden_states.fp8 import dequantize, quantize, scale_problems
 
-    x = torch.randn(5, 3 * 8) * torch.tensor([1.0, 100.0, 1e-3]).repeat_interleave(8)
+    x = torch.randn(5, 3 * 8, generator=torch.Generator().manual_seed(0)) * torch.tensor(
+        [1.0, 100.0, 1e-3]
+    ).repeat_interleave(8)
     x[2] = 0.0
     q, scales = quantize(x, 3)
     assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32 and scales.shape == (5, 3)

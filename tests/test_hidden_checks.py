@@ -13,50 +13,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3_assets.core.hidden_states import checks as hidden_checks
 from eagle3_assets.core.hidden_states.extraction import (
-    expected_metadata,
     extract_dataset,
-    load_target_model,
-    skipped_samples,
 )
 from eagle3_assets.core.hidden_states.shards import finished_shards
 
-from .test_hidden_states import settings, write_tokens
+from .support.hidden_states import extraction_settings, rewrite_shard, verdicts, write_tokens
 
 
 @pytest.fixture
 def extracted(chat, tmp_path):
     layout = write_tokens(chat, tmp_path, n=6)
-    s = settings()
+    s = extraction_settings()
     extract_dataset(layout, s, log=lambda m: None)
     return layout, s
-
-
-def verdicts(layout, s) -> dict[str, bool]:
-    folder = layout.hidden_states_dir
-    tokens = pl.read_parquet(layout.tokens)
-    index = pl.read_parquet(folder / "index.parquet")
-    return {
-        "coverage": hidden_checks.coverage(tokens, index, skipped_samples(layout)).passed,
-        "ids_match": hidden_checks.ids_match(folder, tokens).passed,
-        "finite": hidden_checks.finite(folder).passed,
-        "consistent": hidden_checks.consistent(folder, expected_metadata(s)).passed,
-        "spot_check": hidden_checks.spot_check(
-            folder, load_target_model(s), hidden_checks.spot_sample_ids(index, 6)
-        ).passed,
-    }
-
-
-def rewrite_shard(folder, change, name: str | None = None) -> None:
-    """Load a shard (the first by default), let `change(tensors, meta)` alter it, save it back under its name."""
-    name = name or sorted(finished_shards(folder))[0]
-    path = folder / name
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        meta = dict(f.metadata())
-    change(tensors, meta)
-    save_file(tensors, str(path), metadata=meta)
 
 
 def test_good_states_pass_every_check(extracted):

@@ -13,85 +13,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3_assets.config import HiddenStatesConfig
 from eagle3_assets.core.hidden_states.export import export
-from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
+from eagle3_assets.core.hidden_states.extraction import extract_dataset
 from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, bytes_per_token, default_aux_layers
-from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.chat import Answer
-from eagle3_assets.core.target.loading import load_model
 
-from .conftest import kill_once_written, make_project, user_rows
+from .support.cli_runs import kill_once_written
+from .support.hidden_states import H, L, extraction_settings, reference_states, write_tokens
+from .support.projects import make_project, user_rows
 
-H, L = 576, 30
 PER_TOKEN = bytes_per_token(H, "bfloat16")
-QUESTIONS = [
-    "What is the tallest mountain?",
-    "Name three prime numbers.",
-    "Say hello in French.",
-    "Why do cats purr?",
-    "What is 12 squared?",
-    "Write a haiku about rain.",
-    "Define entropy.",
-    "Give a synonym for happy.",
-]
-ANSWERS = [
-    "Mount Everest.",
-    "2, 3 and 5.",
-    "Bonjour!",
-    "Mostly contentment, sometimes stress.",
-    "144.",
-    "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky",
-    "Disorder, measured.",
-    "Joyful.",
-]
-
-
-def write_tokens(chat, root, key="B1", n=8, repeat=1) -> DatasetLayout:
-    layout = DatasetLayout(root, key).ensure()
-    convs, ids = [], []
-    for r in range(repeat):
-        for i in range(n):
-            q = QUESTIONS[i % len(QUESTIONS)] + (f" (variant {r})" if r else "")
-            convs.append(([{"role": "user", "content": q}], Answer(ANSWERS[i % len(ANSWERS)])))
-            ids.append(f"s{r:02d}-{i:02d}")
-    res = chat.tokenize(convs)
-    pl.DataFrame(
-        {
-            "id": ids,
-            "input_ids": pl.Series([x.input_ids.tolist() for x in res], dtype=pl.List(pl.Int32)),
-            "loss_mask": pl.Series([x.loss_mask.tolist() for x in res], dtype=pl.List(pl.Int8)),
-        }
-    ).write_parquet(layout.tokens)
-    return layout
-
-
-def settings(**kw) -> ExtractionSettings:
-    return ExtractionSettings(hidden=HiddenStatesConfig(**kw))
-
-
-@pytest.fixture(scope="module")
-def reference_model(smollm2_dir):
-    return load_model(str(smollm2_dir), device="cpu")
-
-
-def reference_states(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An independent plain forward of one sample, with hooks of its own: (aux [T, 3H], last pre-norm, post-norm)."""
-    grabbed = {}
-    handles = [
-        model.model.layers[i].register_forward_hook(
-            lambda _m, _i, out, i=i: grabbed.__setitem__(i, out[0] if isinstance(out, tuple) else out)
-        )
-        for i in (1, 14, 26, 29)
-    ]
-    try:
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    finally:
-        for h in handles:
-            h.remove()
-    aux = torch.cat([grabbed[1][0], grabbed[14][0], grabbed[26][0]], dim=-1)
-    return aux, grabbed[29][0], out.hidden_states[-1][0]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,7 +30,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_stored_values_equal_an_independent_forward(chat, tmp_path, reference_model):
     layout = write_tokens(chat, tmp_path)
-    work, stats, index = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 120), log=lambda m: None)
+    work, stats, index = extract_dataset(
+        layout, extraction_settings(shard_bytes=PER_TOKEN * 120), log=lambda m: None
+    )
     assert default_aux_layers(L) == [1, 14, 26]
     assert len(work.todo) >= 3 and stats.padded_tokens == 0 and index.height == 8
     reader = HiddenStatesReader(layout.hidden_states_dir)
@@ -123,7 +55,7 @@ def test_stored_values_equal_an_independent_forward(chat, tmp_path, reference_mo
 
 def test_layout_and_index_are_consistent_with_tokens(chat, tmp_path):
     layout = write_tokens(chat, tmp_path)
-    extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    extract_dataset(layout, extraction_settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
     index = pl.read_parquet(layout.hidden_states_dir / "index.parquet")
     tokens = pl.read_parquet(layout.tokens)
     joined = tokens.join(index, on="id")
@@ -148,9 +80,13 @@ def test_layout_and_index_are_consistent_with_tokens(chat, tmp_path):
 
 def test_finished_shards_are_kept_and_changed_samples_recomputed(chat, tmp_path):
     layout = write_tokens(chat, tmp_path)
-    _work, _, _ = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    _work, _, _ = extract_dataset(
+        layout, extraction_settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None
+    )
     shards = {p.name: p.stat().st_mtime_ns for p in layout.hidden_states_dir.glob("shard-*.safetensors")}
-    again, stats, _ = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    again, stats, _ = extract_dataset(
+        layout, extraction_settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None
+    )
     assert again.todo == [] and stats.samples == 0
     assert {
         p.name: p.stat().st_mtime_ns for p in layout.hidden_states_dir.glob("shard-*.safetensors")
@@ -168,7 +104,9 @@ def test_finished_shards_are_kept_and_changed_samples_recomputed(chat, tmp_path)
         .alias("loss_mask"),
     )
     tokens.write_parquet(layout.tokens)
-    third, stats, index = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None)
+    third, stats, index = extract_dataset(
+        layout, extraction_settings(shard_bytes=PER_TOKEN * 100), log=lambda m: None
+    )
     assert len(third.stale_shards) == 1 and stats.samples >= 1
     kept = set(shards) - set(third.stale_shards)
     assert kept <= {p.name for p in layout.hidden_states_dir.glob("shard-*.safetensors")}
@@ -196,7 +134,9 @@ def test_resume_after_kill_9(chat, tmp_path):
     for name in before:  # every shard that looks finished is complete and readable
         with safe_open(str(folder / name), framework="pt") as f:
             assert f.get_tensor("aux_hidden_states").shape[0] == int(f.get_tensor("cu_seqlens")[-1])
-    work, _, index = extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 40), log=lambda m: None)
+    work, _, index = extract_dataset(
+        layout, extraction_settings(shard_bytes=PER_TOKEN * 40), log=lambda m: None
+    )
     assert len(work.done_ids) >= len(before)
     after = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*.safetensors")}
     assert all(after[n] == t for n, t in before.items())  # never recomputed
@@ -249,7 +189,7 @@ def test_exports_hold_the_stored_states_of_every_sample(chat, tmp_path, referenc
     from safetensors.torch import load_file
 
     layout = write_tokens(chat, tmp_path)
-    extract_dataset(layout, settings(shard_bytes=PER_TOKEN * 150), log=lambda m: None)
+    extract_dataset(layout, extraction_settings(shard_bytes=PER_TOKEN * 150), log=lambda m: None)
     reader = HiddenStatesReader(layout.hidden_states_dir)
 
     # speculators: load_from_disk (saved in torch format, as its loader needs) + hidden_states/hs_{i}.safetensors.
@@ -300,7 +240,7 @@ def test_configured_layers_are_output_hidden_states_plus_one_and_exports_say_so(
     """aux_layers counts decoder-layer outputs: layer i is output_hidden_states[i + 1]. Each export names the ids in
     its framework's own key and convention."""
     layout = write_tokens(chat, tmp_path, n=3)
-    extract_dataset(layout, settings(aux_layers=[0, 5, 20]), log=lambda m: None)
+    extract_dataset(layout, extraction_settings(aux_layers=[0, 5, 20]), log=lambda m: None)
     reader = HiddenStatesReader(layout.hidden_states_dir)
     tokens = pl.read_parquet(layout.tokens)
     for sid, ids in zip(tokens["id"].to_list(), tokens["input_ids"].to_list(), strict=True):
@@ -332,7 +272,7 @@ def test_a_model_whose_attention_ignores_packing_is_extracted_unpacked(
     monkeypatch.setattr(extraction, "_PACKING", {})  # the verdict is cached per loaded model
     logs: list[str] = []
     layout = write_tokens(chat, tmp_path, n=4)
-    extract_dataset(layout, settings(), log=logs.append)
+    extract_dataset(layout, extraction_settings(), log=logs.append)
     assert any("ignores packed sample boundaries" in m for m in logs)
     index = pl.read_parquet(layout.hidden_states_dir / "index.parquet")
     meta = safe_open(str(layout.hidden_states_dir / index["shard"][0]), framework="pt").metadata()
@@ -350,7 +290,7 @@ def test_packing_is_used_where_the_model_respects_it(chat, tmp_path, monkeypatch
     monkeypatch.setattr(extraction, "_PACKING", {})
     layout = write_tokens(chat, tmp_path, n=4)
     logs: list[str] = []
-    extract_dataset(layout, settings(), log=logs.append)
+    extract_dataset(layout, extraction_settings(), log=logs.append)
     index = pl.read_parquet(layout.hidden_states_dir / "index.parquet")
     meta = safe_open(str(layout.hidden_states_dir / index["shard"][0]), framework="pt").metadata()
     assert meta["packing"] == "packed" and not any("ignores packed" in m for m in logs)

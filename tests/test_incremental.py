@@ -16,7 +16,7 @@ from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.parquet_append import read_footer
 from eagle3_assets.core.tokens.build import STATE_KEY, build_tokens
 
-from .conftest import user_rows, write_jsonl
+from .support.projects import user_rows, write_jsonl
 
 
 def partition(tmp_path, texts: list[str]) -> DatasetLayout:

@@ -10,7 +10,7 @@ from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.prompts.ingest import content_id, ingest, write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 
-from .conftest import REPO, write_jsonl
+from .support.projects import REPO, write_jsonl
 
 
 def test_three_formats_normalise_to_messages(tmp_path):

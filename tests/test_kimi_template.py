@@ -8,7 +8,7 @@ from eagle3_assets.core.target.chat import Answer, ChatTokenizer
 from eagle3_assets.core.target.preflight import special_token_problems
 from eagle3_assets.core.target.text_encoder import SlowTextEncoder
 
-from .kimi_standin import build_kimi_standin
+from .support.kimi_standin import build_kimi_standin
 
 
 @pytest.fixture(scope="module")

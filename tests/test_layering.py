@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .support.projects import REPO
 
 CORE = REPO / "eagle3_assets" / "core"
 ORDER = ["storage", "target", "prompts", "generation", "tokens", "report", "hidden_states", "acceptance"]
 
 
-def _imports(path: Path) -> list[str]:
-    """Every module `path` imports (relative imports resolved), at any depth of the file."""
-    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+def _imports(path: Path, root: Path) -> list[str]:
+    """Every module `path` (a file of the tree at `root`) imports, relative imports resolved, at any depth."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -44,11 +44,12 @@ def _stage(module: str) -> str | None:
 MODULES = sorted(CORE.rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(CORE)))
-def test_a_core_module_imports_only_its_stage_and_those_before_it(path):
-    own = path.relative_to(CORE).parts[0] if len(path.relative_to(CORE).parts) > 1 else None
+def assert_layered(path: Path, root: Path = REPO) -> None:
+    """`path`, a module under `root`'s eagle3_assets/core, imports only its stage and those before it."""
+    rel = path.relative_to(root / "eagle3_assets" / "core")
+    own = rel.parts[0] if len(rel.parts) > 1 else None
     allowed = set(ORDER[: ORDER.index(own) + 1]) if own else set()
-    for module in _imports(path):
+    for module in _imports(path, root):
         top = module.split(".")[0]
         assert top not in ("dagster", "resources"), (
             f"{path.name} imports {module}: the core stays Dagster-free"
@@ -59,7 +60,12 @@ def test_a_core_module_imports_only_its_stage_and_those_before_it(path):
             )
         stage = _stage(module)
         if stage is not None and stage in ORDER and own is not None:
-            assert stage in allowed, f"{path.relative_to(CORE)} imports {module}: {stage} comes after {own}"
+            assert stage in allowed, f"{rel} imports {module}: {stage} comes after {own}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(CORE)))
+def test_a_core_module_imports_only_its_stage_and_those_before_it(path):
+    assert_layered(path)
 
 
 def test_every_stage_is_a_package_with_a_docstring_that_says_what_it_may_import():
@@ -71,11 +77,10 @@ def test_every_stage_is_a_package_with_a_docstring_that_says_what_it_may_import(
 
 
 def test_the_layering_rule_can_fail(tmp_path):
-    """The check itself: an upward import is seen."""
-    bad = CORE / "storage" / "_upward_probe.py"
+    """The check itself: an upward import is seen (in a probe laid out under tmp_path, not in the source
+    tree)."""
+    bad = tmp_path / "eagle3_assets" / "core" / "storage" / "_upward_probe.py"
+    bad.parent.mkdir(parents=True)
     bad.write_text("from ..acceptance.gate import run_gate\n")
-    try:
-        with pytest.raises(AssertionError, match="acceptance comes after storage"):
-            test_a_core_module_imports_only_its_stage_and_those_before_it(bad)
-    finally:
-        bad.unlink()
+    with pytest.raises(AssertionError, match="acceptance comes after storage"):
+        assert_layered(bad, root=tmp_path)

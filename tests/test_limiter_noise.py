@@ -234,7 +234,7 @@ def test_a_cap_behind_load_independent_noise_is_still_found():
 # -- through the engine -------------------------------------------------------------------------------------------
 @pytest.fixture
 def key_env(monkeypatch):
-    from .test_engine import KEY, KEY_ENV
+    from .support.engine_runs import KEY, KEY_ENV
 
     monkeypatch.setenv(KEY_ENV, KEY)
 
@@ -246,9 +246,8 @@ def test_the_engine_keeps_its_window_against_a_provider_whose_refusals_do_not_de
     with and without Retry-After, 503, 5xx, resets, errors in 200 bodies, malformed answers), answers take 0.1 s,
     and nothing limits the load. The window fell to 1-3 in flight here (the run took 27-277 s, 1.8 s without the
     faults); now it stays near its 300 ceiling once it got there."""
-    from .fake_servers import FakeOpenRouter, scripted_fault_prompts
-    from .test_engine import dataset
-    from .test_limits import assert_all_answered, drive
+    from .support.engine_runs import assert_all_answered, dataset, drive
+    from .support.fake_servers import FakeOpenRouter, scripted_fault_prompts
 
     texts = scripted_fault_prompts(3000, 0.4, seed=5, prefix="noise")
     layout = dataset(tmp_path, texts)

@@ -19,51 +19,17 @@ from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.generation.limiter import AdaptiveLimit
 from eagle3_assets.core.generation.protocol import FatalRunError
-from eagle3_assets.core.generation.run import DatasetJob, generate_datasets, generate_responses
+from eagle3_assets.core.generation.run import DatasetJob, generate_datasets
 from resources.inference.openrouter import OpenRouterBackend
 
-from .conftest import make_plan
-from .fake_servers import FakeOpenRouter
-from .limited_provider import LimitedProvider, ProviderSpec
-from .test_engine import KEY, KEY_ENV, dataset, stored
+from .support.engine_runs import KEY, KEY_ENV, assert_all_answered, dataset, drive, make_plan, stored
+from .support.fake_servers import FakeOpenRouter
+from .support.limited_provider import LimitedProvider, ProviderSpec
 
 
 @pytest.fixture(autouse=True)
 def key_env(monkeypatch):
     monkeypatch.setenv(KEY_ENV, KEY)
-
-
-def drive(
-    layout, base_url, chat, *, concurrency, budget_tokens=10**12, max_tokens=512, stream=True, retries=4, **kw
-):
-    cfg = OpenRouterConfig(
-        base_url=base_url,
-        api_key_env=KEY_ENV,
-        model=kw.pop("model", "sim/model"),
-        max_concurrency=concurrency,
-        stream=stream,
-        reasoning=None,
-        request_timeout_s=60,
-    )
-    plan = make_plan(layout.key, max_tokens, budget_tokens, kw.pop("budget_usd", None))
-    settings = EngineSettings(
-        max_concurrency=concurrency,
-        max_retries=retries,
-        backoff_base_s=0.02,
-        backoff_max_s=0.2,
-        flush_interval_s=0.5,
-        progress_interval_s=1.0,
-        fatal_grace_s=2,
-        **kw,
-    )
-    return generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
-
-
-def assert_all_answered(layout, n: int, summary) -> None:
-    responses, failures = stored(layout)
-    assert responses.height == n == responses["id"].n_unique()
-    assert failures.height == 0, failures.head(5)
-    assert summary.report.unanswered == 0
 
 
 def test_a_request_rate_bucket_is_ridden_without_losing_a_prompt(tmp_path, chat):

@@ -18,9 +18,10 @@ from eagle3_assets.core.generation.conversations import (
 )
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 
-from .conftest import REPO, kill_once_written, make_project, materialize_in_process
-from .fake_servers import FakeOpenRouter
-from .test_resume import KEY_ENV, env_for, materialize_cmd
+from .support.cli_runs import env_for, kill_once_written, materialize_cmd
+from .support.engine_runs import KEY_ENV
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import REPO, make_project, materialize_in_process
 
 
 def sharegpt(cid: str, n_turns: int, trailing_user: bool = False) -> dict:
@@ -220,8 +221,8 @@ def thinking_chats(tmp_path_factory):
 
     from eagle3_assets.core.target.chat import ChatTokenizer
 
-    from .kimi_standin import build_kimi_standin
-    from .tokenizer_families import FAMILIES
+    from .support.kimi_standin import build_kimi_standin
+    from .support.tokenizer_families import FAMILIES
 
     kimi = AutoTokenizer.from_pretrained(
         build_kimi_standin(tmp_path_factory.mktemp("kimi")), trust_remote_code=True
@@ -354,7 +355,7 @@ def test_a_turn_the_template_refuses_cuts_only_its_conversation_and_is_not_a_fai
     rest of a conversation that cannot be rendered is bad data, not a failed request."""
     from eagle3_assets.core.target.chat import ChatTokenizer
 
-    from .fake_servers import FakeSGLang
+    from .support.fake_servers import FakeSGLang
 
     tok_dir = _alternating_tokenizer(smollm2_dir, tmp_path / "tokenizer")
     alt = sharegpt("alt", 3)
@@ -462,7 +463,7 @@ def _turns_partition(tmp_path, chat, reasoning: bool):
 def _qwen3_chat():
     from eagle3_assets.core.target.chat import ChatTokenizer
 
-    from .tokenizer_families import FAMILIES
+    from .support.tokenizer_families import FAMILIES
 
     return ChatTokenizer(FAMILIES["qwen3"]())
 

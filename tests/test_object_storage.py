@@ -6,81 +6,28 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
-import dagster as dg
 import obstore as obs
 import polars as pl
 import pytest
 
-from eagle3_assets.config import load_config
 from eagle3_assets.core.storage.remote import ConflictError, RemoteRoot
 from eagle3_assets.core.storage.remote_lease import LeaseHeld
-from eagle3_assets.definitions import build_definitions
 
-from .conftest import make_project, moto_server, user_rows
-
-BUCKET = "eagle3-test"
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    with moto_server(BUCKET) as url:
-        yield url
-
-
-@pytest.fixture
-def aws_env(monkeypatch):
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-
-
-def options(url: str) -> dict:
-    return {"endpoint": url, "region": "us-east-1", "allow_http": True}
+from .support.object_store import BUCKET, s3_options, s3_project
+from .support.projects import STAGES_TO_REPORT, materialize_in_process
 
 
 def objects(url: str, prefix: str) -> set[str]:
-    store = RemoteRoot(
-        f"s3://{BUCKET}", options(url), cache_dir=__import__("pathlib").Path("/tmp/unused")
-    ).store
+    store = RemoteRoot(f"s3://{BUCKET}", s3_options(url), cache_dir=Path("/tmp/unused")).store
     return {m["path"] for batch in obs.list(store, prefix) for m in batch}
-
-
-def project(tmp_path, url: str, prefix: str, cache: str = "cache"):
-    return make_project(
-        tmp_path,
-        {"B1": {"rows": user_rows([f"Say the number {i}." for i in range(6)]), "max_tokens": 8}},
-        storage={
-            "root": f"s3://{BUCKET}/{prefix}",
-            "options": options(url),
-            "cache_dir": str(tmp_path / cache),
-        },
-    )
-
-
-def materialize(path, limit: int | None = None, hidden: bool = True):
-    defs = build_definitions(load_config(path), str(path))
-    job = defs.resolve_implicit_global_asset_job_def()
-    selection = ["prompts", "responses", "tokens", "validation_report"] + (
-        ["hidden_states"] if hidden else []
-    )
-    with dg.instance_for_test() as instance:
-        return job.execute_in_process(
-            partition_key="B1",
-            instance=instance,
-            run_config={"ops": {"responses": {"config": {"limit": limit}}}} if limit else None,
-            asset_selection=[dg.AssetKey(a) for a in selection],
-            raise_on_error=False,
-        )
 
 
 @pytest.mark.slow
 def test_every_output_lands_in_the_bucket_and_a_fresh_copy_resumes_from_it(tmp_path, s3_server, aws_env):
-    path = project(tmp_path, s3_server, "runs/a")
-    result = materialize(path, limit=4)
+    path = s3_project(tmp_path, s3_server, "runs/a")
+    result = materialize_in_process(path, (*STAGES_TO_REPORT, "hidden_states"), limit=4)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     keys = objects(s3_server, "runs/a/B1")
     for name in (
@@ -97,7 +44,7 @@ def test_every_output_lands_in_the_bucket_and_a_fresh_copy_resumes_from_it(tmp_p
     report = json.loads(
         bytes(
             obs.get(
-                RemoteRoot(f"s3://{BUCKET}/runs/a", options(s3_server), tmp_path / "x").store,
+                RemoteRoot(f"s3://{BUCKET}/runs/a", s3_options(s3_server), tmp_path / "x").store,
                 "B1/report.json",
             ).bytes()
         )
@@ -106,8 +53,8 @@ def test_every_output_lands_in_the_bucket_and_a_fresh_copy_resumes_from_it(tmp_p
 
     # Another machine (a fresh working copy): it starts from the store, buys only the 2 prompts left, and
     # tokenizes only those.
-    other = project(tmp_path / "pod2", s3_server, "runs/a", cache="cache2")
-    result = materialize(other, hidden=False)
+    other = s3_project(tmp_path / "pod2", s3_server, "runs/a", cache="cache2")
+    result = materialize_in_process(other, STAGES_TO_REPORT)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     tokens_md = next(m for m in result.asset_materializations_for_node("tokens")).metadata
     assert tokens_md["tokenized_this_run"].value == 2 and tokens_md["dagster/row_count"].value == 6
@@ -116,8 +63,8 @@ def test_every_output_lands_in_the_bucket_and_a_fresh_copy_resumes_from_it(tmp_p
 
 
 def test_two_writers_cannot_both_win(tmp_path, s3_server, aws_env):
-    a = RemoteRoot(f"s3://{BUCKET}/race", options(s3_server), tmp_path / "a")
-    b = RemoteRoot(f"s3://{BUCKET}/race", options(s3_server), tmp_path / "b")
+    a = RemoteRoot(f"s3://{BUCKET}/race", s3_options(s3_server), tmp_path / "a")
+    b = RemoteRoot(f"s3://{BUCKET}/race", s3_options(s3_server), tmp_path / "b")
     for root in (a, b):
         root.local("B1").mkdir(parents=True, exist_ok=True)
     # Both create the same file: the first wins, the second is refused (If-None-Match).
@@ -155,8 +102,8 @@ def test_two_writers_cannot_both_win(tmp_path, s3_server, aws_env):
 def test_the_lease_holds_off_a_second_generator_and_is_taken_over_when_its_holder_died(
     tmp_path, s3_server, aws_env
 ):
-    a = RemoteRoot(f"s3://{BUCKET}/lease", options(s3_server), tmp_path / "a")
-    b = RemoteRoot(f"s3://{BUCKET}/lease", options(s3_server), tmp_path / "b")
+    a = RemoteRoot(f"s3://{BUCKET}/lease", s3_options(s3_server), tmp_path / "a")
+    b = RemoteRoot(f"s3://{BUCKET}/lease", s3_options(s3_server), tmp_path / "b")
     with (
         a.lease("B1", "generation for B1"),
         pytest.raises(LeaseHeld, match="already running"),
@@ -175,7 +122,7 @@ def test_the_lease_holds_off_a_second_generator_and_is_taken_over_when_its_holde
 
 
 def test_a_top_up_moves_what_it_adds(tmp_path, s3_server, aws_env):
-    root = RemoteRoot(f"s3://{BUCKET}/topup", options(s3_server), tmp_path / "a")
+    root = RemoteRoot(f"s3://{BUCKET}/topup", s3_options(s3_server), tmp_path / "a")
     folder = root.local("B1") / "responses"
     folder.mkdir(parents=True)
     for i in range(20):
@@ -183,7 +130,7 @@ def test_a_top_up_moves_what_it_adds(tmp_path, s3_server, aws_env):
     assert root.push("B1", ["responses/"]) == 20
     pl.DataFrame({"id": ["r20"]}).write_parquet(folder / "part-020.parquet")
     assert root.push("B1", ["responses/"]) == 1  # one new part, nothing else
-    fresh = RemoteRoot(f"s3://{BUCKET}/topup", options(s3_server), tmp_path / "b")
+    fresh = RemoteRoot(f"s3://{BUCKET}/topup", s3_options(s3_server), tmp_path / "b")
     assert fresh.pull("B1", ["responses/"]) == 21
     pl.DataFrame({"id": ["r21"]}).write_parquet(folder / "part-021.parquet")
     root.push("B1", ["responses/"])

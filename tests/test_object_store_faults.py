@@ -1,7 +1,8 @@
-"""Object-store faults are ridden, not fatal: through a fault proxy in front of the moto server (tests/fault_proxy.py)
-that answers 503 SlowDown or resets connections on a share of requests, including after a write reached the server,
-a stage's push and pull are retried with backoff and complete, a PUT whose answer was lost is not reported as a
-conflict, and a push that fails for good leaves the store consistent for the next one to finish."""
+"""Object-store faults are ridden, not fatal: through a fault proxy in front of the moto server
+(tests/support/fault_proxy.py) that answers 503 SlowDown or resets connections on a share of requests,
+including after a write reached the server, a stage's push and pull are retried with backoff and complete, a
+PUT whose answer was lost is not reported as a conflict, and a push that fails for good leaves the store
+consistent for the next one to finish."""
 
 from __future__ import annotations
 
@@ -18,21 +19,22 @@ from eagle3_assets.core.storage.remote import MANIFEST, ConflictError, RemoteRoo
 from eagle3_assets.core.storage.remote_lease import LeaseHeld
 from eagle3_assets.core.storage.remote_writes import RetryPolicy, StoreUnavailable
 
-from .fault_proxy import FaultProxy
-from .test_object_storage import BUCKET, aws_env, materialize, options, project, s3_server  # noqa: F401
+from .support.fault_proxy import FaultProxy
+from .support.object_store import BUCKET, s3_options, s3_project
+from .support.projects import STAGES_TO_REPORT, materialize_in_process
 
 FAST = {"max_retries": 10, "init_backoff_s": 0.005, "max_backoff_s": 0.05, "retry_timeout_s": 30}
 WRITES = ["prompts.parquet", "responses/", "hidden_states/"]
 
 
 @pytest.fixture
-def proxy(s3_server):  # noqa: F811
+def proxy(s3_server):
     with FaultProxy(s3_server, seed=7) as p:
         yield p
 
 
 def root(url: str, cache: Path, prefix: str, retry: dict | None = FAST) -> RemoteRoot:
-    return RemoteRoot(f"s3://{BUCKET}/{prefix}", {**options(url), "retry": retry}, cache)
+    return RemoteRoot(f"s3://{BUCKET}/{prefix}", {**s3_options(url), "retry": retry}, cache)
 
 
 def files(folder: Path) -> dict[str, bytes]:
@@ -45,7 +47,7 @@ def files(folder: Path) -> dict[str, bytes]:
 
 def stored(url: str, prefix: str) -> dict[str, bytes]:
     """What the bucket holds under `prefix`, read directly (not through the proxy)."""
-    store = RemoteRoot(f"s3://{BUCKET}", options(url), Path("/tmp/unused")).store
+    store = RemoteRoot(f"s3://{BUCKET}", s3_options(url), Path("/tmp/unused")).store
     return {
         m["path"]: bytes(obs.get(store, m["path"]).bytes())
         for batch in obs.list(store, prefix)
@@ -92,7 +94,7 @@ def round_trip(url: str, tmp: Path, prefix: str, retry: dict | None = FAST) -> t
     return time.monotonic() - start, folder
 
 
-def test_a_round_trip_rides_slowdowns_and_dropped_connections(tmp_path, proxy, s3_server, aws_env):  # noqa: F811
+def test_a_round_trip_rides_slowdowns_and_dropped_connections(tmp_path, proxy, s3_server, aws_env):
     healthy, _ = round_trip(proxy.url, tmp_path / "healthy", "faults/healthy")
     assert proxy.injected == 0
     proxy.set(slowdown=0.15, drop_before=0.05, drop_after=0.10)
@@ -112,7 +114,7 @@ def test_a_round_trip_rides_slowdowns_and_dropped_connections(tmp_path, proxy, s
     assert proxy.injected > 0
 
 
-def test_a_put_whose_answer_was_lost_is_not_a_conflict(tmp_path, proxy, s3_server, aws_env):  # noqa: F811
+def test_a_put_whose_answer_was_lost_is_not_a_conflict(tmp_path, proxy, s3_server, aws_env):
     a = root(proxy.url, tmp_path / "a", "faults/lost")
     folder = a.local("B1")
     folder.mkdir(parents=True)
@@ -149,7 +151,7 @@ def test_a_put_whose_answer_was_lost_is_not_a_conflict(tmp_path, proxy, s3_serve
         b.push("B1", ["tokens.parquet"])
 
 
-def test_obstore_alone_does_not_retry_a_conditional_put_that_was_reset(proxy, aws_env):  # noqa: F811
+def test_obstore_alone_does_not_retry_a_conditional_put_that_was_reset(proxy, aws_env):
     """Why remote.py retries conditional PUTs itself: obstore gives up on a reset it cannot call idempotent."""
     store = root(proxy.url, Path("/tmp/unused"), "faults/raw").store
     proxy.rule("PUT", "raw-create", "drop_before")
@@ -175,8 +177,8 @@ def test_holds_compares_bytes_where_the_etag_is_not_an_md5(tmp_path):
 def test_a_push_that_outlasts_the_retries_leaves_the_old_state_and_the_next_push_finishes(
     tmp_path,
     proxy,
-    s3_server,  # noqa: F811
-    aws_env,  # noqa: F811
+    s3_server,
+    aws_env,
 ):
     few = {**FAST, "max_retries": 2}
     a = root(proxy.url, tmp_path / "a", "faults/half", few)
@@ -256,28 +258,37 @@ def test_a_push_that_outlasts_the_retries_leaves_the_old_state_and_the_next_push
     assert files(fresh.local("B1")) == files(folder)
 
 
-def test_the_lease_is_renewed_through_faults(tmp_path, proxy, s3_server, aws_env):  # noqa: F811
+def test_the_lease_is_renewed_through_faults(tmp_path, proxy, s3_server, aws_env):
     a = root(proxy.url, tmp_path / "a", "faults/lease")
     other = root(s3_server, tmp_path / "b", "faults/lease")  # direct, healthy
-    ttl = 1.5
-    with a.lease("B1", "generation for B1", ttl_s=ttl):
-        # Every renewal for a while: its first attempt lands but the answer is lost, or the store says SlowDown.
-        proxy.rule("PUT", ".lease.json", "drop_after", times=3)
-        proxy.rule("PUT", ".lease.json", "slowdown", times=3)
-        deadline = time.monotonic() + 3 * ttl
-        while time.monotonic() < deadline:
+    ttl = 3.0  # renewed every second: a renewal that rides its faults is back well within the lease's life
+
+    def expires() -> float:
+        return json.loads(bytes(obs.get(other.store, "B1/.lease.json").bytes()))["expires"]
+
+    def held_off_until(done) -> None:
+        """Until `done()`, a second holder is refused every time it tries (the lease never lapsed)."""
+        hang_guard = time.monotonic() + 120  # only a broken renewal gets here: not a speed bound
+        while not done():
             with pytest.raises(LeaseHeld), other.lease("B1", "generation for B1"):
                 pass
+            assert time.monotonic() < hang_guard, proxy.counts
             time.sleep(0.2)
-        assert proxy.counts["drop_after"] == 3 and proxy.counts["slowdown"] == 3
-        held = json.loads(bytes(obs.get(other.store, "B1/.lease.json").bytes()))
-        assert held["expires"] > time.time()
+
+    with a.lease("B1", "generation for B1", ttl_s=ttl):
+        # The next renewals' attempts: three land but their answers are lost, three meet SlowDown.
+        proxy.rule("PUT", ".lease.json", "drop_after", times=3)
+        proxy.rule("PUT", ".lease.json", "slowdown", times=3)
+        held_off_until(lambda: proxy.counts["drop_after"] == 3 and proxy.counts["slowdown"] == 3)
+        after_faults = expires()
+        held_off_until(lambda: expires() > after_faults)  # and the renewals go on
+        assert expires() > time.time()
     with other.lease("B1", "generation for B1"):  # released at the end, through the proxy
         pass
 
 
-def test_the_retry_policy_comes_from_the_storage_options(tmp_path, aws_env):  # noqa: F811
-    opts = {**options("http://127.0.0.1:9"), "retry": {"max_retries": 3, "init_backoff_s": 0.5}}
+def test_the_retry_policy_comes_from_the_storage_options(tmp_path, aws_env):
+    opts = {**s3_options("http://127.0.0.1:9"), "retry": {"max_retries": 3, "init_backoff_s": 0.5}}
     r = RemoteRoot(f"s3://{BUCKET}/p", opts, tmp_path)
     assert r.retry == RetryPolicy(max_retries=3, init_backoff_s=0.5)
     assert r.store.retry_config["max_retries"] == 3
@@ -285,19 +296,19 @@ def test_the_retry_policy_comes_from_the_storage_options(tmp_path, aws_env):  # 
     assert (
         r.writes._writes.retry_config["max_retries"] == 0
     )  # conditional writes: retried by remote_writes.py
-    assert RemoteRoot(f"s3://{BUCKET}/p", options("http://127.0.0.1:9"), tmp_path).retry == RetryPolicy()
+    assert RemoteRoot(f"s3://{BUCKET}/p", s3_options("http://127.0.0.1:9"), tmp_path).retry == RetryPolicy()
     with pytest.raises(ValueError, match="unknown keys"):
         RetryPolicy.from_options({"retries": 3})
 
 
 @pytest.mark.slow
-def test_the_pipeline_rides_a_faulty_store(tmp_path, proxy, s3_server, aws_env):  # noqa: F811
+def test_the_pipeline_rides_a_faulty_store(tmp_path, proxy, s3_server, aws_env):
     proxy.set(slowdown=0.12, drop_before=0.04, drop_after=0.15)
-    path = project(tmp_path, proxy.url, "faults/pipeline")
+    path = s3_project(tmp_path, proxy.url, "faults/pipeline")
     cfg = yaml.safe_load(path.read_text())
     cfg["storage"]["options"]["retry"] = FAST
     path.write_text(yaml.safe_dump(cfg))
-    result = materialize(path, hidden=False)
+    result = materialize_in_process(path, STAGES_TO_REPORT)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     assert all(n > 0 for n in proxy.counts.values()), proxy.counts
     print(f"\npipeline: {proxy.counts} in {proxy.requests} requests")

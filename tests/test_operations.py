@@ -13,7 +13,7 @@ from eagle3_assets.assets.hidden_states import GPU_STEP_TAGS
 from eagle3_assets.config import load_config
 from eagle3_assets.definitions import build_definitions
 
-from .conftest import REPO, make_project, user_rows
+from .support.projects import REPO, make_project, user_rows
 
 
 def test_pool_limits_from_the_config_are_applied_to_the_instance(tmp_path):

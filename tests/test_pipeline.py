@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import load_config
-from eagle3_assets.definitions import TRAINING_DATA_JOB, build_definitions
+from eagle3_assets.definitions import build_definitions
 
-from .conftest import make_project, user_rows
+from .support.projects import make_project, run_training_data_job, user_rows
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -19,19 +19,6 @@ QUESTIONS = [
     "What is 3 times 4?",
     "Name a planet.",
 ]
-
-
-def run_job(config_path, key, instance, run_config=None, selection=None):
-    defs = build_definitions(load_config(config_path), str(config_path))
-    job = defs.resolve_job_def(TRAINING_DATA_JOB)
-    keys = [dg.AssetKey(s) for s in selection] if selection else None
-    return job.execute_in_process(
-        partition_key=key,
-        instance=instance,
-        raise_on_error=False,
-        run_config=run_config,
-        asset_selection=keys,
-    )
 
 
 def materialization_metadata(result, asset):
@@ -49,7 +36,7 @@ def project(tmp_path):
 
 def test_partition_materialises_end_to_end_and_resumes_without_repeating_work(project, tmp_path):
     with dg.instance_for_test() as instance:
-        result = run_job(project, "B3", instance)
+        result = run_training_data_job(project, "B3", instance)
         assert result.success
         root = tmp_path / "data" / "B3"
         prompts = pl.read_parquet(root / "prompts.parquet")
@@ -98,7 +85,7 @@ def test_partition_materialises_end_to_end_and_resumes_without_repeating_work(pr
         assert materialization_metadata(result, "tokens")["template_check"].value == "proven verbatim once"
 
         files_before = sorted(p.name for p in (root / "responses").glob("*.parquet"))
-        again = run_job(project, "B3", instance)
+        again = run_training_data_job(project, "B3", instance)
         assert again.success
         md = materialization_metadata(again, "responses")
         assert md["sent_this_run"].value == 0 and md["answered_before_this_run"].value == 4
@@ -114,7 +101,7 @@ def test_budget_stops_dispatch(tmp_path):
         backends={"local": {"batch_size": 2}},
     )
     with dg.instance_for_test() as instance:
-        result = run_job(path, "B1", instance)
+        result = run_training_data_job(path, "B1", instance)
         assert result.success
     responses = pl.read_parquet(tmp_path / "data" / "B1" / "responses" / "*.parquet")
     # Reservation starts at max_tokens per request in flight, so the budget is never exceeded.
@@ -129,7 +116,7 @@ def test_a_run_over_several_partitions_generates_them_together_and_reports_each(
     materialisation with its own metadata, and check results, for every partition."""
     with dg.instance_for_test() as instance:
         for key in ("B3", "B4"):
-            assert run_job(project, key, instance, selection=["prompts"]).success
+            assert run_training_data_job(project, key, instance, selection=["prompts"]).success
         defs = build_definitions(load_config(project), str(project))
         job = defs.resolve_implicit_global_asset_job_def()
         result = job.execute_in_process(

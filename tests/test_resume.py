@@ -15,10 +15,10 @@ from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 
-from .conftest import REPO, kill_once_written, make_project, user_rows
-from .fake_servers import FakeOpenRouter
-
-KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
+from .support.cli_runs import env_for, kill_once_written, materialize_cmd
+from .support.engine_runs import KEY_ENV
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import REPO, make_project, user_rows
 
 
 def openrouter_project(tmp_path: Path, base_url: str, texts: list[str], concurrency: int = 16) -> Path:
@@ -38,27 +38,6 @@ def openrouter_project(tmp_path: Path, base_url: str, texts: list[str], concurre
         # above this share, and the run must reach every stage.
         checks={"max_failure_share": 0.5},
     )
-
-
-def materialize_cmd(select: str = "prompts,responses") -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "dagster",
-        "asset",
-        "materialize",
-        "-m",
-        "eagle3_assets.definitions",
-        "--select",
-        select,
-        "--partition",
-        "B1",
-    ]
-
-
-def env_for(config: Path, dagster_home: Path, key: str) -> dict[str, str]:
-    dagster_home.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "EAGLE3_CONFIG": str(config), "DAGSTER_HOME": str(dagster_home), KEY_ENV: key}
 
 
 def test_kill_9_mid_run_then_resume_sends_nothing_twice(tmp_path):

@@ -23,8 +23,8 @@ from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, JournalTable
 from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
 from resources.inference.sglang import split_reasoning
 
-from .fake_servers import FakeOpenRouter
-from .test_engine import KEY, KEY_ENV, dataset, run
+from .support.engine_runs import KEY, KEY_ENV, dataset, run
+from .support.fake_servers import FakeOpenRouter
 
 QWEN3_LIKE = (
     "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
@@ -175,7 +175,7 @@ def test_importing_by_messages_matches_a_dataset_with_a_system_prompt(tmp_path, 
     from eagle3_assets.core.prompts.ingest import write_prompts
     from eagle3_assets.core.storage.layout import DatasetLayout
 
-    from .conftest import user_rows, write_jsonl
+    from .support.projects import user_rows, write_jsonl
 
     layout = DatasetLayout(tmp_path / "data", "B1").ensure()
     source = write_jsonl(tmp_path / "s.jsonl", user_rows(["Hello?"]))

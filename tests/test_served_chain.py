@@ -13,20 +13,17 @@ import psutil
 import pytest
 import yaml
 
-from . import vllm_server
-from .conftest import REPO, FullTargetGuard
+from .support import vllm_server
+from .support.hidden_states import L
+from .support.projects import REPO
+from .support.target_guard import FullTargetGuard
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-
-NUM_LAYERS = 30  # SmolLM2-135M
 
 
 @pytest.fixture(scope="module")
 def server() -> vllm_server.VllmServer:
-    reason = vllm_server.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    return vllm_server.server()
+    return vllm_server.session_server()
 
 
 def _served_config(root, server) -> dict:
@@ -79,7 +76,7 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(server, tm
                 partition_key="B3", instance=instance, raise_on_error=False
             )
             assert results[job].success, [e.message for e in results[job].all_events if e.is_failure]
-    assert max(guard.depths, default=0) < NUM_LAYERS, guard.depths  # no forward of the whole target
+    assert max(guard.depths, default=0) < L, guard.depths  # no forward of the whole target
     assert guard.depths, "the spot check recomputed nothing"
 
     checks = {e.check_name: e for r in results.values() for e in r.get_asset_check_evaluations()}

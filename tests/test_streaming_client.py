@@ -1,19 +1,24 @@
 """The stream client (resources/inference/streaming.py) against real servers on loopback that send exact bytes:
 chunked framing split anywhere, events split across chunks, keep-alive reuse and a connection the server dropped
 while idle, error statuses with their bodies, a cut, a malformed event, silence, an unframed body, TLS, redaction.
+
+TCP decides where a stream's bytes are cut into reads, so the splits themselves are tested on the client's
+decoding with cuts the test chooses (`decode_in_pieces`); the loopback tests assert what holds for any cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import ssl
-import time
 
+import httptools
 import pytest
 
 from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError
-from resources.inference.streaming import StreamClient
+from resources.inference.streaming import StreamClient, _Events, _Response
 
 
 def sse(*events: dict | str) -> bytes:
@@ -39,7 +44,8 @@ EVENTS = [{"choices": [{"delta": {"content": f"w{i} "}}]} for i in range(20)]
 
 
 class RawServer:
-    """A TCP server on loopback whose handler gets each request and writes whatever bytes it likes."""
+    """A TCP server on loopback whose handler gets each request and writes whatever bytes it likes.
+    `dropped` is set once the server has closed a connection."""
 
     def __init__(self, handler, ssl_context: ssl.SSLContext | None = None):
         self.handler = handler
@@ -48,6 +54,8 @@ class RawServer:
         self.requests: list[bytes] = []
 
     async def __aenter__(self) -> RawServer:
+        self.dropped = asyncio.Event()
+
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             self.connections += 1
             try:
@@ -62,6 +70,7 @@ class RawServer:
                 pass
             finally:
                 writer.close()
+                self.dropped.set()
 
         self.server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=self.ssl)
         self.port = self.server.sockets[0].getsockname()[1]
@@ -98,15 +107,47 @@ async def failed_posts(client: StreamClient, n: int) -> list[InferenceError]:
     return errors
 
 
+def decode_in_pieces(
+    response: bytes, ends: list[int], secrets: tuple[bytes, ...] = ()
+) -> tuple[list[dict], bool]:
+    """The events of one HTTP response whose bytes arrive in pieces ending at `ends`, decoded as the client
+    does at each pump tick (the C parser fed the piece, the payload it has undone handed to the event
+    decoder), and whether the stream said `[DONE]`."""
+    seen: list[dict] = []
+    r = _Response(lambda: None)
+    parser = httptools.HttpResponseParser(r)
+    events = _Events(r.headers, lambda batch, _headers: seen.extend(batch), secrets)
+    for a, b in itertools.pairwise([0, *ends, len(response)]):
+        parser.feed_data(response[a:b])
+        payload = r.take()
+        if payload or r.complete:
+            events.feed(payload, final=r.complete)
+    assert r.complete, "the response did not end"
+    return seen, events.done
+
+
+def every_way_to_cut(response: bytes, packet: int) -> list[list[int]]:
+    """Cuts of `response`: at each single position, into `packet`-byte pieces, and into single bytes."""
+    n = len(response)
+    return [[i] for i in range(1, n)] + [list(range(packet, n, packet)), list(range(1, n))]
+
+
+CHUNKED_BODY = HEAD + chunked(sse(*EVENTS, "[DONE]"), [7, 1, 50, 3, 120])
+
+
 def test_framing_split_anywhere_and_events_split_across_chunks():
-    payload = sse(*EVENTS, "[DONE]")
-    body = HEAD + chunked(payload, [7, 1, 50, 3, 120])
+    for ends in every_way_to_cut(CHUNKED_BODY, 5):
+        assert decode_in_pieces(CHUNKED_BODY, ends) == (EVENTS, True), ends
+
+
+def test_a_stream_written_in_small_packets_is_read_whole():
+    """Through a real socket: five bytes per write, merged or not by TCP, the same events."""
+    body = CHUNKED_BODY
 
     async def handler(writer, _body, _n):
-        for i in range(0, len(body), 5):  # five bytes per packet: every boundary falls somewhere odd
+        for i in range(0, len(body), 5):
             writer.write(body[i : i + 5])
             await writer.drain()
-            await asyncio.sleep(0.0005)
 
     async def main():
         async with RawServer(handler) as server:
@@ -132,7 +173,9 @@ def test_keep_alive_reuse_and_a_connection_dropped_while_idle():
             for _ in range(2):
                 assert await client.post(b"{}", lambda e, h: None)
             assert server.connections == 1  # the second request reused the first connection
-            await asyncio.sleep(0.05)  # the server has closed it: the next request opens another
+            # The server has closed it (noticed while idle or on the next write): the next request opens
+            # another.
+            await server.dropped.wait()
             assert await client.post(b"{}", lambda e, h: None)
             await client.close()
             return server.connections
@@ -207,27 +250,35 @@ def test_an_unframed_body_ends_with_its_connection():
 
 
 def test_events_reach_the_caller_while_the_stream_is_still_open():
-    """The budget counts a streamed answer's tokens while it is in flight: events are handed on at the pump's
-    ticks, not only when the answer ends."""
-    first_at: list[float] = []
-
-    async def handler(writer, _body, _n):
-        writer.write(HEAD + b"%x\r\n" % len(sse(EVENTS[0])) + sse(EVENTS[0]) + b"\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.5)
-        writer.write(chunked(sse(EVENTS[1], "[DONE]"), []))
-        await writer.drain()
+    """The budget counts a streamed answer's tokens while it is in flight: events are handed on at the
+    pump's ticks, not only when the answer ends. The server holds the rest of the answer back until the
+    caller has the first event (or, if it never gets it, a minute later, and the order below fails)."""
+    order: list[str] = []
 
     async def main():
+        first_seen = asyncio.Event()
+
+        async def handler(writer, _body, _n):
+            writer.write(HEAD + b"%x\r\n" % len(sse(EVENTS[0])) + sse(EVENTS[0]) + b"\r\n")
+            await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(first_seen.wait(), 60)
+            order.append("rest sent")
+            writer.write(chunked(sse(EVENTS[1], "[DONE]"), []))
+            await writer.drain()
+
+        def on_events(events, _headers):
+            order.extend("event" for _ in events)
+            first_seen.set()
+
         async with RawServer(handler) as server:
             client = StreamClient(server.url(), {})
-            t0 = time.monotonic()
-            await client.post(b"{}", lambda evs, h: first_at.extend(time.monotonic() - t0 for _ in evs))
+            done = await client.post(b"{}", on_events)
             await client.close()
-            return time.monotonic() - t0
+            return done
 
-    total = run(main())
-    assert len(first_at) == 2 and first_at[0] < total - 0.3
+    assert run(main())
+    assert order == ["event", "rest sent", "event"]
 
 
 def test_tls():
@@ -276,25 +327,28 @@ def test_every_event_form_reaches_the_caller_in_order_and_the_key_never_does():
         + sse(ev[7], "[DONE]")
     )
 
+    response = HEAD + chunked(payload, [3, 40, 90, 11, 200])
+    secrets = (b"secret-key-123",)
+    redacted = {"choices": [{"delta": {"content": "your key is [redacted]"}}]}
+    expected = [*ev[:4], said_done, ev[4], redacted, *ev[5:]]
+    for ends in every_way_to_cut(response, 97):  # packets that end anywhere
+        assert decode_in_pieces(response, ends, secrets) == (expected, True), ends
+
     async def handler(writer, _body, _n):
-        writer.write(HEAD)
-        body = chunked(payload, [3, 40, 90, 11, 200])
-        for i in range(0, len(body), 97):  # packets that end anywhere, a tick apart
-            writer.write(body[i : i + 97])
+        for i in range(0, len(response), 97):
+            writer.write(response[i : i + 97])
             await writer.drain()
-            await asyncio.sleep(0.012)
 
     async def main():
         async with RawServer(handler) as server:
-            client = StreamClient(server.url(), {}, secrets=(b"secret-key-123",))
+            client = StreamClient(server.url(), {}, secrets=secrets)
             seen, on_event = collect()
             done = await client.post(b"{}", on_event)
             await client.close()
             return done, seen
 
     done, seen = run(main())
-    redacted = {"choices": [{"delta": {"content": "your key is [redacted]"}}]}
-    assert done and seen == [*ev[:4], said_done, ev[4], redacted, *ev[5:]]
+    assert done and seen == expected
 
 
 def test_broken_http_is_classified_as_malformed():

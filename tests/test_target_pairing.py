@@ -17,9 +17,9 @@ from eagle3_assets.core.target import pairing
 from eagle3_assets.core.target.loading import load_tokenizer, pin_problems
 from eagle3_assets.core.target.pairing import PAIRING_FIX, SERVER_FIX, model_pairing, pairing_preflight
 
-from .conftest import REPO, make_project
-from .fake_servers import FakeOpenRouter
-from .kimi_standin import build_kimi_standin
+from .support.fake_servers import FakeOpenRouter
+from .support.kimi_standin import build_kimi_standin
+from .support.projects import REPO, make_project
 
 KEY_ENV = "EAGLE3_TEST_PAIRING_KEY"
 

@@ -28,9 +28,10 @@ from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
 
-from .conftest import REPO, make_plan, make_project, user_rows, write_jsonl
-from .fake_servers import FakeOpenRouter
-from .live import DagsterDev
+from .support.dagster_dev import DagsterDev
+from .support.engine_runs import make_plan
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import REPO, make_project, user_rows, write_jsonl
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
 KEY = "test-key-" + "t" * 24
@@ -38,13 +39,14 @@ LATENCY_S = 2.0  # every answer takes this long: a run of hundreds of prompts is
 
 
 def _signal_when(server: FakeOpenRouter, hits: int, sig: int = signal.SIGINT) -> dict:
-    """Send `sig` to this process once the provider has seen `hits` requests; returns when it was sent."""
+    """Send `sig` to this process once the provider has seen `hits` requests; returns how many it had seen
+    when the signal was sent (`hits`, filled in then)."""
     sent: dict = {}
 
     def watch() -> None:
         while len(server.hits) < hits:
             time.sleep(0.02)
-        sent["at"] = time.monotonic()
+        sent["hits"] = len(server.hits)
         os.kill(os.getpid(), sig)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -66,17 +68,20 @@ def _generate(tmp_path, server: FakeOpenRouter, layout: DatasetLayout, chat, con
 
 
 def test_without_a_graceful_stop_a_signal_cancels_the_loop_and_the_handlers_are_put_back():
+    cancelled = []
+
     async def forever() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.sleep(60)
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    started = time.monotonic()
     with pytest.raises(RunTerminated, match="SIGTERM"):
         run_loop(forever())
-    assert (
-        time.monotonic() - started < 30
-    )  # not the minute it would sleep (a behaviour bound, not a speed goal)
+    assert cancelled == [True]  # cut short, not left to sleep its minute
     # The process's own handlers are put back (whatever they were: Dagster maps SIGTERM to SIGINT's).
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
@@ -94,10 +99,12 @@ def test_sigint_stops_sending_stores_what_arrived_and_the_next_run_pays_only_the
         sent = _signal_when(server, 40)
         with pytest.raises(RunTerminated):
             _generate(tmp_path, server, layout, chat, concurrency)
-        assert "at" in sent
-        late = [h for h in server.hits if h.at > sent["at"] + 0.2]
-        assert late == [], f"{len(late)} requests reached the provider after the stop"
+        assert "hits" in sent
         n_before = len(server.hits)
+        # Answers take LATENCY_S, far longer than the grace, so no slot frees after the signal: what
+        # reaches the provider after it is at most what was already on its way (the window). Sending on
+        # would be far more.
+        assert n_before - sent["hits"] <= concurrency, f"{n_before - sent['hits']} requests after the stop"
         journal = ResponseJournal(layout)
         stored = journal.done_ids()
         assert 0 < len(stored) < len(texts)  # what arrived is in the table

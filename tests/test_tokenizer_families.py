@@ -11,7 +11,7 @@ import pytest
 from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
 from eagle3_assets.core.target.preflight import exactness, reference_ids, special_token_problems
 
-from .tokenizer_families import FAMILIES
+from .support.tokenizer_families import FAMILIES
 
 CONVERSATIONS = [
     (

@@ -20,9 +20,9 @@ from eagle3_assets.core.target.loading import (
     tokenizer_files_key,
 )
 
-from .conftest import REPO, make_project
-from .fake_servers import FakeOpenRouter
-from .test_engine import KEY, KEY_ENV
+from .support.engine_runs import KEY, KEY_ENV
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import REPO, make_project
 
 PROBE = r"""
 import json, sys
@@ -162,7 +162,7 @@ GENERATE = r"""
 import json, sys
 from pathlib import Path
 from eagle3_assets.core.target.chat import ChatRecipe, DeferredChat
-from tests.test_engine import dataset, run, stored
+from tests.support.engine_runs import dataset, run, stored
 
 class Server:
     base_url = sys.argv[2]

@@ -1,5 +1,6 @@
 """Every export is read, checked and trained on by the framework it is for: speculators 0.9.0, SpecForge 0.2.0 and
-Model-Optimizer 0.47.0, each its own code in its own environment (tests/consumers), on the shipped defaults' B3.
+Model-Optimizer 0.47.0, each its own code in its own environment (tests/support/consumers), on the shipped
+defaults' B3.
 
 An imitation of a consumer passed where the consumer failed (speculators' loader rejected an export whose test had
 converted the ids itself), so nothing here reimplements a loader: the drivers call the frameworks' own functions and
@@ -24,9 +25,9 @@ from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extr
 from eagle3_assets.core.hidden_states.shards import HiddenStatesReader
 from eagle3_assets.core.storage.layout import DatasetLayout
 
-from .consumers import environments
+from .support.consumers import environments
 
-HERE = Path(__file__).resolve().parent / "consumers"
+HERE = Path(environments.__file__).resolve().parent
 # A test that meets a consumer first builds its environment (minutes of pip, once per machine) before its run: on a
 # fresh, slow machine Model-Optimizer's build and first run took over the suite's 900 s.
 pytestmark = [pytest.mark.slow, pytest.mark.consumers(*environments.CONSUMERS), pytest.mark.timeout(2400)]
@@ -145,7 +146,6 @@ def test_speculators_reads_fp8_states_through_fp8transfer_and_trains(fp8_export,
     assert r["stored"]["hidden_states"] == "F8_E4M3" and r["stored"]["hidden_states_scales"] == "F32"
     assert r["read_as"] == ["torch.bfloat16"] and r["sample_failures"] == []
     import datasets
-    import torch
 
     ds = datasets.load_from_disk(str(fp8_export))
     reader = HiddenStatesReader(fp8_export.parent / "B3" / "hidden_states")

@@ -18,8 +18,7 @@ from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.run import generate_responses
 from resources.inference.openrouter import OpenRouterBackend
 
-from .conftest import make_plan
-from .test_engine import KEY, KEY_ENV, dataset, stored
+from .support.engine_runs import KEY, KEY_ENV, dataset, make_plan, stored
 
 pytestmark = pytest.mark.slow
 

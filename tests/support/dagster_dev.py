@@ -1,5 +1,5 @@
 """Real services for end-to-end tests: `dagster dev` (webserver + daemon) and a PostgreSQL server, both started by
-the test on free loopback ports and stopped afterwards."""
+the test on free loopback ports and stopped afterwards, and the small project and DAGSTER_HOME they serve."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .conftest import REPO
+from resources.vllm.server import free_port
+
+from .projects import REPO, make_project, user_rows
 
 LAUNCH_BACKFILL = """
 mutation($params: LaunchBackfillParams!) {
@@ -75,10 +76,32 @@ LOCATION = "eagle3_assets"  # workspace.yaml
 REPOSITORY = "__repository__"  # a Definitions object's repository
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def small_project(tmp_path: Path) -> Path:
+    """Two datasets of a few short prompts (B1: two, B2: one), one slot in each pool."""
+    return make_project(
+        tmp_path,
+        {
+            "B1": {"rows": user_rows(["What is 2+2?", "Name a colour."]), "max_tokens": 8},
+            "B2": {"rows": user_rows(["Say hi."]), "max_tokens": 8},
+        },
+        pools={"llm_api": 1, "gpu": 1},
+    )
+
+
+def prepare_home(home: Path, config: Path, template: str, env: dict | None = None) -> None:
+    """A DAGSTER_HOME from deploy/<template>'s instance file, with the config's pool limits applied (`eagle3
+    instance`)."""
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "deploy" / template / "dagster.yaml", home / "dagster.yaml")
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_assets.cli", "--config", str(config), "instance"],
+        cwd=REPO,
+        env={**os.environ, "DAGSTER_HOME": str(home), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 class DagsterDev:

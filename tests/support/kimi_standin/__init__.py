@@ -15,10 +15,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["ADDED_TOKENS", "build_kimi_standin", "deepseek_tokenizer_json"]
+__all__ = ["ADDED_TOKENS", "CHAT_TEMPLATE", "build_kimi_standin", "deepseek_tokenizer_json"]
 
 _HERE = Path(__file__).resolve().parent
 _MODULE = "tokenization_kimi_standin"
+CHAT_TEMPLATE = _HERE / "chat_template.jinja"
 
 # (content, offset from the first special id, special?) -- offsets are Kimi's ids minus 163584.
 ADDED_TOKENS: tuple[tuple[str, int, bool], ...] = (
@@ -133,8 +134,8 @@ def build_kimi_standin(dest: Path) -> Path:
         _write_if_changed(model_path, text)
     config = json.dumps(_tokenizer_config(num_base_tokens), indent=2, ensure_ascii=False) + "\n"
     _write_if_changed(dest / "tokenizer_config.json", config)
-    for name in (f"{_MODULE}.py", "chat_template.jinja"):
-        _write_if_changed(dest / name, (_HERE / name).read_text(encoding="utf-8"))
+    for source in (_HERE / f"{_MODULE}.py", CHAT_TEMPLATE):
+        _write_if_changed(dest / source.name, source.read_text(encoding="utf-8"))
     stale = dest / "tokenizer.json"  # must never exist: Kimi has none, and it would make HF go fast
     if stale.exists():
         stale.unlink() if stale.is_file() else shutil.rmtree(stale)

@@ -1,5 +1,6 @@
-"""A faulty object store for tests: an HTTP/1.1 reverse proxy on loopback in front of an S3-compatible server (the
-moto server of tests/test_object_storage.py) that, on a share of requests, answers what a busy or flaky S3 answers.
+"""A faulty object store for tests: an HTTP/1.1 reverse proxy on loopback in front of an S3-compatible server
+(the moto server of tests/support/object_store.py) that, on a share of requests, answers what a busy or flaky
+S3 answers.
 
 Faults, each decided per request from a seeded RNG (the same seed and the same requests give the same faults):
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-REPO = Path(__file__).resolve().parent.parent
+from .projects import REPO
 
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"
