@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from .conftest import REPO, make_project
+from .support.projects import REPO, make_project
 
 
 def _python(code: str, cwd, config) -> subprocess.CompletedProcess:
