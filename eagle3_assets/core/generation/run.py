@@ -21,9 +21,11 @@ from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
-from .engine import EngineReport, EngineSettings, GenerationEngine, Lane
+from .engine import EngineSettings, GenerationEngine
 from .journal import JournalWriter, ResponseJournal, SetAside
+from .lanes import Lane
 from .protocol import CompletionRequest, InferenceBackend, Sampling
+from .report import EngineReport
 from .stopping import run_loop
 
 PROMPT_CHUNK = 1024
@@ -342,7 +344,7 @@ def _run(
             JournalWriter(prepared.journal, backend.name, run_id, on_flush=job.on_flush),
             prepared.journal.ledger(run_id),
         )
-        skip = lambda pid, kind, msg, lane=lane: engine.record_skipped(lane, pid, kind, msg)  # noqa: E731
+        skip = lane.record_skipped
         if prepared.chains is not None:
             chains = Chains(
                 prepared.chains,
