@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import polars as pl
 import pytest
 
@@ -210,7 +212,7 @@ def test_budget_overshoot_stays_under_one_percent_over_thousands_of_requests(tmp
     texts = [f"budget {i}" for i in range(4000)]
     layout = dataset(tmp_path, texts)
     budget = 150_000
-    with FakeOpenRouter(key=KEY, completion_tokens=lambda p: 20 + (hash(p) % 200)) as server:
+    with FakeOpenRouter(key=KEY, completion_tokens=lambda p: 20 + (zlib.crc32(p.encode()) % 200)) as server:
         summary = run(layout, server, chat, concurrency=500, budget_tokens=budget, max_tokens=220)
     responses, _ = stored(layout)
     used = int(responses["completion_tokens"].sum())
