@@ -16,7 +16,7 @@ TICK_S = 0.01  # how often the loop notes that it is free
 
 
 class LoopHeartbeat:
-    """The loop's last free moment, and the latency an answer read now is learned at."""
+    """The loop's last free moment, and the latency an answer is learned at when it is read."""
 
     def __init__(self, clock: Callable[[], float]):
         self.clock = clock

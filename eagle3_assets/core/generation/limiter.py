@@ -237,9 +237,9 @@ class AdaptiveLimit:
         if storm is None:
             return  # within the background rate
         # What the provider held when it said no: the requests in flight when the refused one went out, no
-        # more. (Those in flight now may include later dispatches whose refusals are still on the way, and
-        # answers that already landed unnoticed: counting them would leave the window above the cap through
-        # several decreases.)
+        # more. (Those in flight at this point may include later dispatches whose refusals are still on the
+        # way, and answers that already landed unnoticed: counting them would leave the window above the cap
+        # through several decreases.)
         accepted = min(self.in_flight, token.held_before)
         # Refused below the level of the last refusal, before the window grew back to it: the last cut did not
         # end the storm. Against an in-flight cap the first cut does (the cap is what the provider held, and

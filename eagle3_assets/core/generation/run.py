@@ -143,7 +143,7 @@ def generate_datasets(
         idle: list[_Prepared] = []  # nothing to send, or no room: their tables are folded all the same
         busy: list[BusyError] = []
         # One message for every dataset's state: under Dagster each message is a write to the event log, and
-        # eight of them were a tenth of a second before the first request.
+        # eight of them would add a tenth of a second before the first request.
         notes: list[str] = []
         try:
             for job in jobs:
@@ -171,7 +171,7 @@ def generate_datasets(
             lanes: list[Lane] = []
             try:
                 _run(ready, lanes, backend, chat, settings, log, extra_preflight or [], run_id)
-            finally:  # also after a fatal stop: what was paid for is compacted into the table now
+            finally:  # also after a fatal stop: what was paid for is compacted into the table here
                 # Each dataset in its own folder, folded side by side (parquet reads and writes release the GIL):
                 # the run's end waits for the slowest dataset, not for their sum.
                 built: list[Lane | None] = [*lanes, *[None] * (len(ready) - len(lanes))]
