@@ -17,8 +17,9 @@ from pathlib import Path
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.budget import Budget
 from eagle3_assets.core.generation.conversations import Chain, Chains
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
+from eagle3_assets.core.generation.lanes import Lane
 from eagle3_assets.core.generation.protocol import CompletionRequest, Sampling
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import polars as pl
 import pytest
 
@@ -164,7 +166,7 @@ def test_budget_overshoot_stays_under_one_percent_over_thousands_of_requests(tmp
     texts = [f"budget {i}" for i in range(4000)]
     layout = dataset(tmp_path, texts)
     budget = 150_000
-    with FakeOpenRouter(key=KEY, completion_tokens=lambda p: 20 + (hash(p) % 200)) as server:
+    with FakeOpenRouter(key=KEY, completion_tokens=lambda p: 20 + (zlib.crc32(p.encode()) % 200)) as server:
         summary = run(layout, server, chat, concurrency=500, budget_tokens=budget, max_tokens=220)
     responses, _ = stored(layout)
     used = int(responses["completion_tokens"].sum())
@@ -227,25 +229,25 @@ class _Gate:
 def test_a_prompt_waiting_for_the_budget_is_not_displaced_by_a_chains_next_turn():
     """A request held back by a closed budget goes first when it reopens, even if a conversation's next turn
     arrived meanwhile: neither is dropped, and each is counted as sent once."""
-    from eagle3_assets.core.generation.engine import GenerationEngine, Lane, _Pending
+    from eagle3_assets.core.generation.lanes import Lane, PendingPrompt
     from eagle3_assets.core.generation.protocol import CompletionRequest
+    from eagle3_assets.core.generation.scheduler import LaneScheduler
 
     def req(rid: str) -> CompletionRequest:
         return CompletionRequest(rid, [{"role": "user", "content": "q"}], 8)
 
     budget = _Gate()
     lane = Lane("B1", [req("c1#t1"), req("c2#t1"), req("c3#t1")], 3, budget, writer=None)
-    engine = GenerationEngine(backend=None, settings=EngineSettings(max_concurrency=4))
-    engine.lanes = [lane]
-    assert engine._next(0.0).request.id == "c1#t1"
+    scheduler = LaneScheduler([lane], EngineSettings(max_concurrency=4))
+    assert scheduler.next(0.0).request.id == "c1#t1"
     budget.room = False
-    assert engine._next(0.0) is None and lane.held.request.id == "c2#t1"
+    assert scheduler.next(0.0) is None and lane.held.request.id == "c2#t1"
     lane.budget_blocked = False  # the dispatcher's next pass: c1's answer landed, its second turn is queued
-    lane.followups.append(_Pending(req("c1#t2"), lane))
-    assert engine._next(0.0) is None
+    lane.followups.append(PendingPrompt(req("c1#t2"), lane))
+    assert scheduler.next(0.0) is None
     budget.room, lane.budget_blocked = True, False
     sent = []
-    while (p := engine._next(0.0)) is not None:
+    while (p := scheduler.next(0.0)) is not None:
         sent.append(p.request.id)
     assert sent == ["c2#t1", "c1#t2", "c3#t1"]
     assert lane.report.sent == 4  # c1#t1, c2#t1, c1#t2, c3#t1: each once
@@ -272,6 +274,6 @@ class _Shares:
     ],
 )
 def test_a_lane_closes_out_only_when_its_budget_is_committed_and_mostly_spent(spent, committed, closes):
-    from eagle3_assets.core.generation.engine import _closing_out
+    from eagle3_assets.core.generation.scheduler import closing_out
 
-    assert _closing_out(_Shares(spent, committed)) is closes
+    assert closing_out(_Shares(spent, committed)) is closes

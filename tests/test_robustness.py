@@ -12,9 +12,10 @@ import pytest
 
 from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine, Lane
+from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
+from eagle3_assets.core.generation.lanes import Lane
 from eagle3_assets.core.generation.protocol import Completion, CompletionRequest, FatalRunError
 from eagle3_assets.core.generation.topup import top_up_status
 from eagle3_assets.core.hidden_states.shards import ShardWriter

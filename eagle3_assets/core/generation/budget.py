@@ -4,24 +4,25 @@ A request is dispatched only while
 
     spent + Σ r_i + r_new + z·sqrt(Σ v_i + v_new + (Σ e_i + e_new)²) ≤ limit
 
-where r_i and v_i are the expected final length of in-flight request i, and its variance, *given how long it has
-been running*, and e_i the standard error of that expectation (the length model is learned from the same run). The
-e_i are summed before squaring: requests at the same elapsed time share one estimate, so its error does not average
-out over them; the sum treats every in-flight estimate as fully correlated, the conservative case. It matters where
-the model knows little, few answers beyond a long elapsed time or a small budget (a few hundred answers), and is a
-few percent of the margin where it knows much. Without it, 3 datasets of 60k tokens each at 40 in flight overshot
-by 2.6% in one run of a loaded machine's test suite. Conditioning on elapsed time is what makes the rule hold: short answers land first, so the answers
-seen so far under-represent long ones, and a reservation built from their mean runs low exactly when many long
-answers are still in flight (a 1.27× overshoot measured before this rule). Here the lengths are learned by latency:
-a Kaplan–Meier estimate over latency bins, where finished requests are events and requests still in flight are
-censored at their elapsed time, so the long answers that have not landed yet still weigh in. Each latency bin
-carries the mean and second moment of the lengths that finished in it; probability mass beyond the longest latency
-seen so far (not yet observed) is placed at `max_tokens`, the only bound known for it, and so is the chance that an
-answer is longer than every one seen beyond its elapsed time (1/(n+1) of n exchangeable answers): a sample of
-heavy-tailed lengths misses its tail most of the time, its mean and variance then run low together. When latency
-does not grow with length the conditioning changes nothing, as it should. Elapsed times are read at the pace the
-bins were learned at: when the provider answers faster than it did (as budgets close and load falls), each is
-stretched by the speed-up (`Budget._pace`).
+where r_i and v_i are the expected final length of in-flight request i, and its variance, *given how long it
+has been running*, and e_i the standard error of that expectation (the length model is learned from the same
+run). The e_i are summed before squaring: requests at the same elapsed time share one estimate, so its error
+does not average out over them; the sum treats every in-flight estimate as fully correlated, the conservative
+case. It matters where the model knows little, few answers beyond a long elapsed time or a small budget (a few
+hundred answers), and is a few percent of the margin where it knows much; left out, small budgets under a wide
+window overshoot by a few percent (3 datasets of 60k tokens each at 40 in flight: 2.6%). Conditioning on
+elapsed time is what makes the rule hold: short answers land first, so the answers seen so far under-represent
+long ones, and a reservation built from their mean runs low exactly when many long answers are still in flight
+(by up to a quarter: 1.27×). Here the lengths are learned by latency: a Kaplan–Meier estimate over latency
+bins, where finished requests are events and requests still in flight are censored at their elapsed time, so
+the long answers that have not landed yet still weigh in. Each latency bin carries the mean and second moment
+of the lengths that finished in it; probability mass beyond the longest latency seen so far (not yet observed)
+is placed at `max_tokens`, the only bound known for it, and so is the chance that an answer is longer than
+every one seen beyond its elapsed time (1/(n+1) of n exchangeable answers): a sample of heavy-tailed lengths
+misses its tail most of the time, its mean and variance then run low together. When latency does not grow with
+length the conditioning changes nothing, as it should. Elapsed times are read at the pace the bins were
+learned at: when the provider answers faster than it did (as budgets close and load falls), each is stretched
+by the speed-up (`Budget._pace`).
 
 Streaming backends report the tokens each request has produced so far (`CompletionRequest.streamed_tokens`); that
 count is a floor under its reservation. Dollars follow tokens through a linear fit cost = a + b·tokens over the
@@ -212,8 +213,8 @@ class PriorUsage:
 class Budget:
     """Completion tokens (reasoning included) and optional dollars for one dataset, all backends together.
 
-    In-flight start times live in numpy arrays, so the reservation is summed afresh every few milliseconds at a
-    cost of microseconds: a reservation even 0.1 s stale ran 18% low when answers took 0.2 s.
+    In-flight start times live in numpy arrays, so the reservation is summed afresh every few milliseconds at
+    a cost of microseconds: a reservation even 0.1 s stale runs 18% low when answers take 0.2 s.
     """
 
     def __init__(
@@ -301,7 +302,7 @@ class Budget:
         self._summed_at = now
         active = self._active
         # Latencies strictly above the elapsed time: the bin holding it also has answers that finished just
-        # before it, and counting them biased the reservation low by ~5%.
+        # before it, and counting them would bias the reservation low by ~5%.
         bins = np.minimum(np.searchsorted(_EDGES, self._elapsed(now), side="right") + 1, len(self._mean) - 1)
         r = np.maximum(self._mean[bins], self._floor[active])
         v, e = self._var[bins], self._se[bins]
@@ -313,16 +314,18 @@ class Budget:
         return (now - self._starts[self._active]) * self.pace
 
     def _pace(self) -> float:
-        """How much faster answers come now than over the answers the length model learned from (1 to PACE_MAX).
+        """How much faster the recent answers came than the answers the length model learned from (1 to
+        PACE_MAX).
 
-        The model maps elapsed time to length at the pace it was learned at. When the provider speeds up (a local
-        server's batch shrinking as budgets close, a loaded provider or client easing), a request in flight for a
-        given time is longer than the model says, and the reservation runs low exactly at a budget's end: three
-        60k-token datasets beside three busy processes answered twice as slowly mid-run as at the end, and 18 of
-        180 budgets ended over 1.02x (up to 1.044x). Elapsed times are read at the learned pace, stretched by the
-        speed-up: the latencies the recent answers were expected to take, for their lengths, by a line fitted over
-        all answers learned (a + b·tokens: a mere share of seconds per token would call the long answers that land
-        late a speed-up), against the latencies they took. A slower recent pace does not shrink them."""
+        The model maps elapsed time to length at the pace it was learned at. When the provider speeds up (a
+        local server's batch shrinking as budgets close, a loaded provider or client easing), a request in
+        flight for a given time is longer than the model says, and the reservation runs low exactly at a
+        budget's end: a client beside busy processes that answers twice as fast at the end of a run as in its
+        middle otherwise ends one budget in ten over 1.02x (up to 1.044x). Elapsed times are read at the
+        learned pace, stretched by the speed-up: the latencies the recent answers were expected to take, for
+        their lengths, by a line fitted over all answers learned (a + b·tokens: a mere share of seconds per
+        token would call the long answers that land late a speed-up), against the latencies they took. A
+        slower recent pace does not shrink them."""
         if self._recent_n < PACE_MIN or self._recent_s <= 0:
             return 1.0
         return min(max(self._recent_expected_s / self._recent_s, 1.0), PACE_MAX)

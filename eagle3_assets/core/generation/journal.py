@@ -213,8 +213,8 @@ class ResponseJournal:
     MAX_PARTS = 200  # beyond this many files, reads slow down: fold everything once (the occasional step)
 
     def finalize(self) -> tuple[int, int]:
-        """Make the tables what the contract says, at a cost proportional to what this run added: the run's own
-        parts fold into one file, failures (small) drop the ids that now have an answer, and the whole response
+        """Make the tables what the contract says, at a cost proportional to what this run added: the run's
+        own parts fold into one file, failures (small) drop the ids answered since, and the whole response
         table is compacted only when duplicates exist (a crash during a fold) or it has grown too many files.
         Damaged files are set aside first (`sweep`)."""
         self.sweep()

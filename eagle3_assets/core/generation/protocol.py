@@ -60,7 +60,7 @@ class ErrorKind(StrEnum):
     CONTEXT_LENGTH = "context_length"  # prompt + max_tokens too long: permanent for this prompt
     AUTH = "auth"  # 401: stop the run
     OUT_OF_CREDITS = "out_of_credits"  # 402 without Retry-After: stop the run
-    INTERNAL = "internal"  # a bug on our side while handling a response: not retried now, never permanent
+    INTERNAL = "internal"  # our bug while handling a response: not retried in this run, never permanent
 
     @property
     def retryable(self) -> bool:

@@ -21,9 +21,11 @@ from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
-from .engine import EngineReport, EngineSettings, GenerationEngine, Lane
+from .engine import EngineSettings, GenerationEngine
 from .journal import JournalWriter, ResponseJournal, SetAside
+from .lanes import Lane
 from .protocol import CompletionRequest, InferenceBackend, Sampling
+from .report import EngineReport
 from .stopping import run_loop
 
 PROMPT_CHUNK = 1024
@@ -141,7 +143,7 @@ def generate_datasets(
         idle: list[_Prepared] = []  # nothing to send, or no room: their tables are folded all the same
         busy: list[BusyError] = []
         # One message for every dataset's state: under Dagster each message is a write to the event log, and
-        # eight of them were a tenth of a second before the first request.
+        # eight of them would add a tenth of a second before the first request.
         notes: list[str] = []
         try:
             for job in jobs:
@@ -169,7 +171,7 @@ def generate_datasets(
             lanes: list[Lane] = []
             try:
                 _run(ready, lanes, backend, chat, settings, log, extra_preflight or [], run_id)
-            finally:  # also after a fatal stop: what was paid for is compacted into the table now
+            finally:  # also after a fatal stop: what was paid for is compacted into the table here
                 # Each dataset in its own folder, folded side by side (parquet reads and writes release the GIL):
                 # the run's end waits for the slowest dataset, not for their sum.
                 built: list[Lane | None] = [*lanes, *[None] * (len(ready) - len(lanes))]
@@ -342,7 +344,7 @@ def _run(
             JournalWriter(prepared.journal, backend.name, run_id, on_flush=job.on_flush),
             prepared.journal.ledger(run_id),
         )
-        skip = lambda pid, kind, msg, lane=lane: engine.record_skipped(lane, pid, kind, msg)  # noqa: E731
+        skip = lane.record_skipped
         if prepared.chains is not None:
             chains = Chains(
                 prepared.chains,

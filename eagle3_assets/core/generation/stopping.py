@@ -1,13 +1,14 @@
 """Stopping a run on the operator's word: Dagster's Terminate (and a backfill's cancel), SIGTERM, Ctrl-C.
 
-Dagster stops a step by sending SIGINT to the step's own process; its handler raises an interrupt at whatever line
-the main thread is on. Inside an event loop that line is usually some request's task, where a request error is
-expected and retried: the interrupt was swallowed there and the run went on buying answers until every prompt was
-paid for. So while an event loop runs here, the loop itself takes SIGINT and SIGTERM (`loop.add_signal_handler`),
-and the first one calls the caller's `on_stop` (the engine stops sending, gives what is in flight a moment to land,
-stores what arrived and settles its ledger); a second one, or the first where there is no `on_stop`, cancels the
-loop's main task. When the loop is done, `RunTerminated` is raised: a KeyboardInterrupt, which Dagster reads as an
-interrupt (the run ends CANCELED), and which no `except Exception` on the way can swallow.
+Dagster stops a step by sending SIGINT to the step's own process; its handler raises an interrupt at whatever
+line the main thread is on. Inside an event loop that line is usually some request's task, where a request
+error is expected and retried: the interrupt would be swallowed there and the run go on buying answers until
+every prompt is paid for. So while an event loop runs here, the loop itself takes SIGINT and SIGTERM
+(`loop.add_signal_handler`), and the first one calls the caller's `on_stop` (the engine stops sending, gives
+what is in flight a moment to land, stores what arrived and settles its ledger); a second one, or the first
+where there is no `on_stop`, cancels the loop's main task. When the loop is done, `RunTerminated` is raised: a
+KeyboardInterrupt, which Dagster reads as an interrupt (the run ends CANCELED), and which no `except
+Exception` on the way can swallow.
 
 Some stops send no signal in time: a backfill cancelled from the UI reaches its runs at the backfill daemon's next
 pass (every 30 s), and a run launcher may lose the signal. So a step may also name a `StopProbe` (`watching`): every
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PROBE_INTERVAL_S = 1.0
-# Why the run should stop now (the operator's word seen elsewhere than in a signal), or None to go on.
+# Why the run should stop at once (the operator's word seen elsewhere than in a signal), or None to go on.
 StopProbe = Callable[[], str | None]
 _probe: contextvars.ContextVar[StopProbe | None] = contextvars.ContextVar("stop_probe", default=None)
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..generation.engine import EngineSettings, GenerationEngine, Lane
+from ..generation.engine import EngineSettings, GenerationEngine
+from ..generation.lanes import Lane
 from ..generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceBackend
 from ..generation.stopping import run_loop
 from .fp8 import QuantizedStates, is_fp8, quantize, scales_name
