@@ -1,10 +1,10 @@
 """Exact token ids and loss masks of conversations, rebuilt with the target's own chat template.
 
 How it works: the template is rendered once per conversation *shape* (roles, which turns carry reasoning) with
-sentinels in place of every text (`template_render`); the rendered string is cut into control tokens (added-token
-strings the template itself wrote) and text runs (template text plus message text), cached as a plan
-(`template_plan`). Each conversation then fills the plan's text runs with its own text, all runs are encoded in one
-batch without added-token matching, and the ids are spliced with the control ids.
+sentinels in place of every text (`template_render`); the rendered string is cut into control tokens
+(added-token strings the template itself wrote) and text runs (template text plus message text), cached as a
+plan (`template_plan`). Each conversation then fills the plan's text runs with its own text, all runs are
+encoded in one batch without added-token matching, and the ids are spliced with the control ids.
 
 The generated turn is its own segment: it starts right after the generation prompt (where the model started to
 write) and ends with the end-of-turn token when the answer finished, so its ids are what the model emitted and
@@ -108,9 +108,10 @@ def chat_tokenizer(recipe: ChatRecipe) -> ChatTokenizer:
 
 
 class DeferredChat:
-    """Stands in for the ChatTokenizer of `recipe`, loaded at its first use. A backend that sends text and gets its
-    usage back (OpenRouter, single turns) never uses it while generating, and loading it (transformers and the
-    tokenizer, about a second of a fresh process) would be most of a generating step's wait for its first request."""
+    """Stands in for the ChatTokenizer of `recipe`, loaded at its first use. A backend that sends text and
+    gets its usage back (OpenRouter, single turns) never uses it while generating, and loading it
+    (transformers and the tokenizer, about a second of a fresh process) would be most of a generating step's
+    wait for its first request."""
 
     def __init__(self, recipe: ChatRecipe):
         self.recipe = recipe
@@ -181,10 +182,10 @@ class ChatTokenizer(ChatTemplate):
         return len(self.encoder.encode_texts([text])[0])
 
     def keeps_history(self, messages: Sequence[dict[str, Any]], answer: Answer) -> bool:
-        """Whether every assistant turn of this conversation renders in the final conversation exactly as it did
-        when it was the turn being written (the template keeps the history verbatim: ChatML does; Kimi K2.5 and
-        Qwen3 drop earlier reasoning), for a template proven to write texts verbatim. Then one row with every
-        assistant turn trained equals what the model saw at each turn."""
+        """Whether every assistant turn of this conversation renders in the final conversation exactly as it
+        did when it was the turn being written (the template keeps the history verbatim: ChatML does; Kimi
+        K2.5 and Qwen3 drop earlier reasoning), for a template proven to write texts verbatim. Then one row
+        with every assistant turn trained equals what the model saw at each turn."""
         if self.verbatim_problem is not None:
             return False
         try:
@@ -196,7 +197,7 @@ class ChatTokenizer(ChatTemplate):
     def tokenize(
         self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool = False
     ) -> list[TokenizedConversation | TemplateError]:
-        """Tokenize many conversations in one batch; a conversation that cannot be rendered yields its error."""
+        """Tokenize many conversations in one batch; one that cannot be rendered yields its error."""
         rows = self._planned_rows(conversations, train_all)
         self._settle_rewritten(rows, train_all)
         planned = [r for r in rows if isinstance(r, PlannedRow)]
@@ -244,13 +245,13 @@ class ChatTokenizer(ChatTemplate):
         return rows
 
     def _settle_rewritten(self, rows: list[PlannedRow | TemplateError], train_all: bool) -> None:
-        """Rows whose text the template does not write verbatim: rebuilt from the real rendering where they can
-        be, else replaced by their error."""
+        """Rows whose text the template does not write verbatim: rebuilt from the real rendering where they
+        can be, else replaced by their error."""
         for index, error in self._verify([r for r in rows if isinstance(r, PlannedRow)]).items():
             row = rows[index]
             if train_all or not isinstance(row, PlannedRow) or not isinstance(error, TextRewritten):
-                # Not rebuilt: a row that trains every turn (each earlier turn was written after a prompt of its
-                # own, which one rendering cannot give), or a template that fails on the row.
+                # Not rebuilt: a row that trains every turn (each earlier turn was written after a prompt of
+                # its own, which one rendering cannot give), or a template that fails on the row.
                 rows[index] = error
                 continue
             rebuilt = rebuilt_row(self, self.encoder, row)

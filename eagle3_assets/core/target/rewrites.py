@@ -1,5 +1,5 @@
-"""Rows whose text the template rewrites (Llama-3 trims every message): their plan's ids are not what the model
-saw, so such a row is rebuilt from the template's real rendering when it can be."""
+"""Rows whose text the template rewrites (Llama-3 trims every message): their plan's ids are not what the
+model saw, so such a row is rebuilt from the template's real rendering when it can be."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from .text_encoder import TextEncoder
 
 
 def rebuilt_row(template: ChatTemplate, encoder: TextEncoder, row: PlannedRow) -> PlannedRow | str:
-    """The prompt is what the template renders for the row (what the model saw, encoded from the real rendering,
-    as a server encodes the prompt it rendered), the answer what the model wrote, ending where the template ends
-    a turn (the plan's generated turn, filled with the texts as they are). A prompt alone (a request's prompt ids)
-    is the rendering alone. Returns the row with its rebuilt plan, or why it cannot be rebuilt."""
+    """The prompt is what the template renders for the row (what the model saw, encoded from the real
+    rendering, as a server encodes the prompt it rendered), the answer what the model wrote, ending where the
+    template ends a turn (the plan's generated turn, filled with the texts as they are). A prompt alone (a
+    request's prompt ids) is the rendering alone. Returns the row with its rebuilt plan, or why it cannot be
+    rebuilt."""
     shape, plan = row.shape, row.plan
     if not all(type(v) is str for v in row.texts):
         return "a message text is not a string"
@@ -44,10 +45,10 @@ def _answer_problem(
         return "the answer has no span of its own in the rendered conversation"
     if has_reasoning and template.template_has_reasoning:
         # The template writes the answer's reasoning in its own field and may rewrite it as it does the other
-        # texts (Qwen3 strips its newlines): where the model's own thinking ended cannot be told from the parsed
-        # reasoning. (A template without a reasoning field never sees it: the answer is written in the thinking
-        # form the model produced, `<think>…</think>` then the content, exactly as for a template that writes
-        # texts verbatim.)
+        # texts (Qwen3 strips its newlines): where the model's own thinking ended cannot be told from the
+        # parsed reasoning. (A template without a reasoning field never sees it: the answer is written in the
+        # thinking form the model produced, `<think>…</think>` then the content, exactly as for a template
+        # that writes texts verbatim.)
         return (
             "the answer carries reasoning the template writes in its own field and may rewrite, so where "
             "the model's thinking ended cannot be told"

@@ -1,9 +1,10 @@
 """The template plan: how one conversation shape's rendering is cut into pieces that conversations fill.
 
-The template is rendered once per shape (`Shape`) with a sentinel in place of every message text. The rendering is
-cut into control tokens (added-token strings the template itself wrote), fixed runs (template text with no message
-text in it, encoded once when the plan is made) and runs to fill with each conversation's own texts; regions say
-which pieces are trained. Tokenizing a batch is then: fill the runs, encode them in one call, splice (`splice`).
+The template is rendered once per shape (`Shape`) with a sentinel in place of every message text. The
+rendering is cut into control tokens (added-token strings the template itself wrote), fixed runs (template
+text with no message text in it, encoded once when the plan is made) and runs to fill with each conversation's
+own texts; regions say which pieces are trained. Tokenizing a batch is then: fill the runs, encode them in one
+call, splice (`splice`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .text_encoder import TextEncoder
 if TYPE_CHECKING:
     from .chat import Answer
 
-# Private-use characters no tokenizer writes: a sentinel stands for message `i`'s content (c) or reasoning (r).
+# Private-use characters no tokenizer writes: sentinel i c (i r) stands for message i's content (reasoning).
 OPEN, CLOSE = "\ue000", "\ue001"
 SENTINEL = re.compile(f"{OPEN}(\\d+)([cr]){CLOSE}")
 
@@ -77,8 +78,9 @@ class FormatText:
 
 @dataclass(frozen=True, slots=True)
 class FillRun(FormatText):
-    """A text run holding message texts, encoded per conversation. An added token with lstrip/rstrip absorbs the
-    whitespace beside it when a whole text is encoded (Mistral's [/INST]), so the run gives that whitespace up."""
+    """A text run holding message texts, encoded per conversation. An added token with lstrip/rstrip absorbs
+    the whitespace beside it when a whole text is encoded (Mistral's [/INST]), so the run gives that
+    whitespace up."""
 
     strip_right: bool
     strip_left: bool
@@ -129,8 +131,8 @@ class AnswerShape:
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """What decides a conversation's plan besides its texts: the roles, which messages carry reasoning, and the
-    generated turn (the last message), absent for a prompt alone."""
+    """What decides a conversation's plan besides its texts: the roles, which messages carry reasoning, and
+    the generated turn (the last message), absent for a prompt alone."""
 
     roles: tuple[str, ...]
     reasoning: tuple[bool, ...]
@@ -181,8 +183,8 @@ class PlanCutter:
         self.controls = re.compile("|".join(re.escape(s) for s in strings)) if strings else None
 
     def plan(self, text: str, trained: Sequence[tuple[int, int]]) -> TemplatePlan:
-        """The plan of a sentinel rendering whose character spans `trained` (in order, not overlapping) are the
-        trained turns."""
+        """The plan of a sentinel rendering whose character spans `trained` (in order, not overlapping) are
+        the trained turns."""
         regions: list[tuple[list[int | _TextRun], bool]] = []
         pos = 0
         for start, end in trained:
@@ -224,8 +226,8 @@ class PlanCutter:
         return items
 
     def _compile(self, regions: list[tuple[list[int | _TextRun], bool]]) -> TemplatePlan:
-        """Items into pieces: runs without message text are encoded here, once per plan (a third to a half of all
-        runs: the newlines and role names between control tokens), the others become runs to fill."""
+        """Items into pieces: runs without message text are encoded here, once per plan (a third to a half of
+        all runs: the newlines and role names between control tokens), the others become runs to fill."""
         flat = [item for items, _ in regions for item in items]
         lstrip, rstrip = self.encoder.lstrip_ids, self.encoder.rstrip_ids
         out: list[Region] = []
@@ -271,8 +273,8 @@ class SplicedBatch:
 
 
 def splice(plans: Sequence[TemplatePlan], encoded: Sequence[Sequence[int]]) -> SplicedBatch:
-    """The ids of a batch: each plan's pieces in order, its runs to fill taken from `encoded` (every plan's fills,
-    in order). Spliced into one list and converted to arrays once, not twice per conversation."""
+    """The ids of a batch: each plan's pieces in order, its runs to fill taken from `encoded` (every plan's
+    fills, in order). Spliced into one list and converted to arrays once, not twice per conversation."""
     fill_kind = PieceKind.FILL
     ids: list[int] = []
     run_lengths: list[int] = []

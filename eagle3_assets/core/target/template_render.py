@@ -35,8 +35,8 @@ class ChatTemplate:
         self.kwargs = dict(chat_template_kwargs or {})
         self.think_open, self.think_close = think_open, think_close
         self.template_has_reasoning = "reasoning_content" in (tokenizer.chat_template or "")
-        # verbatim_problem None: the template is proven to write every text verbatim (no row is rendered again);
-        # else why not.
+        # verbatim_problem None: the template is proven to write every text verbatim (no row is rendered
+        # again); else why not.
         self._render_plain, self.verbatim_problem = self._plain_renderer()
         self._sentinel_renders: dict[tuple, FormatText] = {}
 
@@ -111,12 +111,12 @@ class ChatTemplate:
 
         apply_chat_template first normalises its input (message objects to dicts, None values dropped: a deep
         copy of every conversation) and then calls transformers' `render_jinja_template` with the tokenizer's
-        template and special tokens. Conversations built here are already plain, so the renderer calls that second
-        step itself (a third cheaper per row, measured): same function, same arguments, same text. A tokenizer
-        class with its own apply_chat_template (remote code may bring one) keeps the public call.
+        template and special tokens. Conversations built here are already plain, so the renderer calls that
+        second step itself (a third cheaper per row, measured): same function, same arguments, same text. A
+        tokenizer class with its own apply_chat_template (remote code may bring one) keeps the public call.
 
-        Also returns why the template is not proven to write texts verbatim (None when it is): the proof reads the
-        very template this renderer renders."""
+        Also returns why the template is not proven to write texts verbatim (None when it is): the proof reads
+        the very template this renderer renders."""
         try:
             from transformers import PreTrainedTokenizerBase
             from transformers.utils.chat_template_utils import render_jinja_template
