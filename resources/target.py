@@ -53,7 +53,7 @@ class Target:
         except Exception as e:
             return [f"target.tokenizer {self.cfg.tokenizer!r} cannot be used: {e}"]
         if not problems and record is not None:
-            with suppress(OSError):  # a read-only cache: preflight loads the tokenizer every time, as before
+            with suppress(OSError):  # a read-only cache: preflight then loads the tokenizer every time
                 write_json({"tokenizer": self.cfg.tokenizer}, record)
         return problems
 

@@ -107,7 +107,7 @@ def builtin_dir(name: str) -> Path:
         )
     dest = cache_root() / "models" / SMOLLM2_CACHE_NAME
     if (dest / "model.safetensors").exists() and (dest / "tokenizer.json").exists():
-        if not (dest / "model.safetensors.index.json").exists():  # caches made before the index was written
+        if not (dest / "model.safetensors.index.json").exists():  # a cache written without its index
             write_weight_index(dest)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +258,7 @@ def _record_class(key: str, ref: str, cls: type) -> None:
 
     from ..storage.files import write_json
 
-    with suppress(OSError):  # a read-only cache: every process asks AutoTokenizer, as before
+    with suppress(OSError):  # a read-only cache: without a record, every process asks AutoTokenizer
         write_json({"class": f"{cls.__module__}:{cls.__qualname__}", "ref": ref}, _class_record_path(key))
 
 

@@ -11,8 +11,8 @@ property for templates that only ever do the following with message data: read `
 write a text (`content` or a reasoning field) into the output, alone or joined with `+`/`~`; index and loop over the
 messages; ask whether a field is defined or how many messages there are. Anything else (a filter, method or test on
 a text, a text in a condition, a message dict printed or passed to a call, macros, filter blocks, captured blocks)
-and the answer is "not proven": the stage then checks every row as before. The proof is sound, not complete: it may
-refuse a template that happens to be verbatim, never the reverse.
+and the answer is "not proven": the stage then renders every row and compares. The proof is sound, not
+complete: it may refuse a template that happens to be verbatim, never the reverse.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ same ids. Text-only answers (OpenRouter) get the reconstruction, `reference_matc
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -26,6 +27,7 @@ from ..target.chat import ChatTokenizer
 from .chunks import TOKENS_ERRORS_SCHEMA, TOKENS_SCHEMA, TokensSummary, tokenize_in_parallel
 from .parquet_io import (
     STATE_KEY,
+    BuildState,
     kept_batches,
     place_tokens,
     recorded_state,
@@ -45,8 +47,8 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
         pl.col("reasoning").fill_null("\x00"),
         pl.col("finish_reason").fill_null(""),
         pl.col("output_ids").cast(pl.List(pl.String)).list.join(",").fill_null("-"),
-        # A conversation row's key changed when tokens.parquet began to mark such rows (`all_turns`): rows written
-        # before are tokenized once more, so that every conversation row carries its mark.
+        # The conversation-row mark (`all_turns`) is part of the key: a written row without the mark is
+        # tokenized once more, so that every conversation row carries it.
         pl.when(pl.col("all_turns")).then(pl.lit("all turns, marked")).otherwise(pl.lit("false")),
         pl.col("history_refs").list.eval(pl.element().struct.json_encode()).list.join("|").fill_null("-"),
         pl.lit(f"{fingerprint}|polars {pl.__version__}"),
@@ -75,7 +77,7 @@ def response_batches(
             continue  # damaged: the responses stage sets it aside and asks its prompts again
         for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
             df = pl.from_arrow(batch)
-            for name in RESPONSE_COLUMNS:  # parts from older versions may lack a column
+            for name in RESPONSE_COLUMNS:  # a part written with fewer columns reads the missing ones as null
                 if name not in df.columns:
                     df = df.with_columns(pl.lit(None, dtype=RESPONSE_SCHEMA[name]).alias(name))
             df = df.select(RESPONSE_COLUMNS)
@@ -105,12 +107,6 @@ def build_tokens(
 
     Chunks are tokenized on a thread per core (`tokenize_in_parallel`) while this thread reads, hashes and writes.
     """
-    settings = settings or TokensConfig()
-    train_all, prefer_reference = settings.train_all_assistant_turns, settings.prefer_reference_ids
-    batch_size = settings.batch_size
-    fingerprint = (
-        f"{chat.fingerprint()}|train_all={train_all}|prefer_reference={prefer_reference}|compare={COMPARISON}"
-    )
     # Damaged outputs of an earlier build are set aside and rebuilt (a missing tokens.parquet is a full build).
     set_aside = sweep_parquet(
         layout.dir, [layout.tokens], STAGE, TOKENS_SCHEMA, ["id", "input_ids", "loss_mask"]
@@ -120,98 +116,143 @@ def build_tokens(
     )
     for q in set_aside:
         log(f"tokens: set aside {q.describe()}; rebuilding it")
-    prompts = with_turn_prompts(pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat)
-    # A conversation row is named by its last stored turn: a top-up that adds a turn renames it, so the old row
-    # must go (a full pass drops rows whose id is no longer current; an append would keep both).
-    merged_turns = bool(prompts["all_turns"].any())
-    old_tokens = scan_with_keys(layout.tokens, TOKENS_SCHEMA)
-    old_errors = scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
-    old_keys = old_tokens.select("id", "row_key").collect()
-    done = pl.concat([old_keys, old_errors.select("id", "row_key").collect()])
-    current: list[pl.DataFrame] = []  # (id, row_key) of every row now: small
-    counter = {"todo": 0, "done": 0, "next_log": time.monotonic() + PROGRESS_EVERY_S}
-    # Journal parts are immutable: when the prompts and the tokenizer are as they were and every part the last
-    # build read is still there, only the parts added since can hold new rows (a top-up reads 1,000 answers, not
-    # the partition's); anything else (a compaction, new prompts, another template) re-keys every row.
-    state = {
-        "fingerprint": fingerprint,
-        "prompts": file_version(layout.prompts),
-        "parts": [p.name for p in JournalTable(layout.responses_dir, RESPONSE_SCHEMA).files()],
-    }
-    last = recorded_state(layout.tokens)
-    appended = (
-        last is not None
-        and layout.tokens_errors.exists()
-        and last["fingerprint"] == fingerprint
-        and last["prompts"] == state["prompts"]
-        and set(last["parts"]) <= set(state["parts"])
-        and not merged_turns
-    )
+    build = TokensBuild(layout, chat, settings or TokensConfig(), log, workers or available_cores())
+    build.write()
+    summary = summarize(layout)
+    summary.set_aside = set_aside
+    summary.n_tokenized = build.progress.todo
+    summary.workers = build.workers
+    return summary
 
-    def todo_chunks() -> Iterator[pl.DataFrame]:
-        if appended:
-            new_parts = [p for p in state["parts"] if p not in set(last["parts"])]
-            for batch in response_batches(layout, batch_size, new_parts, set(done["id"].to_list())):
-                rows = row_keys(prompts.join(batch, on="id", how="inner"), fingerprint)
-                counter["todo"] += rows.height
+
+@dataclass
+class BuildProgress:
+    """A build's counts, kept as the chunks are read (`todo`) and as they come back tokenized (`done`)."""
+
+    todo: int = 0  # rows sent to be tokenized (new or changed)
+    done: int = 0  # rows tokenized or refused so far
+    next_log: float = 0.0  # time.monotonic() of the next progress line
+
+
+class TokensBuild:
+    """One build of a partition's tokens: what the last build left and what is there now decide the rows to
+    tokenize; the new rows are tokenized in chunks and placed beside the rows that still stand."""
+
+    def __init__(
+        self,
+        layout: DatasetLayout,
+        chat: ChatTokenizer,
+        settings: TokensConfig,
+        log: Callable[[str], None],
+        workers: int,
+    ):
+        self.layout, self.chat, self.settings, self.log, self.workers = layout, chat, settings, log, workers
+        train_all, prefer_reference = settings.train_all_assistant_turns, settings.prefer_reference_ids
+        options = f"train_all={train_all}|prefer_reference={prefer_reference}|compare={COMPARISON}"
+        self.fingerprint = f"{chat.fingerprint()}|{options}"
+        self.prompts = with_turn_prompts(
+            pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat
+        )
+        old_errors = scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
+        self.old_keys = scan_with_keys(layout.tokens, TOKENS_SCHEMA).select("id", "row_key").collect()
+        # (id, row_key) of every row written: token rows and error rows
+        self.done = pl.concat([self.old_keys, old_errors.select("id", "row_key").collect()])
+        self.current: list[pl.DataFrame] = []  # (id, row_key) of every row now: small
+        self.errors: list[dict] = []  # the error rows of the rows tokenized
+        self.progress = BuildProgress(next_log=time.monotonic() + PROGRESS_EVERY_S)
+        self.state = BuildState(
+            self.fingerprint,
+            file_version(layout.prompts),
+            [p.name for p in JournalTable(layout.responses_dir, RESPONSE_SCHEMA).files()],
+        )
+        self.last = recorded_state(layout.tokens)
+        self.new_parts = self._parts_added_since_last()
+
+    def _parts_added_since_last(self) -> list[str] | None:
+        """Journal parts are immutable: when the prompts and the tokenizer are as they were and every part the
+        last build read is still there, only the parts added since can hold new rows (a top-up reads 1,000
+        answers, not the partition's). None: anything else (a compaction, new prompts, another template)
+        re-keys every row.
+
+        A conversation row is named by its last stored turn: a top-up that adds a turn renames it, so the old
+        row must go (a full pass drops rows whose id is no longer current; an append would keep both)."""
+        last, now = self.last, self.state
+        merged_turns = bool(self.prompts["all_turns"].any())
+        if (
+            last is None
+            or not self.layout.tokens_errors.exists()
+            or last.fingerprint != now.fingerprint
+            or last.prompts != now.prompts
+            or not set(last.parts) <= set(now.parts)
+            or merged_turns
+        ):
+            return None
+        return [p for p in now.parts if p not in set(last.parts)]
+
+    def write(self) -> None:
+        scratch = self.layout.scratch(f"tokens-{time.time_ns()}")
+        scratch.mkdir(parents=True, exist_ok=True)
+        try:
+            self._write_outputs(scratch / "new.parquet")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _write_outputs(self, new: Path) -> None:
+        metadata = {STATE_KEY: self.state.to_json()}
+        write_chunks(new, self._tokenized(), metadata=metadata)
+        keys = (
+            None  # every earlier row stands
+            if self.new_parts is not None
+            else pl.concat(self.current)
+            if self.current
+            else pl.DataFrame(schema={"id": pl.String, "row_key": pl.UInt64})
+        )
+        stale = keys is not None and self.old_keys.join(keys, on=["id", "row_key"], how="anti").height > 0
+        unchanged = self.progress.todo == 0 and (keys is None or self.done.height == keys.height)
+        if unchanged and self.layout.tokens.exists() and self.last == self.state:
+            return  # every current row is already written and nothing written is stale: the outputs stand
+        # No earlier token row is stale (a top-up, or nothing new after a compaction): the new rows (maybe none;
+        # the file then gets the new state, so the next top-up reads only new parts again) are appended.
+        batch_size = self.settings.batch_size
+        place_tokens(self.layout.tokens, new, keys if stale else None, batch_size, metadata)
+        new_errors = pl.DataFrame(self.errors, schema=TOKENS_ERRORS_SCHEMA)
+        kept_errors = list(kept_batches(self.layout.tokens_errors, keys, TOKENS_ERRORS_SCHEMA, batch_size))
+        write_parquet(
+            pl.concat([*kept_errors, new_errors], how="vertical_relaxed"), self.layout.tokens_errors
+        )
+
+    def _todo_chunks(self) -> Iterator[pl.DataFrame]:
+        """Prompt + response rows to tokenize, with their keys: in a top-up the rows of the new parts, else
+        every row whose key is not written yet (the keys of all current rows are kept in `current`)."""
+        batch_size = self.settings.batch_size
+        if self.new_parts is not None:
+            seen = set(self.done["id"].to_list())
+            for batch in response_batches(self.layout, batch_size, self.new_parts, seen):
+                rows = row_keys(self.prompts.join(batch, on="id", how="inner"), self.fingerprint)
+                self.progress.todo += rows.height
                 if rows.height:
                     yield rows
             return
-        for batch in response_batches(layout, batch_size):
-            rows = row_keys(prompts.join(batch, on="id", how="inner"), fingerprint)
-            current.append(rows.select("id", "row_key"))
-            todo = rows.join(done, on=["id", "row_key"], how="anti")
-            counter["todo"] += todo.height
+        for batch in response_batches(self.layout, batch_size):
+            rows = row_keys(self.prompts.join(batch, on="id", how="inner"), self.fingerprint)
+            self.current.append(rows.select("id", "row_key"))
+            todo = rows.join(self.done, on=["id", "row_key"], how="anti")
+            self.progress.todo += todo.height
             if todo.height:
                 yield todo
 
-    scratch = layout.scratch(f"tokens-{time.time_ns()}")
-    scratch.mkdir(parents=True, exist_ok=True)
-    errors: list[dict] = []
-    try:
-
-        def results() -> Iterator[pl.DataFrame]:
-            n = workers or available_cores()
-            for df, errs, _part in tokenize_in_parallel(todo_chunks(), chat, train_all, prefer_reference, n):
-                errors.extend(errs)
-                counter["done"] += df.height + len(errs)
-                if time.monotonic() >= counter["next_log"]:
-                    # Every few seconds, not every chunk: in Dagster each line is an event written to the
-                    # instance's database (a line per 512 rows cost a 20M-token step ~10% of its time).
-                    counter["next_log"] = time.monotonic() + PROGRESS_EVERY_S
-                    log(f"tokens: {counter['done']:,} new or changed conversations tokenized")
-                yield df
-
-        new = scratch / "new.parquet"
-        write_chunks(new, results(), metadata={STATE_KEY: json.dumps(state)})
-        keys = (
-            None  # every earlier row stands
-            if appended
-            else pl.concat(current)
-            if current
-            else pl.DataFrame(schema={"id": pl.String, "row_key": pl.UInt64})
-        )
-        stale = keys is not None and old_keys.join(keys, on=["id", "row_key"], how="anti").height > 0
-        unchanged = counter["todo"] == 0 and (keys is None or done.height == keys.height)
-        if unchanged and layout.tokens.exists() and last == state:
-            # Every current row is already written and nothing written is stale: the outputs stand as they are.
-            summary = summarize(layout)
-            summary.workers = workers or available_cores()
-            summary.set_aside = set_aside
-            return summary
-        # No earlier token row is stale (a top-up, or nothing new after a compaction): the new rows (maybe none;
-        # the file then gets the new state, so the next top-up reads only new parts again) are appended.
-        place_tokens(layout.tokens, new, keys if stale else None, batch_size, {STATE_KEY: json.dumps(state)})
-        new_errors = pl.DataFrame(errors, schema=TOKENS_ERRORS_SCHEMA)
-        kept_errors = list(kept_batches(layout.tokens_errors, keys, TOKENS_ERRORS_SCHEMA, batch_size))
-        write_parquet(pl.concat([*kept_errors, new_errors], how="vertical_relaxed"), layout.tokens_errors)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    summary = summarize(layout)
-    summary.set_aside = set_aside
-    summary.n_tokenized = counter["todo"]
-    summary.workers = workers or available_cores()
-    return summary
+    def _tokenized(self) -> Iterator[pl.DataFrame]:
+        """The token rows of the rows to tokenize, in order; their error rows are kept in `errors`."""
+        train_all, prefer = self.settings.train_all_assistant_turns, self.settings.prefer_reference_ids
+        for chunk in tokenize_in_parallel(self._todo_chunks(), self.chat, train_all, prefer, self.workers):
+            self.errors.extend(chunk.errors)
+            self.progress.done += chunk.frame.height + len(chunk.errors)
+            if time.monotonic() >= self.progress.next_log:
+                # Every few seconds, not every chunk: in Dagster each line is an event written to the
+                # instance's database (a line per 512 rows cost a 20M-token step ~10% of its time).
+                self.progress.next_log = time.monotonic() + PROGRESS_EVERY_S
+                self.log(f"tokens: {self.progress.done:,} new or changed conversations tokenized")
+            yield chunk.frame
 
 
 def summarize(layout: DatasetLayout) -> TokensSummary:

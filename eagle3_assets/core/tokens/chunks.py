@@ -67,6 +67,16 @@ class TokensSummary:
         for name in ("mismatch_kinds", "ids_source", "errors"):
             getattr(self, name).update(getattr(other, name))
 
+    def count(self, source: str, cmp: Comparison | None) -> None:
+        """One written row: where its ids came from and how they compare with the model's."""
+        self.ids_source[source] += 1
+        if cmp is not None:
+            self.n_reference += 1
+            self.n_match += cmp.match
+            self.n_explained += cmp.explained
+            if cmp.kind:
+                self.mismatch_kinds[cmp.kind] += 1
+
 
 def _list_column(flat: np.ndarray, lengths: np.ndarray) -> pl.Series:
     """A list column from one flat buffer and the row lengths (no Python list per token)."""
@@ -83,7 +93,7 @@ def tokenize_in_parallel(
     train_all: bool,
     prefer_reference: bool,
     n_workers: int,
-) -> Iterator[tuple[pl.DataFrame, list[dict], TokensSummary]]:
+) -> Iterator[TokenizedChunk]:
     """Chunks tokenized on n_workers threads, results in order, a few chunks in flight (bounded memory).
 
     Threads, not processes: the encoding is Rust and releases the GIL, so one chunk's Python work (template render,
@@ -133,7 +143,7 @@ TOKENS_SCHEMA: dict[str, pl.DataType] = {
     "row_key": pl.UInt64,  # content key of the prompt + answer (+ tokenizer): unchanged rows are not redone
     **ANSWER_FEATURES,
     # turns: all: a conversation row (`<id>#t<K>`, loss on every target turn 1..K) rather than one turn's row.
-    # Files written before this column read it as null: not a conversation row.
+    # A file without this column reads it as null: not a conversation row.
     "all_turns": pl.Boolean,
 }
 
@@ -146,88 +156,140 @@ def answer_features(content: str | None, reasoning: str | None) -> dict[str, boo
     }
 
 
+@dataclass
+class TokenizedChunk:
+    """What one chunk gives: rows for both tables and its counts."""
+
+    frame: pl.DataFrame  # its rows of tokens.parquet (TOKENS_SCHEMA)
+    errors: list[dict]  # its rows of tokens_errors.parquet (TOKENS_ERRORS_SCHEMA)
+    summary: TokensSummary
+
+
 def tokenize_chunk(
     chunk: pl.DataFrame, chat: ChatTokenizer, train_all: bool, prefer_reference: bool
-) -> tuple[pl.DataFrame, list[dict], TokensSummary]:
+) -> TokenizedChunk:
     """One chunk of joined prompt + response rows -> its tokens rows, its error rows and its counts."""
-    rows = {
-        c: chunk[c].to_list()
-        for c in ("id", "messages", "content", "reasoning", "finish_reason", "output_ids")
-    }
-    rows["row_key"] = chunk["row_key"].to_list() if "row_key" in chunk.columns else [None] * chunk.height
-    all_turns = chunk["all_turns"].to_list() if "all_turns" in chunk.columns else [False] * chunk.height
-    history_refs = (
-        chunk["history_refs"].to_list() if "history_refs" in chunk.columns else [None] * chunk.height
-    )
-    stop_ids = chat.stop_ids
-    summary = TokensSummary()
-    out: dict[str, list] = {
-        k: [] for k in TOKENS_SCHEMA if k not in ("input_ids", "loss_mask", "n_tokens", "n_loss_tokens")
-    }
-    arrays: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    errors: list[dict] = []
-    reasons = rows["finish_reason"]
-    finished = [f == "stop" for f in reasons]
+    rows = _ChunkRows.of(chunk)
+    finished = [f == "stop" for f in rows.finish_reason]
     convs = [
         (m, Answer(c or "", r, fin))
-        for m, c, r, fin in zip(rows["messages"], rows["content"], rows["reasoning"], finished, strict=True)
+        for m, c, r, fin in zip(rows.messages, rows.content, rows.reasoning, finished, strict=True)
     ]
-    results = _tokenize_rows(chat, convs, [train_all or bool(a) for a in all_turns])
+    results = _tokenize_rows(chat, convs, [train_all or bool(a) for a in rows.all_turns])
     features = [answer_features(a.content, a.reasoning) for _, a in convs]
-    for pid, res, ref, fin, fr, key, feats, history, whole in zip(
-        rows["id"], results, rows["output_ids"], finished, reasons, rows["row_key"], features, history_refs,
-        all_turns, strict=True,
-    ):  # fmt: skip
+    stop_ids = chat.stop_ids
+    summary = TokensSummary()
+    table = _TokenTable()
+    errors: list[dict] = []
+    for i, res in enumerate(results):
         if isinstance(res, TemplateError):
-            errors.append({"id": pid, "reason": str(res), "row_key": key, **feats})
+            errors.append({"id": rows.id[i], "reason": str(res), "row_key": rows.row_key[i], **features[i]})
             summary.errors[str(res)[:80]] += 1
             continue
-        input_ids, mask, source, cmp = _resolve_row(res, ref, fin, chat, stop_ids, prefer_reference)
+        resolved = _resolve_row(res, rows.output_ids[i], finished[i], chat, stop_ids, prefer_reference)
+        history = rows.history_refs[i]
         if history:
-            cmp = _with_history(cmp, res, history, chat, stop_ids)
-        out["id"].append(pid)
-        arrays.append(input_ids)
-        masks.append(mask)
+            resolved.comparison = _with_history(resolved.comparison, res, history, chat, stop_ids)
+        table.add(resolved, rows, i, res.answer_start, features[i])
+        summary.count(resolved.source, resolved.comparison)
+    summary.n_errors = len(errors)
+    return TokenizedChunk(table.frame(summary), errors, summary)
+
+
+@dataclass
+class _ChunkRows:
+    """A chunk's input columns as Python lists, row i of each belonging together."""
+
+    id: list[str]
+    messages: list[list[dict]]
+    content: list[str | None]
+    reasoning: list[str | None]
+    finish_reason: list[str | None]
+    output_ids: list[list[int] | None]
+    row_key: list[int | None]
+    all_turns: list[bool | None]  # a conversation row (`turns: all`): every assistant turn trained
+    history_refs: list[list[dict] | None]  # a conversation row's earlier turns' produced ids
+
+    @classmethod
+    def of(cls, chunk: pl.DataFrame) -> _ChunkRows:
+        def optional(name: str, default: Any) -> list:
+            return chunk[name].to_list() if name in chunk.columns else [default] * chunk.height
+
+        return cls(
+            id=chunk["id"].to_list(),
+            messages=chunk["messages"].to_list(),
+            content=chunk["content"].to_list(),
+            reasoning=chunk["reasoning"].to_list(),
+            finish_reason=chunk["finish_reason"].to_list(),
+            output_ids=chunk["output_ids"].to_list(),
+            row_key=optional("row_key", None),
+            all_turns=optional("all_turns", False),
+            history_refs=optional("history_refs", None),
+        )
+
+
+@dataclass
+class _ResolvedRow:
+    """A row's ids as written (rebuilt or the model's own: `source`) and how they compare with the model's."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    source: str  # "reconstructed" | "reference"
+    comparison: Comparison | None  # None: no reference ids to compare with
+
+
+# Columns filled row by row; the ids, the masks and their counts are built from flat arrays at the end.
+_LIST_COLUMNS = [k for k in TOKENS_SCHEMA if k not in ("input_ids", "loss_mask", "n_tokens", "n_loss_tokens")]
+
+
+class _TokenTable:
+    """The token rows of a chunk as they are added, turned into one frame at the end."""
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.columns: dict[str, list] = {k: [] for k in _LIST_COLUMNS}
+
+    def add(
+        self, row: _ResolvedRow, rows: _ChunkRows, i: int, answer_start: int, features: dict[str, bool]
+    ) -> None:
+        cmp, out = row.comparison, self.columns
+        self.ids.append(row.input_ids)
+        self.masks.append(row.loss_mask)
+        out["id"].append(rows.id[i])
         out["reference_match"].append(None if cmp is None else cmp.match)
         out["match_explained"].append(None if cmp is None else cmp.explained)
-        out["ids_source"].append(source)
+        out["ids_source"].append(row.source)
         out["mismatch"].append(None if cmp is None else cmp.kind)
         out["first_diff"].append(None if cmp is None else cmp.first_diff)
-        out["answer_start"].append(res.answer_start)
-        out["finish_reason"].append(fr)
-        out["row_key"].append(key)
-        out["all_turns"].append(bool(whole))
-        for name, value in feats.items():
+        out["answer_start"].append(answer_start)
+        out["finish_reason"].append(rows.finish_reason[i])
+        out["row_key"].append(rows.row_key[i])
+        out["all_turns"].append(bool(rows.all_turns[i]))
+        for name, value in features.items():
             out[name].append(value)
-        summary.ids_source[source] += 1
-        if cmp is not None:
-            summary.n_reference += 1
-            summary.n_match += cmp.match
-            summary.n_explained += cmp.explained
-            if cmp.kind:
-                summary.mismatch_kinds[cmp.kind] += 1
-    # Per-row counts once; the summary's totals are their sums.
-    n_tokens = np.fromiter((len(a) for a in arrays), dtype=np.int32, count=len(arrays))
-    n_loss = np.fromiter((int(m.sum()) for m in masks), dtype=np.int32, count=len(masks))
-    summary.n_rows = len(out["id"])
-    summary.n_tokens, summary.n_loss_tokens = int(n_tokens.sum()), int(n_loss.sum())
-    summary.n_errors = len(errors)
-    flat_ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-    flat_mask = np.concatenate(masks) if masks else np.zeros(0, np.int8)
-    columns = {
-        "input_ids": _list_column(flat_ids.astype(np.int32, copy=False), n_tokens),
-        "loss_mask": _list_column(flat_mask.astype(np.int8, copy=False), n_tokens),
-        "n_tokens": pl.Series(n_tokens, dtype=pl.Int32),
-        "n_loss_tokens": pl.Series(n_loss, dtype=pl.Int32),
-    }
-    df = pl.DataFrame(
-        {
-            name: columns[name] if name in columns else pl.Series(out[name], dtype=dtype)
-            for name, dtype in TOKENS_SCHEMA.items()
+
+    def frame(self, summary: TokensSummary) -> pl.DataFrame:
+        """The rows as a TOKENS_SCHEMA frame; their row, token and loss-token totals go to `summary`."""
+        # Per-row counts once; the summary's totals are their sums.
+        n_tokens = np.fromiter((len(a) for a in self.ids), dtype=np.int32, count=len(self.ids))
+        n_loss = np.fromiter((int(m.sum()) for m in self.masks), dtype=np.int32, count=len(self.masks))
+        summary.n_rows = len(self.columns["id"])
+        summary.n_tokens, summary.n_loss_tokens = int(n_tokens.sum()), int(n_loss.sum())
+        flat_ids = np.concatenate(self.ids) if self.ids else np.zeros(0, np.int32)
+        flat_mask = np.concatenate(self.masks) if self.masks else np.zeros(0, np.int8)
+        arrays = {
+            "input_ids": _list_column(flat_ids.astype(np.int32, copy=False), n_tokens),
+            "loss_mask": _list_column(flat_mask.astype(np.int8, copy=False), n_tokens),
+            "n_tokens": pl.Series(n_tokens, dtype=pl.Int32),
+            "n_loss_tokens": pl.Series(n_loss, dtype=pl.Int32),
         }
-    )
-    return df, errors, summary
+        return pl.DataFrame(
+            {
+                name: arrays[name] if name in arrays else pl.Series(self.columns[name], dtype=dtype)
+                for name, dtype in TOKENS_SCHEMA.items()
+            }
+        )
 
 
 def _tokenize_rows(
@@ -294,14 +356,16 @@ def _resolve_row(
     chat: ChatTokenizer,
     stop_ids: set[int],
     prefer_reference: bool,
-) -> tuple[np.ndarray, np.ndarray, str, Comparison | None]:
+) -> _ResolvedRow:
     if ref is None:
-        return res.input_ids, res.loss_mask, "reconstructed", None
+        return _ResolvedRow(res.input_ids, res.loss_mask, "reconstructed", None)
     reference = normalise_reference(list(ref), finished, chat.eot_id, stop_ids)
     cmp = compare(res.answer_ids, reference, chat.encoder.decode, finished, _canonical(chat))
     if cmp.match or not prefer_reference:
-        return res.input_ids, res.loss_mask, "reconstructed" if not cmp.match else "reference", cmp
+        return _ResolvedRow(
+            res.input_ids, res.loss_mask, "reconstructed" if not cmp.match else "reference", cmp
+        )
     head = res.input_ids[: res.answer_start]
     ids = np.concatenate([head, np.asarray(reference, dtype=np.int32)])
     mask = np.concatenate([res.loss_mask[: res.answer_start], np.ones(len(reference), dtype=np.int8)])
-    return ids, mask, "reference", cmp
+    return _ResolvedRow(ids, mask, "reference", cmp)

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import polars as pl
@@ -33,7 +34,7 @@ def place_tokens(
         try:
             atomic_write(path, lambda tmp: append_file(path, new, tmp))
             return
-        except ValueError:  # an earlier file of another schema (an older version of this stage): re-write it
+        except ValueError:  # an earlier file of another schema (another version of this stage): re-write it
             pass
     atomic_write(
         path,
@@ -66,7 +67,7 @@ def kept_batches(
 
 
 def scan_with_keys(path: Path, schema: dict[str, pl.DataType]) -> pl.LazyFrame:
-    """An earlier output with its row keys, or an empty frame (none yet, or written before row keys existed)."""
+    """An earlier output with its row keys, or an empty frame (none yet, or one without a row_key column)."""
     if path.exists() and "row_key" in pq.read_schema(path).names:
         return pl.scan_parquet(path)
     return pl.LazyFrame(schema=schema)
@@ -75,12 +76,25 @@ def scan_with_keys(path: Path, schema: dict[str, pl.DataType]) -> pl.LazyFrame:
 STATE_KEY = "eagle3.tokens_state"
 
 
-def recorded_state(path: Path) -> dict | None:
-    """What the last build of tokens.parquet read (tokenizer fingerprint, prompts version, journal parts)."""
+@dataclass(frozen=True)
+class BuildState:
+    """What a build of tokens.parquet read, kept in the file's footer: the next build compares it with what it
+    reads to tell a top-up (only journal parts added since) from a build that must re-key every row."""
+
+    fingerprint: str  # the tokenizer, its template and the stage's options
+    prompts: str  # the version of prompts.parquet
+    parts: list[str]  # the journal parts of responses, by file name
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def recorded_state(path: Path) -> BuildState | None:
+    """What the last build of tokens.parquet read."""
     if not path.exists():
         return None
     raw = (pq.read_schema(path).metadata or {}).get(STATE_KEY.encode())
-    return json.loads(raw) if raw else None
+    return BuildState(**json.loads(raw)) if raw else None
 
 
 def write_chunks(path: Path, frames: Iterator[pl.DataFrame], metadata: dict[str, str] | None = None) -> None:
