@@ -48,9 +48,12 @@ def run(quick: bool = False) -> dict:
     import torch
 
     from eagle3_assets.assets.acceptance import gate_engines
-    from eagle3_assets.assets.hidden_states import extraction_settings
     from eagle3_assets.core.acceptance.gate import load_samples, rendered_prompts, run_gate
-    from eagle3_assets.core.hidden_states.extraction import extract_dataset, load_target_model
+    from eagle3_assets.core.hidden_states.extraction import (
+        ExtractionSettings,
+        extract_dataset,
+        load_target_model,
+    )
     from eagle3_assets.core.storage.layout import DatasetLayout
     from eagle3_assets.core.target.loading import pick_device
     from resources import Target
@@ -64,7 +67,7 @@ def run(quick: bool = False) -> dict:
         if quick:
             settings = settings.model_copy(update={"train_steps": 60, "max_new_tokens": 32})
         layout = DatasetLayout(cfg.storage_root, "B3")
-        model = load_target_model(extraction_settings(cfg))
+        model = load_target_model(ExtractionSettings.from_config(cfg))
         chat = Target(cfg).chat_tokenizer()
         device = pick_device(settings.device)
         engines = gate_engines(cfg, layout, chat, log=lambda m: None)
@@ -89,7 +92,7 @@ def run(quick: bool = False) -> dict:
         # The same partition stored in FP8 (changing storage_dtype recomputes every shard), the gate again.
         hs = cfg.hidden_states.model_copy(update={"storage_dtype": "float8_e4m3fn"})
         cfg_fp8 = cfg.model_copy(update={"hidden_states": hs})
-        extract_dataset(layout, extraction_settings(cfg_fp8), log=lambda m: None)
+        extract_dataset(layout, ExtractionSettings.from_config(cfg_fp8), log=lambda m: None)
         engines = gate_engines(cfg_fp8, layout, chat, log=lambda m: None)
         fp8 = run_gate(layout, settings, engines, chat, log=lambda m: None).report
 

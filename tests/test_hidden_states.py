@@ -14,9 +14,11 @@ import torch
 from safetensors import safe_open
 
 from eagle3_assets.config import HiddenStatesConfig
-from eagle3_assets.core.hidden_states.export import export
+from eagle3_assets.core.hidden_states.exports.export import export
 from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
-from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, bytes_per_token, default_aux_layers
+from eagle3_assets.core.hidden_states.layer_ids import default_aux_layers
+from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
+from eagle3_assets.core.hidden_states.shards import bytes_per_token
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.chat import Answer
 from eagle3_assets.core.target.loading import load_model

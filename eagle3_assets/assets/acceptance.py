@@ -11,12 +11,13 @@ from resources import Project, Storage, Target
 from ..config import ProjectConfig
 from ..core.acceptance.gate import GateEngines, read_report, run_gate
 from ..core.acceptance.measure import DraftTarget
-from ..core.hidden_states.export import layer_config
+from ..core.hidden_states.extraction import ExtractionSettings, load_target_model
+from ..core.hidden_states.reader import StoredStates
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
 from ..core.target.chat import ChatTokenizer
 from .common import GROUP, MISSING
-from .hidden_states import GPU_STEP_TAGS, extraction_settings
+from .hidden_states import GPU_STEP_TAGS
 
 
 def gate_engines(
@@ -26,13 +27,12 @@ def gate_engines(
     it: the target in this process (`acceptance.engine: transformers`) or vLLM started by the step (`vllm`). The
     source-answers arm's states come from the engine that extracted the partition's own."""
     from ..core.acceptance.decoding import InProcessFeatures, InProcessMeasurer, SpeculativeDecoder
-    from ..core.hidden_states.extraction import load_target_model
     from ..core.target.loading import pick_device
 
-    settings = extraction_settings(cfg)
+    settings = ExtractionSettings.from_config(cfg)
     t = cfg.target
     target = DraftTarget.load(settings.model_ref, t.revision, t.trust_remote_code)
-    feature_ids = layer_config(layout.hidden_states_dir, "speculators")["eagle_aux_hidden_state_layer_ids"]
+    feature_ids = StoredStates.read(layout.hidden_states_dir).output_hidden_states_ids
     stop_ids = chat.stop_ids
     a = cfg.acceptance
     if a.engine == "vllm":

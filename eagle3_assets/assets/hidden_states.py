@@ -30,6 +30,7 @@ from ..core.hidden_states.extraction import (
     skipped_samples,
     why_target_cannot_run_here,
 )
+from ..core.hidden_states.spot_pieces import AnswerDecoding, spot_check_pieces
 from ..core.storage.versions import rows_version
 from .common import GROUP, MISSING, check_result, operator_stop
 
@@ -48,10 +49,6 @@ IO = "hidden_states_io"
 ALL_SHARDS = "all"  # the one unit of work of a served extraction (shard names start with "shard-")
 
 
-def extraction_settings(cfg: ProjectConfig) -> ExtractionSettings:
-    return ExtractionSettings(cfg.target, cfg.hidden_states, cfg.base_dir)
-
-
 def _mapping_key(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
@@ -68,7 +65,8 @@ def plan_hidden_state_shards(
     # A remote root stages only what each step writes on the step's own disk: the whole plan is no measure there.
     local = storage.remote is None
     with storage.stage(context.partition_key, "hidden_states") as layout:
-        work = prepare(layout, extraction_settings(project.cfg), log=context.log.info, check_space=local)
+        settings = ExtractionSettings.from_config(project.cfg)
+        work = prepare(layout, settings, log=context.log.info, check_space=local)
     context.log_event(  # in the run and on the asset's page before any GPU step starts
         dg.AssetObservation(
             asset_key="hidden_states",
@@ -89,7 +87,8 @@ def _extract_unit(context: dg.OpExecutionContext, unit: str, project: Project, s
     served = extraction_backend(project.cfg, key)
     names = None if unit == ALL_SHARDS else [unit]
     with storage.stage(key, "hidden_states") as layout, watching(operator_stop(context)):
-        stats = extract(layout, extraction_settings(project.cfg), names, log=context.log.info, served=served)
+        settings = ExtractionSettings.from_config(project.cfg)
+        stats = extract(layout, settings, names, log=context.log.info, served=served)
     return {
         "samples": stats.samples,
         "tokens": stats.tokens,
@@ -191,12 +190,12 @@ def _spot_check_with_pieces(
     is not on this machine fails the check, naming the fix: states nobody recomputed never pass."""
     from ..core.target.pieces import CheckpointError, CheckpointPieces
 
-    settings = extraction_settings(cfg)
+    settings = ExtractionSettings.from_config(cfg)
     sampling = cfg.sampling_for(key)
-    decoding = rules.AnswerDecoding.of(sampling.temperature, sampling.top_k)
+    decoding = AnswerDecoding.of(sampling.temperature, sampling.top_k)
     try:
         pieces = CheckpointPieces.find(settings.model_ref, settings.target.revision)
-        verdict = rules.spot_check_pieces(folder, pieces, ids, decoding, cfg.target.trust_remote_code)
+        verdict = spot_check_pieces(folder, pieces, ids, decoding, cfg.target.trust_remote_code)
     except CheckpointError as e:  # not here, or lacking a tensor the pieces need
         return dg.AssetCheckResult(
             passed=False,
@@ -278,7 +277,7 @@ def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.A
         _, folder, _ = folder_and_tokens(storage, context.partition_key, ["id"])
         if folder is None:
             return MISSING
-        expected = expected_metadata(extraction_settings(project.cfg))
+        expected = expected_metadata(ExtractionSettings.from_config(project.cfg))
         return check_result(rules.consistent(folder, expected))
 
     @dg.asset_check(
@@ -306,7 +305,7 @@ def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.A
         ids = rules.spot_sample_ids(
             pl.read_parquet(layout.hidden_states_index), cfg.checks.hidden_states_spot_samples
         )
-        settings = extraction_settings(cfg)
+        settings = ExtractionSettings.from_config(cfg)
         # The whole target only where it already runs in process (engine transformers) and fits: past generation
         # nothing needs a served target whole here.
         if cfg.hidden_states.engine == "transformers" and why_target_cannot_run_here(settings) is None:

@@ -37,7 +37,8 @@ import numpy as np
 import polars as pl
 
 from ...config import AcceptanceConfig
-from ..hidden_states.shards import HiddenStatesReader
+from ..hidden_states.layer_ids import decoder_output_ids
+from ..hidden_states.reader import HiddenStatesReader, StoredStates
 from ..storage.files import write_json
 from ..storage.layout import DatasetLayout
 from ..target.chat import Answer, ChatTokenizer, TemplateError
@@ -306,11 +307,10 @@ def run_gate(
     import shutil
 
     from ..hidden_states.draft_format import DraftShape, build_draft_vocab, count_tokens
-    from ..hidden_states.export import layer_config
 
     t_start = time.perf_counter()
     k = settings.draft_tokens
-    feature_ids = layer_config(layout.hidden_states_dir, "speculators")["eagle_aux_hidden_state_layer_ids"]
+    feature_ids = StoredStates.read(layout.hidden_states_dir).output_hidden_states_ids
     stop_ids = chat.stop_ids
     data = gate_inputs(layout, settings, chat, stop_ids)
     regenerated = as_train_samples(data.train, data.window)
@@ -399,7 +399,6 @@ def run_gate(
 
 def draft_report(layout: DatasetLayout, feature_ids: Sequence[int]) -> dict[str, Any]:
     """Where the draft is and which layers each engine must read (the same list means other layers to SGLang)."""
-    from ..hidden_states.draft_format import sglang_layer_ids
     from .drafter import SGLANG_CONFIG
 
     return {
@@ -409,7 +408,7 @@ def draft_report(layout: DatasetLayout, feature_ids: Sequence[int]) -> dict[str,
         "layer_ids_convention": "output_hidden_states indices, as vLLM reads config.json",
         "sglang": {
             "config": SGLANG_CONFIG,
-            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(list(feature_ids)),
+            "eagle_aux_hidden_state_layer_ids": decoder_output_ids(feature_ids),
             "how": f"SGLang adds one to each id: serve the folder with {SGLANG_CONFIG} as its config.json",
         },
     }
