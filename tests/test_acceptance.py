@@ -25,12 +25,8 @@ from eagle3_assets.core.acceptance.drafter import (
     load_checkpoint,
     ttt_forward,
 )
-from eagle3_assets.core.acceptance.gate import (
-    load_samples,
-    rendered_prompts,
-    run_gate,
-    split_ids,
-)
+from eagle3_assets.core.acceptance.gate import run_gate
+from eagle3_assets.core.acceptance.samples import load_samples, rendered_prompts, split_ids
 from eagle3_assets.core.hidden_states.draft_format import DraftShape
 from eagle3_assets.core.hidden_states.extraction import load_target_model
 from eagle3_assets.core.hidden_states.reader import StoredStates
