@@ -17,6 +17,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eagle3_assets.core.acceptance.gate_report import GateReport
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,13 +48,25 @@ def _partition(folder: Path, limit: int) -> tuple[object, Path]:
     return cfg, path
 
 
+def _acceptance_lengths(report: GateReport) -> dict[str, float]:
+    return {
+        "train": report.train.acceptance_length,
+        "heldout": report.heldout.acceptance_length,
+        "untrained": report.untrained.acceptance_length,
+    }
+
+
 def run(quick: bool = False) -> dict:
     import torch
 
     from eagle3_assets.assets.acceptance import gate_engines
-    from eagle3_assets.assets.hidden_states import extraction_settings
-    from eagle3_assets.core.acceptance.gate import load_samples, rendered_prompts, run_gate
-    from eagle3_assets.core.hidden_states.extraction import extract_dataset, load_target_model
+    from eagle3_assets.core.acceptance.gate import run_gate
+    from eagle3_assets.core.acceptance.samples import load_samples, rendered_prompts
+    from eagle3_assets.core.hidden_states.extraction import (
+        ExtractionSettings,
+        extract_dataset,
+        load_target_model,
+    )
     from eagle3_assets.core.storage.layout import DatasetLayout
     from eagle3_assets.core.target.loading import pick_device
     from resources import Target
@@ -64,15 +80,14 @@ def run(quick: bool = False) -> dict:
         if quick:
             settings = settings.model_copy(update={"train_steps": 60, "max_new_tokens": 32})
         layout = DatasetLayout(cfg.storage_root, "B3")
-        model = load_target_model(extraction_settings(cfg))
+        model = load_target_model(ExtractionSettings.from_config(cfg))
         chat = Target(cfg).chat_tokenizer()
         device = pick_device(settings.device)
         engines = gate_engines(cfg, layout, chat, log=lambda m: None)
-        gate = run_gate(layout, settings, engines, chat, log=lambda m: None)
-        r = gate.report
+        r = run_gate(layout, settings, engines, chat, log=lambda m: None)
 
         # Baseline: plain greedy decoding of the prompts the gate measured, as many new tokens.
-        heldout = load_samples(layout, r["heldout_ids"], chat=chat)
+        heldout = load_samples(layout, r.heldout_ids, chat=chat)
         prompts = rendered_prompts(chat, heldout)
         stop = sorted(chat.stop_ids)
         t0 = time.perf_counter()
@@ -89,32 +104,32 @@ def run(quick: bool = False) -> dict:
         # The same partition stored in FP8 (changing storage_dtype recomputes every shard), the gate again.
         hs = cfg.hidden_states.model_copy(update={"storage_dtype": "float8_e4m3fn"})
         cfg_fp8 = cfg.model_copy(update={"hidden_states": hs})
-        extract_dataset(layout, extraction_settings(cfg_fp8), log=lambda m: None)
+        extract_dataset(layout, ExtractionSettings.from_config(cfg_fp8), log=lambda m: None)
         engines = gate_engines(cfg_fp8, layout, chat, log=lambda m: None)
-        fp8 = run_gate(layout, settings, engines, chat, log=lambda m: None).report
+        fp8 = run_gate(layout, settings, engines, chat, log=lambda m: None)
 
-    secs = r["seconds"]
-    measured_parts = 3 + (1 if "heldout" in r["source_answers"] else 0)
+    secs = r.seconds
+    measured_parts = 3 + (1 if r.source_heldout_acceptance_length is not None else 0)
     result = {
         "device": device,
-        "samples_trained": r["training"]["samples"],
-        "heldout_prompts": r["heldout"]["n_prompts"],
+        "samples_trained": r.training.samples,
+        "heldout_prompts": r.heldout.n_prompts,
         "seconds": secs,
         "partition_build_s": round(build_s, 1),
         "greedy_decode_heldout_s": round(greedy_s, 1),
-        "acceptance_length": {p: r[p]["acceptance_length"] for p in ("train", "heldout", "untrained")}
-        | {"source_answers_heldout": r["source_answers"].get("heldout", {}).get("acceptance_length")},
-        "gate_passed": r["gate"]["passed"],
+        "acceptance_length": _acceptance_lengths(r)
+        | {"source_answers_heldout": r.source_heldout_acceptance_length},
+        "gate_passed": r.passed,
         "measured_parts": measured_parts,
         "fp8": {
-            "acceptance_length": {p: fp8[p]["acceptance_length"] for p in ("train", "heldout", "untrained")},
-            "gate_passed": fp8["gate"]["passed"],
-            "heldout_vs_bf16": fp8["heldout"]["acceptance_length"] - r["heldout"]["acceptance_length"],
+            "acceptance_length": _acceptance_lengths(fp8),
+            "gate_passed": fp8.passed,
+            "heldout_vs_bf16": fp8.heldout.acceptance_length - r.heldout.acceptance_length,
         },
     }
     print(
         f"B3 on {device}: {result['samples_trained']} samples trained, {result['heldout_prompts']} heldout prompts, "
-        f"k = {r['draft_tokens']}, {settings.train_steps} training steps"
+        f"k = {r.draft_tokens}, {settings.train_steps} training steps"
     )
     print(f"{'phase':34} {'seconds':>8}")
     for name, value in secs.items():

@@ -93,7 +93,7 @@ def check_packing(model, device: str) -> float:
     """Max relative error between packed-row and per-sample hidden states of the last layer."""
     import torch
 
-    from eagle3_assets.core.hidden_states.shards import HiddenStateCapture
+    from eagle3_assets.core.hidden_states.capture import HiddenStateCapture
 
     cap = HiddenStateCapture(model, [1, 2, 3])
     rng = np.random.default_rng(1)
@@ -114,8 +114,8 @@ def check_packing(model, device: str) -> float:
 def measure(name: str, shape: dict, device: str, n_tokens: int, budget: int) -> dict:
     import torch
 
+    from eagle3_assets.core.hidden_states.capture import HiddenStateCapture
     from eagle3_assets.core.hidden_states.shards import (
-        HiddenStateCapture,
         ShardPlan,
         ShardWriter,
         extract_shard,

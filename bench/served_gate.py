@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from .acceptance import _partition
+from .acceptance import _acceptance_lengths, _partition
 
 ENGINES = ("transformers", "vllm")
 
@@ -51,12 +51,17 @@ def _child(config: str, engine: str, quick: bool) -> None:
 
     base_mb = psutil.Process().memory_info().rss / 2**20  # imports and the tokenizer: what every step holds
     t0 = time.perf_counter()
-    gate = run_gate(
+    report = run_gate(
         layout, cfg.acceptance, gate_engines(cfg, layout, chat, log=lambda m: None), chat, log=print
     )
     wall = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = {"wall_s": wall, "peak_rss_mb": peak_kib / 1024, "base_rss_mb": base_mb, "report": gate.report}
+    result = {
+        "wall_s": wall,
+        "peak_rss_mb": peak_kib / 1024,
+        "base_rss_mb": base_mb,
+        "report": report.to_json(),
+    }
     print("RESULT " + json.dumps(result))
 
 
@@ -93,21 +98,23 @@ def _measure(config: Path, engine: str, quick: bool) -> dict:
 
 
 def run(quick: bool = False) -> dict:
+    from eagle3_assets.core.acceptance.gate_report import GateReport
+
     with tempfile.TemporaryDirectory() as tmp:
         _, path = _partition(Path(tmp), 12 if quick else 1000)
         runs = {e: _measure(path, e, quick) for e in ENGINES}
     rows = {}
     for e, r in runs.items():
-        rep = r["report"]
+        rep = GateReport.model_validate(r["report"])
         rows[e] = {
             "wall_s": round(r["wall_s"], 1),
             "step_peak_rss_mb": round(r["peak_rss_mb"]),
             "step_base_rss_mb": round(r["base_rss_mb"]),
             "gate_rss_increment_mb": round(r["peak_rss_mb"] - r["base_rss_mb"]),
             "servers_peak_rss_mb": round(r["servers_peak_rss_mb"]),
-            "acceptance_length": {p: rep[p]["acceptance_length"] for p in ("train", "heldout", "untrained")},
-            "greedy_check": f"{rep['greedy_check']['equal']}/{rep['greedy_check']['prompts']}",
-            "seconds": rep["seconds"],
+            "acceptance_length": _acceptance_lengths(rep),
+            "greedy_check": f"{rep.greedy_check.equal}/{rep.greedy_check.prompts}",
+            "seconds": rep.seconds,
         }
     ratio = rows["vllm"]["wall_s"] / rows["transformers"]["wall_s"]
     print(

@@ -107,7 +107,7 @@ def measure_served(
 ) -> dict:
     """One server for `model` (the exact `eagle3 vllm-serve` command), then on `rows`' samples: a bare prefill,
     the served extraction, a bare prefill again (the better of the two is the baseline)."""
-    from eagle3_assets.core.hidden_states.shards import default_aux_layers
+    from eagle3_assets.core.hidden_states.layer_ids import default_aux_layers
 
     work.mkdir(parents=True, exist_ok=True)
     storage = work / "connector"

@@ -77,8 +77,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .assets.hidden_states import extraction_settings
-    from .core.hidden_states.export import ExportError, export, read_target
+    from .core.hidden_states.exports.base import ExportError
+    from .core.hidden_states.exports.export import export
+    from .core.hidden_states.exports.target import read_target
+    from .core.hidden_states.extraction import ExtractionSettings
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
@@ -87,7 +89,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not layout.hidden_states_index.exists():
         print(f"no hidden states for {args.dataset} yet: materialise hidden_states for it first")
         return 1
-    settings = extraction_settings(cfg)
+    settings = ExtractionSettings.from_config(cfg)
     target = read_target(settings.model_ref, cfg.target.revision, cfg.target.trust_remote_code)
     try:
         export(
@@ -109,14 +111,13 @@ def cmd_hidden_states(args: argparse.Namespace) -> int:
     """Extraction without Dagster (a GPU box, a debugging session); the asset runs the same functions."""
     from resources.vllm import extraction_backend
 
-    from .assets.hidden_states import extraction_settings
-    from .core.hidden_states.extraction import extract_dataset
+    from .core.hidden_states.extraction import ExtractionSettings, extract_dataset
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
     served = extraction_backend(cfg, args.dataset)
     with res["storage"].stage(args.dataset, "hidden_states") as layout:
-        _work, stats, index = extract_dataset(layout, extraction_settings(cfg), served=served)
+        _work, stats, index = extract_dataset(layout, ExtractionSettings.from_config(cfg), served=served)
     rate = stats.tokens / stats.forward_s if stats.forward_s else 0.0
     print(
         f"{args.dataset}: {index.height} samples in the index; this run {stats.samples} samples, "
@@ -134,18 +135,16 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
 
     from resources.vllm.server import ServeSpec
 
-    from .assets.hidden_states import extraction_settings
-    from .core.hidden_states.extraction import model_config
-    from .core.hidden_states.shards import default_aux_layers
+    from .core.hidden_states.extraction import ExtractionSettings, model_config
 
     cfg, _ = _resources(args)
-    settings = extraction_settings(cfg)
+    settings = ExtractionSettings.from_config(cfg)
     sizes = model_config(settings)
     hs = cfg.hidden_states
     url = urlparse(hs.vllm.base_urls[0])
     spec = ServeSpec(
         model=settings.model_ref,
-        aux_layers=list(hs.aux_layers or default_aux_layers(sizes["num_layers"])),
+        aux_layers=settings.aux_layers(sizes["num_layers"]),
         num_layers=sizes["num_layers"],
         storage_path=hs.vllm.storage_path,
         storage_dtype=hs.storage_dtype,  # FP8: the servers' own files shrink too

@@ -16,7 +16,7 @@ import dagster as dg
 from resources import Storage
 
 from .config import config_path, get_config
-from .core.hidden_states.export import export
+from .core.hidden_states.exports.export import export
 from .core.storage.layout import DatasetLayout
 from .definitions import ACCEPTANCE_JOB, HIDDEN_STATES_JOB, TRAINING_DATA_JOB, defs
 

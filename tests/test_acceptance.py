@@ -25,15 +25,11 @@ from eagle3_assets.core.acceptance.drafter import (
     load_checkpoint,
     ttt_forward,
 )
-from eagle3_assets.core.acceptance.gate import (
-    load_samples,
-    rendered_prompts,
-    run_gate,
-    split_ids,
-)
+from eagle3_assets.core.acceptance.gate import run_gate
+from eagle3_assets.core.acceptance.samples import load_samples, rendered_prompts, split_ids
 from eagle3_assets.core.hidden_states.draft_format import DraftShape
-from eagle3_assets.core.hidden_states.export import layer_config
 from eagle3_assets.core.hidden_states.extraction import load_target_model
+from eagle3_assets.core.hidden_states.reader import StoredStates
 from eagle3_assets.core.hidden_states.shards import finished_shards
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.definitions import (
@@ -133,9 +129,9 @@ def test_the_targets_own_answers_pass_the_gate_and_the_draft_loads_back(gated):
 
 
 def load_target_model_for(config):
-    from eagle3_assets.assets.hidden_states import extraction_settings
+    from eagle3_assets.core.hidden_states.extraction import ExtractionSettings
 
-    return load_target_model(extraction_settings(config))
+    return load_target_model(ExtractionSettings.from_config(config))
 
 
 def test_speculative_decoding_gives_exactly_the_targets_greedy_answer(gated):
@@ -146,7 +142,7 @@ def test_speculative_decoding_gives_exactly_the_targets_greedy_answer(gated):
         layout.acceptance_dir / "draft", model.get_input_embeddings().weight.detach().float()
     )
     folder = layout.hidden_states_dir
-    ids = layer_config(folder, "speculators")["eagle_aux_hidden_state_layer_ids"]
+    ids = StoredStates.read(folder).output_hidden_states_ids
     stop = {chat.eot_id, chat.tok.eos_token_id}
     decoder = SpeculativeDecoder(model, ids, stop, "cpu")
     train_ids, heldout_ids = split_ids(sorted(finished_ids(layout)), 8, 4)
@@ -258,8 +254,7 @@ def test_the_gate_trains_on_dequantized_fp8_states_and_passes(gated, tmp_path):
     """The same partition's states extracted again in FP8 (hidden_states.storage_dtype: float8_e4m3fn): the gate
     reads them dequantized, trains and passes; heldout acceptance against the bf16 states' is printed (one run each:
     the difference is within the gate's own run-to-run noise, not measured here)."""
-    from eagle3_assets.assets.hidden_states import extraction_settings
-    from eagle3_assets.core.hidden_states.extraction import extract_dataset
+    from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 
     config, layout, _ = gated
     copy = DatasetLayout(tmp_path, "B3")
@@ -269,7 +264,7 @@ def test_the_gate_trains_on_dequantized_fp8_states_and_passes(gated, tmp_path):
     fp8 = config.model_copy(
         update={"hidden_states": config.hidden_states.model_copy(update={"storage_dtype": "float8_e4m3fn"})}
     )
-    extract_dataset(copy, extraction_settings(fp8), log=lambda m: None)
+    extract_dataset(copy, ExtractionSettings.from_config(fp8), log=lambda m: None)
     assert {m["dtype"] for m in finished_shards(copy.hidden_states_dir).values()} == {"float8_e4m3fn"}
     settings = config.acceptance.model_copy(update={"compare_source_answers": False})
     chat = _chat(config)

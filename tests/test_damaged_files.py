@@ -372,7 +372,7 @@ def test_the_report_lists_what_was_set_aside_and_reads_around_damage(tmp_path, c
     damage(part, "truncated")
     damage(layout.tokens, "not_parquet")  # not yet rebuilt: the report reads it as missing, and does not fail
     answer(layout, chat)
-    report = build_report(layout, DatasetConfig(source="x", format="messages"))
+    report = build_report(layout, DatasetConfig(source="x", format="messages")).to_json()
     assert [d["path"] for d in report["damaged_files"]] == [f"responses/{part.name}"]
     assert report["n_responses"] == N and report["n_tokens_rows"] == 0
 

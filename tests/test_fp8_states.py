@@ -19,7 +19,8 @@ from safetensors import safe_open
 from eagle3_assets.config import HiddenStatesConfig
 from eagle3_assets.core.hidden_states import checks
 from eagle3_assets.core.hidden_states.extraction import expected_metadata, extract_dataset, prepare
-from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, bytes_per_token, finished_shards
+from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
+from eagle3_assets.core.hidden_states.shards import bytes_per_token, finished_shards
 from eagle3_assets.core.hidden_states.sizing import NotEnoughSpace
 
 from .support.hidden_states import (
@@ -344,7 +345,7 @@ def test_exports_of_fp8_shards(fp8_extracted):
     import datasets
     from safetensors.torch import load_file
 
-    from eagle3_assets.core.hidden_states.export import export
+    from eagle3_assets.core.hidden_states.exports.export import export
 
     layout, _ = fp8_extracted
     folder = layout.hidden_states_dir
@@ -460,21 +461,22 @@ def test_through_dagster_fp8_shards_pass_every_check_and_say_their_dtype(chat, t
 def test_the_served_spot_check_reads_fp8_and_fails_rolled_scales(chat, fp8_extracted, smollm2_dir):
     """From pieces of the checkpoint (a served target): the shallowest aux layer dequantized passes, its scales one
     row off fail on magnitude."""
+    from eagle3_assets.core.hidden_states.spot_pieces import AnswerDecoding, spot_check_pieces
     from eagle3_assets.core.target.pieces import CheckpointPieces
 
     layout, _ = fp8_extracted
     folder = layout.hidden_states_dir
     pieces = CheckpointPieces.find(str(smollm2_dir))
     ids = sorted(HiddenStatesReader(folder).ids())
-    sampled = checks.AnswerDecoding.of(0.7)  # the canned answers are not the target's greedy ones
-    right = checks.spot_check_pieces(folder, pieces, ids, sampled)
+    sampled = AnswerDecoding.of(0.7)  # the canned answers are not the target's greedy ones
+    right = spot_check_pieces(folder, pieces, ids, sampled)
     assert right.passed, right.metadata
 
     def roll(t, _meta):
         t["aux_hidden_states_scales"] = torch.roll(t["aux_hidden_states_scales"], 1, dims=0).contiguous()
 
     rewrite_every_shard(layout.hidden_states_dir, roll)
-    wrong = checks.spot_check_pieces(folder, pieces, ids, sampled)
+    wrong = spot_check_pieces(folder, pieces, ids, sampled)
     assert not wrong.passed  # every cosine as before: only the magnitude shows
     assert wrong.metadata["min_token_cosine"] == pytest.approx(right.metadata["min_token_cosine"], abs=1e-5)
 

@@ -13,9 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3_assets.core.hidden_states.export import export
+from eagle3_assets.core.hidden_states.exports.export import export
 from eagle3_assets.core.hidden_states.extraction import extract_dataset
-from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, bytes_per_token, default_aux_layers
+from eagle3_assets.core.hidden_states.layer_ids import default_aux_layers
+from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
+from eagle3_assets.core.hidden_states.shards import bytes_per_token
 
 from .support.cli_runs import kill_once_written
 from .support.hidden_states import H, L, extraction_settings, reference_states, write_tokens

@@ -487,7 +487,7 @@ def test_the_acceptance_gate_loads_turn_rows_as_the_model_saw_each_turn(tmp_path
     the target's own earlier answers (their reasoning where the template has a field for it), its source answer
     the source's own text for that turn; the template rendered afresh puts every answer span where the token rows
     have it, for conversation rows (ChatML keeps the history) and per-turn rows alike."""
-    from eagle3_assets.core.acceptance.gate import boundary_problems, load_samples, rendered_prompts
+    from eagle3_assets.core.acceptance.samples import boundary_problems, load_samples, rendered_prompts
 
     chat = request.getfixturevalue("chat") if family == "smollm2" else _qwen3_chat()
     layout, source = _turns_partition(tmp_path, chat, reasoning=True)

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_a_page_without_speculative_counters_reads_as_zero():
 
 def test_greedy_differences_name_the_first_token_that_differs():
     ps = PromptSet(["x", "y"], [[1], [2]])
-    out = greedy_differences(ps, [[5, 6, 7], [8, 9]], [[5, 6, 7], [8, 4]])
+    out = asdict(greedy_differences(ps, [[5, 6, 7], [8, 9]], [[5, 6, 7], [8, 4]]))
     assert out == {
         "prompts": 2,
         "equal": 1,

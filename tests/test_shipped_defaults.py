@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from eagle3_assets.core.hidden_states.export import export
+from eagle3_assets.core.hidden_states.exports.export import export
 
 
 @pytest.mark.slow

@@ -24,7 +24,10 @@ import torch
 from eagle3_assets.config import DatasetConfig, HiddenStatesConfig, ProjectConfig, TargetConfig
 from eagle3_assets.core.hidden_states import checks as rules
 from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
-from eagle3_assets.core.hidden_states.shards import HiddenStatesReader, finished_shards
+from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
+from eagle3_assets.core.hidden_states.shards import finished_shards
+from eagle3_assets.core.hidden_states.spot_pieces import HEAD_GREEDY_SHARE, AnswerDecoding, spot_check_pieces
+from eagle3_assets.core.report.validation import Verdict
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.pieces import CheckpointError, CheckpointPieces
 
@@ -114,9 +117,9 @@ def shift_rows(*keys: str, by: int = 1) -> ShardChange:
     return change
 
 
-def check(folder: Path, pieces: CheckpointPieces, decoding=None) -> rules.Verdict:
+def check(folder: Path, pieces: CheckpointPieces, decoding=None) -> Verdict:
     ids = sorted(HiddenStatesReader(folder).ids())
-    return rules.spot_check_pieces(folder, pieces, ids, decoding or rules.AnswerDecoding.of(0.0))
+    return spot_check_pieces(folder, pieces, ids, decoding or AnswerDecoding.of(0.0))
 
 
 # -- from pieces, with states made in process ------------------------------------------------------------------
@@ -133,7 +136,7 @@ def test_right_states_pass_from_pieces_with_no_whole_target_in_the_process(right
         and "consistency" in md["not_recomputed_because"]
     )
     assert md["compute_dtype"] == "float32" and md["min_token_cosine"] >= 0.999
-    assert md["head_share"] >= rules.HEAD_GREEDY_SHARE and md["answer_tokens"] > 50
+    assert md["head_share"] >= HEAD_GREEDY_SHARE and md["answer_tokens"] > 50
     assert md["head_share_one_row_earlier"] < 0.1 and md["head_share_one_row_later"] < 0.1
     assert "greedy" in md["answer_decoding"]
 
@@ -200,11 +203,11 @@ def test_sampled_answers_are_held_to_the_alignment_rule_not_the_argmax(right_sta
     layout = write_tokens(chat, tmp_path / "canned", n=6)
     extract_dataset(layout, ExtractionSettings(hidden=HiddenStatesConfig()), log=lambda m: None)
     canned = layout.hidden_states_dir
-    sampled = rules.AnswerDecoding.of(0.8)
+    sampled = AnswerDecoding.of(0.8)
     v = check(canned, pieces, sampled)
     assert v.passed, v.metadata
     assert "does not apply" in v.metadata["head_rule"] and "sampled" in v.metadata["answer_decoding"]
-    assert v.metadata["head_share"] < rules.HEAD_GREEDY_SHARE  # what the argmax rule would have failed ...
+    assert v.metadata["head_share"] < HEAD_GREEDY_SHARE  # what the argmax rule would have failed ...
     as_greedy = check(canned, pieces)
     assert (
         not as_greedy.passed and "not the target's greedy" in as_greedy.metadata["head_reading"]
@@ -352,7 +355,7 @@ def test_served_states_pass_from_pieces_and_shifted_ones_fail(
     guard = FullTargetGuard(monkeypatch)
     v = check(folder, pieces)
     assert v.passed, v.metadata
-    assert v.metadata["compute_dtype"] == dtype and v.metadata["head_share"] >= rules.HEAD_GREEDY_SHARE
+    assert v.metadata["compute_dtype"] == dtype and v.metadata["head_share"] >= HEAD_GREEDY_SHARE
     assert guard.depths and max(guard.depths) < L
 
     # The served rows moved by one position (as a connector that dropped or repeated the first token would).

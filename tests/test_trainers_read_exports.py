@@ -20,9 +20,10 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import HiddenStatesConfig
-from eagle3_assets.core.hidden_states.export import FORMATS, MIN_SAMPLES, ExportError, export
+from eagle3_assets.core.hidden_states.exports.base import ExportError
+from eagle3_assets.core.hidden_states.exports.export import FORMATS, export
 from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
-from eagle3_assets.core.hidden_states.shards import HiddenStatesReader
+from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
 from eagle3_assets.core.storage.layout import DatasetLayout
 
 from .support.consumers import environments
@@ -268,7 +269,8 @@ def test_a_cut_that_leaves_no_trained_token_is_refused_and_samples_it_empties_ar
     for fmt in FORMATS:
         with pytest.raises(ExportError, match=rf"none of its {N} samples keeps a trained") as refused:
             export(folder, tmp_path / fmt, fmt, log=lambda m: None, max_len=need[0] - 1)
-        assert f"max_len >= {need[MIN_SAMPLES[fmt] - 1]} to keep {MIN_SAMPLES[fmt]}" in str(refused.value)
+        k = FORMATS[fmt].min_samples
+        assert f"max_len >= {need[k - 1]} to keep {k}" in str(refused.value)
         assert f">= {need[-1]} to keep every sample" in str(refused.value)
         assert not (tmp_path / fmt).exists()
     with pytest.raises(ExportError, match=r"only 1 of its .* speculators needs at least 2"):

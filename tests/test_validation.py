@@ -125,14 +125,15 @@ def test_report_counts_finish_mix_duplicates_and_lengths(tmp_path):
             "answer_has_reasoning": [True, False],
         }
     ).write_parquet(layout.tokens)
-    r = build_report(layout, DatasetConfig(source="(in code)", format="messages", budget_tokens=1000))
+    report = build_report(layout, DatasetConfig(source="(in code)", format="messages", budget_tokens=1000))
+    r = report.to_json()
     assert r["n_prompts"] == 3 and r["n_responses"] == 2 and r["duplicate_ids"]["responses_files"] == 1
     assert r["finish_reasons"] == {"stop": 1, "length": 1} and r["truncated_share"] == 0.5
     assert r["degenerate_answers"] == 1 and r["reasoning_share"] == 0.5
     assert r["completion_tokens"] == 110 and r["budget_used_share"] == 0.11 and r["cost_usd"] == 0.03
     assert r["reference_match_rate"] == 0.5 and r["reference_match_rate_excluding_truncation_tails"] == 1.0
     assert r["token_lengths"]["max"] == 140 and sum(h["count"] for h in r["token_length_histogram"]) == 2
-    md = render_markdown(r)
+    md = render_markdown(report)
     assert "█" in md and "## Finish reasons" in md and "truncation_tail" in md
 
 

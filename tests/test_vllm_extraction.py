@@ -26,14 +26,14 @@ from aiohttp import web
 
 from eagle3_assets.config import HiddenStatesConfig, VllmExtractionConfig
 from eagle3_assets.core.hidden_states import checks as rules
-from eagle3_assets.core.hidden_states.export import FORMATS, export
+from eagle3_assets.core.hidden_states.exports.export import FORMATS, export
 from eagle3_assets.core.hidden_states.extraction import (
     ExtractionSettings,
     expected_metadata,
     extract_dataset,
     skipped_samples,
 )
-from eagle3_assets.core.hidden_states.shards import HiddenStatesReader
+from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
 from resources.vllm.extraction import VllmHiddenStates, leftover_files, request_prefix
 from resources.vllm.server import free_port
 
@@ -475,7 +475,7 @@ def test_vllm_serve_prints_the_server_command_for_the_configured_target(tmp_path
 
 
 def test_the_k8s_vllm_deployment_is_the_command_for_the_k8s_config():
-    from eagle3_assets.core.hidden_states.shards import default_aux_layers
+    from eagle3_assets.core.hidden_states.layer_ids import default_aux_layers
     from resources.vllm.server import ServeSpec
 
     cfg = yaml.safe_load((REPO / "deploy" / "k8s" / "eagle3.k8s.yaml").read_text())

@@ -3,20 +3,23 @@ states and measured against the target; and its blocking check `acceptance_gate`
 computed (once, in `core.acceptance.gate.run_gate`, stored in report.json)."""
 
 from collections.abc import Callable
+from dataclasses import asdict
 
 import dagster as dg
 
 from resources import Project, Storage, Target
 
 from ..config import ProjectConfig
-from ..core.acceptance.gate import GateEngines, read_report, run_gate
-from ..core.acceptance.measure import DraftTarget
-from ..core.hidden_states.export import layer_config
+from ..core.acceptance.gate import GateEngines, run_gate
+from ..core.acceptance.gate_report import GateReport, read_report
+from ..core.acceptance.measure import DraftTarget, PartMeasure
+from ..core.hidden_states.extraction import ExtractionSettings, load_target_model
+from ..core.hidden_states.reader import StoredStates
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
 from ..core.target.chat import ChatTokenizer
 from .common import GROUP, MISSING
-from .hidden_states import GPU_STEP_TAGS, extraction_settings
+from .hidden_states import GPU_STEP_TAGS
 
 
 def gate_engines(
@@ -26,13 +29,12 @@ def gate_engines(
     it: the target in this process (`acceptance.engine: transformers`) or vLLM started by the step (`vllm`). The
     source-answers arm's states come from the engine that extracted the partition's own."""
     from ..core.acceptance.decoding import InProcessFeatures, InProcessMeasurer, SpeculativeDecoder
-    from ..core.hidden_states.extraction import load_target_model
     from ..core.target.loading import pick_device
 
-    settings = extraction_settings(cfg)
+    settings = ExtractionSettings.from_config(cfg)
     t = cfg.target
     target = DraftTarget.load(settings.model_ref, t.revision, t.trust_remote_code)
-    feature_ids = layer_config(layout.hidden_states_dir, "speculators")["eagle_aux_hidden_state_layer_ids"]
+    feature_ids = StoredStates.read(layout.hidden_states_dir).output_hidden_states_ids
     stop_ids = chat.stop_ids
     a = cfg.acceptance
     if a.engine == "vllm":
@@ -65,11 +67,28 @@ def gate_engines(
     )
 
 
-def _part(report: dict, name: str) -> dict:
-    p = report.get(name) or {}
+def _part(name: str, part: PartMeasure) -> dict:
+    return {f"{name}_acceptance_length": part.acceptance_length, f"{name}_prompts": part.n_prompts}
+
+
+def _metadata(r: GateReport) -> dict:
+    """The report's figures on the asset's page."""
+    source = r.source_heldout_acceptance_length
     return {
-        f"{name}_acceptance_length": p.get("acceptance_length", 0.0),
-        f"{name}_prompts": p.get("n_prompts", 0),
+        "draft_tokens": r.draft_tokens,
+        "engine": r.engine,
+        "greedy_check": dg.MetadataValue.json(asdict(r.greedy_check)),
+        **_part("train", r.train),
+        **_part("heldout", r.heldout),
+        **_part("untrained", r.untrained),
+        "heldout_per_position": dg.MetadataValue.json(r.heldout.per_position),
+        "source_answers_heldout_acceptance_length": source if source is not None else dg.MetadataValue.null(),
+        "source_answers": dg.MetadataValue.json(r.source_answers.model_dump()),
+        "gate_passed": r.passed,
+        "gate_reasons": dg.MetadataValue.json(r.reasons),
+        "training": dg.MetadataValue.json(r.training.model_dump()),
+        "seconds": r.seconds["total"],
+        "device": r.device,
     }
 
 
@@ -98,30 +117,11 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         chat = target.chat_tokenizer()
         with storage.stage(context.partition_key, "acceptance") as layout:
             engines = gate_engines(cfg, layout, chat, context.log.info)
-            result = run_gate(layout, cfg.acceptance, engines, chat, log=context.log.info)
-        r = result.report
-        source = r["source_answers"]
+            report = run_gate(layout, cfg.acceptance, engines, chat, log=context.log.info)
         return dg.MaterializeResult(
-            data_version=dg.DataVersion(
-                content_version({k: v for k, v in r.items() if k not in ("seconds", "device")})
-            ),
+            data_version=dg.DataVersion(content_version(report.model_dump(exclude={"seconds", "device"}))),
             metadata={
-                "draft_tokens": r["draft_tokens"],
-                "engine": r["engine"],
-                "greedy_check": dg.MetadataValue.json(r["greedy_check"]),
-                **_part(r, "train"),
-                **_part(r, "heldout"),
-                **_part(r, "untrained"),
-                "heldout_per_position": dg.MetadataValue.json(r["heldout"]["per_position"]),
-                "source_answers_heldout_acceptance_length": (
-                    source["heldout"]["acceptance_length"] if "heldout" in source else dg.MetadataValue.null()
-                ),
-                "source_answers": dg.MetadataValue.json(source),
-                "gate_passed": result.passed,
-                "gate_reasons": dg.MetadataValue.json(result.reasons),
-                "training": dg.MetadataValue.json(r["training"]),
-                "seconds": r["seconds"]["total"],
-                "device": r["device"],
+                **_metadata(report),
                 "report_json": dg.MetadataValue.path(str(layout.acceptance_report)),
                 "draft": dg.MetadataValue.path(str(layout.draft_dir)),
             },
@@ -146,13 +146,13 @@ def build_acceptance_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asse
         if report is None:
             return MISSING
         return dg.AssetCheckResult(
-            passed=report["gate"]["passed"],
+            passed=report.passed,
             metadata={
-                "reasons": dg.MetadataValue.json(report["gate"]["reasons"]),
-                "train_acceptance_length": report["train"]["acceptance_length"],
-                "heldout_acceptance_length": report["heldout"]["acceptance_length"],
-                "untrained_acceptance_length": report["untrained"]["acceptance_length"],
-                "boundary_problems": report["boundaries"]["bad"],
+                "reasons": dg.MetadataValue.json(report.reasons),
+                "train_acceptance_length": report.train.acceptance_length,
+                "heldout_acceptance_length": report.heldout.acceptance_length,
+                "untrained_acceptance_length": report.untrained.acceptance_length,
+                "boundary_problems": report.boundaries.bad,
             },
         )
 

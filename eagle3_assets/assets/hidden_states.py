@@ -8,6 +8,8 @@ the GPUs: one step (no GPU of its own) sends every planned shard's samples to th
 """
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -30,6 +32,8 @@ from ..core.hidden_states.extraction import (
     skipped_samples,
     why_target_cannot_run_here,
 )
+from ..core.hidden_states.spot_pieces import AnswerDecoding, spot_check_pieces
+from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import rows_version
 from .common import GROUP, MISSING, check_result, operator_stop
 
@@ -48,10 +52,6 @@ IO = "hidden_states_io"
 ALL_SHARDS = "all"  # the one unit of work of a served extraction (shard names start with "shard-")
 
 
-def extraction_settings(cfg: ProjectConfig) -> ExtractionSettings:
-    return ExtractionSettings(cfg.target, cfg.hidden_states, cfg.base_dir)
-
-
 def _mapping_key(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
@@ -68,7 +68,8 @@ def plan_hidden_state_shards(
     # A remote root stages only what each step writes on the step's own disk: the whole plan is no measure there.
     local = storage.remote is None
     with storage.stage(context.partition_key, "hidden_states") as layout:
-        work = prepare(layout, extraction_settings(project.cfg), log=context.log.info, check_space=local)
+        settings = ExtractionSettings.from_config(project.cfg)
+        work = prepare(layout, settings, log=context.log.info, check_space=local)
     context.log_event(  # in the run and on the asset's page before any GPU step starts
         dg.AssetObservation(
             asset_key="hidden_states",
@@ -89,7 +90,8 @@ def _extract_unit(context: dg.OpExecutionContext, unit: str, project: Project, s
     served = extraction_backend(project.cfg, key)
     names = None if unit == ALL_SHARDS else [unit]
     with storage.stage(key, "hidden_states") as layout, watching(operator_stop(context)):
-        stats = extract(layout, extraction_settings(project.cfg), names, log=context.log.info, served=served)
+        settings = ExtractionSettings.from_config(project.cfg)
+        stats = extract(layout, settings, names, log=context.log.info, served=served)
     return {
         "samples": stats.samples,
         "tokens": stats.tokens,
@@ -191,12 +193,12 @@ def _spot_check_with_pieces(
     is not on this machine fails the check, naming the fix: states nobody recomputed never pass."""
     from ..core.target.pieces import CheckpointError, CheckpointPieces
 
-    settings = extraction_settings(cfg)
+    settings = ExtractionSettings.from_config(cfg)
     sampling = cfg.sampling_for(key)
-    decoding = rules.AnswerDecoding.of(sampling.temperature, sampling.top_k)
+    decoding = AnswerDecoding.of(sampling.temperature, sampling.top_k)
     try:
         pieces = CheckpointPieces.find(settings.model_ref, settings.target.revision)
-        verdict = rules.spot_check_pieces(folder, pieces, ids, decoding, cfg.target.trust_remote_code)
+        verdict = spot_check_pieces(folder, pieces, ids, decoding, cfg.target.trust_remote_code)
     except CheckpointError as e:  # not here, or lacking a tensor the pieces need
         return dg.AssetCheckResult(
             passed=False,
@@ -213,110 +215,144 @@ def _spot_check_with_pieces(
     return check_result(verdict)
 
 
-def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
-    """Blocking: a partition's hidden states flow on to training only when each of these holds."""
+@dataclass(frozen=True)
+class CheckedPartition:
+    """What a hidden_states check reads: the partition's stored outputs, its token rows (the columns the check
+    asks for) and, for the checks that compare with the configuration, the project's config."""
 
-    def folder_and_tokens(storage: Storage, key: str, columns: list[str]):
+    key: str
+    layout: DatasetLayout
+    tokens: pl.LazyFrame
+    cfg: ProjectConfig | None
+
+    @property
+    def folder(self) -> Path:
+        return self.layout.hidden_states_dir
+
+    @property
+    def config(self) -> ProjectConfig:
+        if self.cfg is None:
+            raise ValueError("this check reads the project's config: declare it with needs_project")
+        return self.cfg
+
+
+@dataclass(frozen=True)
+class HiddenStatesCheck:
+    """One blocking check of hidden_states: its name and description, the token columns it reads, and its
+    rule."""
+
+    name: str
+    description: str
+    run: Callable[[CheckedPartition], dg.AssetCheckResult]
+    token_columns: tuple[str, ...] = ("id",)
+    needs_project: bool = False
+    gpu: bool = False
+
+    def evaluate(self, storage: Storage, key: str, cfg: ProjectConfig | None) -> dg.AssetCheckResult:
         layout = storage.checkout(key, "hidden_states")
         if not layout.hidden_states_index.exists() or not layout.tokens.exists():
-            return layout, None, None
-        return layout, layout.hidden_states_dir, pl.scan_parquet(layout.tokens).select(columns)
-
-    @dg.asset_check(
-        asset="hidden_states",
-        blocking=True,
-        partitions_def=partitions,
-        description="Every token row has a sample (or is recorded as too long), and no sample is left over.",
-    )
-    def hidden_states_coverage(
-        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
-    ) -> dg.AssetCheckResult:
-        layout, folder, tokens = folder_and_tokens(storage, context.partition_key, ["id"])
-        if folder is None:
             return MISSING
-        index = pl.read_parquet(layout.hidden_states_index)
-        return check_result(rules.coverage(tokens.collect(), index, skipped_samples(layout)))
+        tokens = pl.scan_parquet(layout.tokens).select(list(self.token_columns))
+        return self.run(CheckedPartition(key, layout, tokens, cfg))
 
-    @dg.asset_check(
-        asset="hidden_states",
-        blocking=True,
-        partitions_def=partitions,
-        description="The input_ids and loss_mask stored with the states are exactly tokens.parquet's.",
-    )
-    def hidden_states_ids_match(
-        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
-    ) -> dg.AssetCheckResult:
-        _, folder, tokens = folder_and_tokens(
-            storage, context.partition_key, ["id", "input_ids", "loss_mask"]
-        )
-        return MISSING if folder is None else check_result(rules.ids_match(folder, tokens))
 
-    @dg.asset_check(
-        asset="hidden_states",
-        blocking=True,
-        partitions_def=partitions,
-        description="No NaN or Inf in any stored state.",
-    )
-    def hidden_states_finite(
-        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
-    ) -> dg.AssetCheckResult:
-        _, folder, _ = folder_and_tokens(storage, context.partition_key, ["id"])
-        return MISSING if folder is None else check_result(rules.finite(folder))
+def _coverage(p: CheckedPartition) -> dg.AssetCheckResult:
+    index = pl.read_parquet(p.layout.hidden_states_index)
+    return check_result(rules.coverage(p.tokens.collect(), index, skipped_samples(p.layout)))
 
-    @dg.asset_check(
-        asset="hidden_states",
-        blocking=True,
-        partitions_def=partitions,
-        description="Every shard names the configured model, revision, tokenizer, layers and dtype, with tensor "
-        "shapes that agree with its samples.",
-    )
-    def hidden_states_consistent(
-        context: dg.AssetCheckExecutionContext,
-        project: dg.ResourceParam[Project],
-        storage: dg.ResourceParam[Storage],
-    ) -> dg.AssetCheckResult:
-        _, folder, _ = folder_and_tokens(storage, context.partition_key, ["id"])
-        if folder is None:
-            return MISSING
-        expected = expected_metadata(extraction_settings(project.cfg))
-        return check_result(rules.consistent(folder, expected))
 
-    @dg.asset_check(
-        asset="hidden_states",
-        blocking=True,
-        partitions_def=partitions,
-        pool="gpu",
-        op_tags=GPU_STEP_TAGS,
-        description="A few samples recomputed by an independent fp32 forward (output_hidden_states, one sample per "
-        "forward, no extraction hooks, packing or server) agree with the stored states: every token ≥ 0.999 cosine "
-        "for fp32 compute; for half-precision compute the median token ≥ 0.999 and every token ≥ 0.99. With "
+def _ids_match(p: CheckedPartition) -> dg.AssetCheckResult:
+    return check_result(rules.ids_match(p.folder, p.tokens))
+
+
+def _finite(p: CheckedPartition) -> dg.AssetCheckResult:
+    return check_result(rules.finite(p.folder))
+
+
+def _consistent(p: CheckedPartition) -> dg.AssetCheckResult:
+    expected = expected_metadata(ExtractionSettings.from_config(p.config))
+    return check_result(rules.consistent(p.folder, expected))
+
+
+def _spot_check(p: CheckedPartition) -> dg.AssetCheckResult:
+    cfg = p.config
+    index = pl.read_parquet(p.layout.hidden_states_index)
+    ids = rules.spot_sample_ids(index, cfg.checks.hidden_states_spot_samples)
+    settings = ExtractionSettings.from_config(cfg)
+    # The whole target only where it already runs in process (engine transformers) and fits: past generation
+    # nothing needs a served target whole here.
+    if cfg.hidden_states.engine == "transformers" and why_target_cannot_run_here(settings) is None:
+        return check_result(rules.spot_check(p.folder, load_target_model(settings), ids))
+    return _spot_check_with_pieces(p.folder, ids, cfg, p.key)
+
+
+HIDDEN_STATES_CHECKS = (
+    HiddenStatesCheck(
+        "hidden_states_coverage",
+        "Every token row has a sample (or is recorded as too long), and no sample is left over.",
+        _coverage,
+    ),
+    HiddenStatesCheck(
+        "hidden_states_ids_match",
+        "The input_ids and loss_mask stored with the states are exactly tokens.parquet's.",
+        _ids_match,
+        token_columns=("id", "input_ids", "loss_mask"),
+    ),
+    HiddenStatesCheck("hidden_states_finite", "No NaN or Inf in any stored state.", _finite),
+    HiddenStatesCheck(
+        "hidden_states_consistent",
+        "Every shard names the configured model, revision, tokenizer, layers and dtype, with tensor shapes that "
+        "agree with its samples.",
+        _consistent,
+        needs_project=True,
+    ),
+    HiddenStatesCheck(
+        "hidden_states_spot_check",
+        "A few samples recomputed by an independent fp32 forward (output_hidden_states, one sample per forward, "
+        "no extraction hooks, packing or server) agree with the stored states: every token ≥ 0.999 cosine for "
+        "fp32 compute; for half-precision compute the median token ≥ 0.999 and every token ≥ 0.99. With "
         "hidden_states.engine vllm (or a target too big for this machine) from pieces of the checkpoint only: the "
         "shallowest aux layer recomputed from the first decoder layers, and the head's argmax over the stored last "
         "states equal to the greedy answer's next tokens. Fails, saying why, where the checkpoint is not here.",
-    )
-    def hidden_states_spot_check(
-        context: dg.AssetCheckExecutionContext,
-        project: dg.ResourceParam[Project],
-        storage: dg.ResourceParam[Storage],
-    ) -> dg.AssetCheckResult:
-        layout, folder, _ = folder_and_tokens(storage, context.partition_key, ["id"])
-        if folder is None:
-            return MISSING
-        cfg = project.cfg
-        ids = rules.spot_sample_ids(
-            pl.read_parquet(layout.hidden_states_index), cfg.checks.hidden_states_spot_samples
-        )
-        settings = extraction_settings(cfg)
-        # The whole target only where it already runs in process (engine transformers) and fits: past generation
-        # nothing needs a served target whole here.
-        if cfg.hidden_states.engine == "transformers" and why_target_cannot_run_here(settings) is None:
-            return check_result(rules.spot_check(folder, load_target_model(settings), ids))
-        return _spot_check_with_pieces(folder, ids, cfg, context.partition_key)
+        _spot_check,
+        needs_project=True,
+        gpu=True,
+    ),
+)
 
-    return [
-        hidden_states_coverage,
-        hidden_states_ids_match,
-        hidden_states_finite,
-        hidden_states_consistent,
-        hidden_states_spot_check,
-    ]
+
+def _asset_check(spec: HiddenStatesCheck, partitions: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:
+    """The Dagster check of one spec: blocking, with the project resource only where the rule reads the
+    config."""
+    options = {
+        "name": spec.name,
+        "asset": "hidden_states",
+        "blocking": True,
+        "partitions_def": partitions,
+        "description": spec.description,
+        **({"pool": "gpu", "op_tags": GPU_STEP_TAGS} if spec.gpu else {}),
+    }
+    if spec.needs_project:
+
+        @dg.asset_check(**options)
+        def configured(
+            context: dg.AssetCheckExecutionContext,
+            project: dg.ResourceParam[Project],
+            storage: dg.ResourceParam[Storage],
+        ) -> dg.AssetCheckResult:
+            return spec.evaluate(storage, context.partition_key, project.cfg)
+
+        return configured
+
+    @dg.asset_check(**options)
+    def stored(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        return spec.evaluate(storage, context.partition_key, None)
+
+    return stored
+
+
+def build_hidden_states_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    """Blocking: a partition's hidden states flow on to training only when each of these holds."""
+    return [_asset_check(spec, partitions) for spec in HIDDEN_STATES_CHECKS]

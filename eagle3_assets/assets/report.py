@@ -35,19 +35,20 @@ def build_report_asset(
         key = context.partition_key
         with storage.stage(key, "validation_report") as layout:
             r = write_report(layout, project.cfg.dataset(key))
-        rate = r["reference_match_rate"]
+        rate = r.reference_match_rate
+        content = {k: v for k, v in r.to_json().items() if k != "generated_at"}
         return dg.MaterializeResult(
-            data_version=dg.DataVersion(content_version({k: v for k, v in r.items() if k != "generated_at"})),
+            data_version=dg.DataVersion(content_version(content)),
             metadata={
                 "summary": dg.MetadataValue.md(render_markdown(r)),
-                "n_prompts": r["n_prompts"],
-                "n_responses": r["n_responses"],
-                "n_failures": r["n_failures"],
-                "completion_tokens": r["completion_tokens"],
-                "budget_used_share": r["budget_used_share"] or 0.0,
-                "cost_usd": r["cost_usd"] if r["cost_usd"] is not None else dg.MetadataValue.null(),
-                "truncated_share": r["truncated_share"],
-                "degenerate_share": r["degenerate_share"],
+                "n_prompts": r.n_prompts,
+                "n_responses": r.n_responses,
+                "n_failures": r.n_failures,
+                "completion_tokens": r.completion_tokens,
+                "budget_used_share": r.budget_used_share or 0.0,
+                "cost_usd": r.cost_usd if r.cost_usd is not None else dg.MetadataValue.null(),
+                "truncated_share": r.truncated_share,
+                "degenerate_share": r.degenerate_share,
                 "reference_match_rate": rate if rate is not None else dg.MetadataValue.null(),
                 "report_json": dg.MetadataValue.path(str(layout.report_json)),
                 "report_md": dg.MetadataValue.path(str(layout.report_md)),

@@ -3,6 +3,7 @@
 its own (`cpu_build.py`)."""
 
 from eagle3_assets.config import ProjectConfig
+from eagle3_assets.core.hidden_states.layer_ids import aux_layer_count
 
 from .extraction import VllmHiddenStates
 from .server import ServeSpec, vllm_layer_ids
@@ -13,8 +14,7 @@ def extraction_backend(cfg: ProjectConfig, partition: str) -> VllmHiddenStates |
     hs = cfg.hidden_states
     if hs.engine != "vllm":
         return None
-    n_aux = len(hs.aux_layers) if hs.aux_layers else 3  # default_aux_layers: three
-    return VllmHiddenStates(hs.vllm, partition, n_aux + 1)
+    return VllmHiddenStates(hs.vllm, partition, aux_layer_count(hs) + 1)
 
 
 __all__ = ["ServeSpec", "VllmHiddenStates", "extraction_backend", "vllm_layer_ids"]

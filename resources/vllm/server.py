@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from eagle3_assets.core.hidden_states.layer_ids import output_hidden_states_ids
+
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
 CONNECTOR_MODULE = "eagle3_hidden_states_connector"
 CONNECTOR_CLASS = "Eagle3HiddenStatesConnector"
@@ -34,7 +36,7 @@ CONNECTOR_CLASS = "Eagle3HiddenStatesConnector"
 
 def vllm_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
     """This project's aux layers (decoder outputs, 0-based) in vLLM's convention, then the last layer (id L)."""
-    return [a + 1 for a in aux_layers] + [num_layers]
+    return [*output_hidden_states_ids(aux_layers), num_layers]
 
 
 @dataclass

@@ -39,9 +39,9 @@ from ..hidden_states.draft_format import (
     VOCAB_MAPPING_FILE,
     DraftShape,
     draft_config,
-    sglang_layer_ids,
     vocab_mapping,
 )
+from ..hidden_states.layer_ids import decoder_output_ids
 
 
 class RMSNorm(nn.Module):
@@ -393,7 +393,7 @@ def save_checkpoint(model: Eagle3Draft, folder: Path, layer_ids: list[int], targ
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     torch.save({"d2t": state["d2t"], "t2d": state["t2d"]}, folder / VOCAB_MAPPING_FILE)
-    for name, ids in (("config.json", list(layer_ids)), (SGLANG_CONFIG, sglang_layer_ids(list(layer_ids)))):
+    for name, ids in (("config.json", list(layer_ids)), (SGLANG_CONFIG, decoder_output_ids(layer_ids))):
         config = draft_config(s, ids, "float32")
         config["eagle3_assets"] = {
             "target": target,

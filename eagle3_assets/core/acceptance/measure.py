@@ -153,9 +153,25 @@ class DraftTarget:
         return cls(config, pieces.embedding().float())
 
 
+@dataclass
+class GreedyDifference:
+    first_difference: int  # the first position where the two outputs differ
+    drafted_tokens: int
+    plain_tokens: int
+
+
+@dataclass
+class GreedyCheck:
+    """Greedy output with the draft against greedy output without it, over a sample of prompts."""
+
+    prompts: int
+    equal: int
+    differences: dict[str, GreedyDifference]  # by sample id, the prompts whose outputs differ
+
+
 def greedy_differences(
     prompts: PromptSet, drafted: Sequence[Sequence[int]], plain: Sequence[Sequence[int]]
-) -> dict[str, Any]:
+) -> GreedyCheck:
     """Where greedy output with the draft differs from greedy output without it (speculative decoding must not
     change a greedy answer): per differing prompt, the first position that differs."""
     bad = {}
@@ -164,5 +180,5 @@ def greedy_differences(
             first = next(
                 (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
             )
-            bad[sid] = {"first_difference": first, "drafted_tokens": len(a), "plain_tokens": len(b)}
-    return {"prompts": len(prompts.ids), "equal": len(prompts.ids) - len(bad), "differences": bad}
+            bad[sid] = GreedyDifference(first, len(a), len(b))
+    return GreedyCheck(len(prompts.ids), len(prompts.ids) - len(bad), bad)

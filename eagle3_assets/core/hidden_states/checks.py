@@ -25,18 +25,7 @@ import pyarrow as pa
 from ..report.validation import Verdict
 from .fp8 import STATE_TENSORS, dequantize, is_fp8, scale_problems, scales_name
 from .shards import finished_shards, input_hash
-from .spot_pieces import (
-    HEAD_GREEDY_SHARE,
-    AnswerDecoding,
-    HeadAgreement,
-    ShallowTarget,
-    answer_positions,
-    head_agreement,
-    spot_check_pieces,
-)
 from .spot_rules import (
-    SPOT_COSINE,
-    SPOT_RULES,
     Agreement,
     SpotRule,
     StoredExtraction,
@@ -44,18 +33,6 @@ from .spot_rules import (
     rules_metadata,
     worst_of,
 )
-
-__all__ = [  # the rules and the served spot check live in their own modules; callers read them here too
-    "HEAD_GREEDY_SHARE",
-    "SPOT_COSINE",
-    "SPOT_RULES",
-    "AnswerDecoding",
-    "HeadAgreement",
-    "ShallowTarget",
-    "answer_positions",
-    "head_agreement",
-    "spot_check_pieces",
-]
 
 # The rules by compute and storage dtype, and why: spot_rules.py.
 FINITE_CHUNK_ROWS = 65_536
@@ -242,7 +219,7 @@ def spot_check(folder: Path, model: Any, sample_ids: list[str]) -> Verdict:
     through the model's own final norm against hidden_states[L]; held to the rule of the dtype the extraction
     computed in and the shards store (`spot_rules`). FP8 shards also compare the stored last state with the last
     decoder layer's own output (a hook of this check's), since the final norm hides a wrong per-token scale."""
-    from .shards import HiddenStatesReader
+    from .reader import HiddenStatesReader
 
     reader = HiddenStatesReader(folder)
     worst = Agreement(1.0, 1.0, 0.0, 0.0)

@@ -116,9 +116,3 @@ def draft_config(s: DraftShape, aux_layer_ids: list[int], dtype: str) -> dict[st
             "use_aux_hidden_state": True,
         },
     }
-
-
-def sglang_layer_ids(output_hidden_states_ids: list[int]) -> list[int]:
-    """The same layers as SGLang reads `eagle_aux_hidden_state_layer_ids` (decoder-layer outputs: it adds one to each
-    id), from `output_hidden_states` indices (vLLM's reading)."""
-    return [i - 1 for i in output_hidden_states_ids]

@@ -18,27 +18,26 @@ from typing import Any
 
 import polars as pl
 
-from ...config import HiddenStatesConfig, TargetConfig
+from ...config import HiddenStatesConfig, ProjectConfig, TargetConfig
 from ..generation.engine import EngineSettings
 from ..generation.protocol import InferenceBackend
 from ..storage.files import write_json
 from ..storage.layout import EXTRACTION_PLAN, HIDDEN_STATES_INDEX, DatasetLayout
 from ..target.loading import pick_device, resolve, shared_model
 from ..target.pieces import local_checkpoint
+from .capture import HiddenStateCapture, packing_is_exact
 from .final_norm import save_final_norm, save_final_norm_from_checkpoint
 from .fp8 import FP8_SCALES, is_fp8
+from .layer_ids import configured_aux_layers
 from .served import extract_served
 from .shards import (
     ExtractionStats,
-    HiddenStateCapture,
     ShardPlan,
     ShardWriter,
     WorkPlan,
     bytes_per_token,
-    default_aux_layers,
     extract_shard,
     load_samples,
-    packing_is_exact,
     plan_work,
     row_budget,
     set_aside_damaged,
@@ -64,6 +63,14 @@ class ExtractionSettings:
     target: TargetConfig = field(default_factory=TargetConfig)
     hidden: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
     base_dir: str = "."
+
+    @classmethod
+    def from_config(cls, cfg: ProjectConfig) -> ExtractionSettings:
+        return cls(cfg.target, cfg.hidden_states, cfg.base_dir)
+
+    def aux_layers(self, num_layers: int) -> list[int]:
+        """The aux layers extracted from a target of `num_layers` decoder layers."""
+        return configured_aux_layers(self.hidden, num_layers)
 
     @property
     def store_dtype(self) -> str:
@@ -104,7 +111,7 @@ def expected_metadata(settings: ExtractionSettings, num_layers: int | None = Non
     """What every shard of this configuration must say about itself (the hidden_states checks compare)."""
     if num_layers is None:
         num_layers = model_config(settings)["num_layers"]
-    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
+    aux = settings.aux_layers(num_layers)
     t = settings.target
     return {
         "model": t.model,
@@ -226,7 +233,7 @@ def extract(
     device = pick_device(settings.hidden.device)
     model = load_target_model(settings)
     num_layers = model.config.get_text_config().num_hidden_layers
-    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
+    aux = settings.aux_layers(num_layers)
     capture = HiddenStateCapture(model, aux)
     attn = getattr(model.config, "_attn_implementation", None)
     row_tokens = row_budget(device, attn, settings.hidden.max_tokens_per_batch)
@@ -282,7 +289,7 @@ def _extract_served(
     folder = layout.hidden_states_dir
     sizes = model_config(settings)
     num_layers = sizes["num_layers"]
-    aux = list(settings.hidden.aux_layers) if settings.hidden.aux_layers else default_aux_layers(num_layers)
+    aux = settings.aux_layers(num_layers)
     cfg = settings.hidden.vllm
     metadata = {
         **expected_metadata(settings, num_layers),

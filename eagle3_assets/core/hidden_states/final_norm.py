@@ -4,6 +4,7 @@ want post-norm states apply it without loading the model."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,31 @@ def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str 
         lambda tmp: save_file({"weight": weight}, str(tmp), metadata={"kind": kind, "eps": str(eps)}),
     )
     return True
+
+
+def load_final_norm(folder: Path) -> Callable[[Any], Any]:
+    """The final norm saved beside the shards, as a function over last states (post-norm exports apply it)."""
+    from safetensors import safe_open
+
+    path = folder / FINAL_NORM
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing; re-materialise hidden_states (it is written with the shards)"
+        )
+    with safe_open(str(path), framework="pt") as f:
+        weight = f.get_tensor("weight")
+        meta = f.metadata() or {}
+    eps = float(meta.get("eps", 1e-6))
+    if "rms" not in meta.get("kind", "RMSNorm").lower():
+        raise ValueError(
+            f"final norm {meta.get('kind')} is not an RMSNorm; post-norm export is not supported"
+        )
+
+    def rms_norm(x: Any) -> Any:
+        import torch
+
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight * h).to(x.dtype)
+
+    return rms_norm

@@ -1,7 +1,10 @@
-"""Random access to one sample's stored states, dequantized where the shards hold FP8."""
+"""Reading a hidden_states folder: what its shards say they hold, and random access to one sample's stored
+states (dequantized where the shards hold FP8)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +13,44 @@ import polars as pl
 
 from ..storage.layout import HIDDEN_STATES_INDEX
 from .fp8 import STATE_TENSORS, dequantize, scales_name
+from .layer_ids import output_hidden_states_ids
+
+
+@dataclass(frozen=True)
+class StoredStates:
+    """What the shards of a hidden_states folder say about themselves (every shard of a folder says the same,
+    which the consistency check enforces): the target they came from, its layers, the dtype they are stored
+    in.
+    """
+
+    model: str | None
+    revision: str | None
+    tokenizer: str | None
+    num_layers: int
+    aux_layers: list[int]  # outputs of decoder layers, 0-based
+    dtype: str
+
+    @property
+    def output_hidden_states_ids(self) -> list[int]:
+        """The aux layers as vLLM and speculators count them (what a draft served by vLLM reads)."""
+        return output_hidden_states_ids(self.aux_layers)
+
+    @classmethod
+    def read(cls, folder: Path) -> StoredStates:
+        from .shards import finished_shards
+
+        metas = list(finished_shards(folder).values())
+        if not metas:
+            raise FileNotFoundError(f"no hidden-state shards in {folder}")
+        meta = metas[0]
+        return cls(
+            model=meta.get("model"),
+            revision=meta.get("revision") or None,
+            tokenizer=meta.get("tokenizer"),
+            num_layers=int(meta["num_layers"]),
+            aux_layers=json.loads(meta["aux_layers"]),
+            dtype=str(meta.get("dtype", "")),
+        )
 
 
 class HiddenStatesReader:

@@ -38,15 +38,8 @@ from ..storage.quarantine import (
     safetensors_problem,
     sweep_parquet,
 )
-from .capture import HiddenStateCapture, packing_is_exact
+from .capture import HiddenStateCapture
 from .fp8 import STATE_TENSORS, is_fp8, payload_bytes_per_token, quantize_layers, scales_name
-from .reader import HiddenStatesReader
-
-__all__ = [
-    "HiddenStateCapture",
-    "HiddenStatesReader",
-    "packing_is_exact",
-]  # imported from here too (README, bench)
 
 FORMAT = "eagle3-assets/hidden-states/v1"
 INDEX_SCHEMA = {
@@ -62,12 +55,6 @@ SDPA_ROW_TOKENS = {
     "cpu": 1024,
     "cuda": 4096,
 }  # dense block-diagonal masks grow as T²; flash-attn needs no cap
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """Outputs of decoder layers [1, L//2-1, L-4] (SpecForge and Model-Optimizer; speculators' [2, L//2, L-3]
-    counted as layer inputs are the same tensors)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 def input_hash(ids: Sequence[int] | np.ndarray) -> str:

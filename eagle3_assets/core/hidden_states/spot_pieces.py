@@ -147,7 +147,7 @@ def spot_check_pieces(
     argmax must name the greedy answer's next tokens (`HeadAgreement`). A layer off by one or states shifted by a
     position fail either part. The deeper aux layers would need most of the target: they are not recomputed, and
     the metadata says so."""
-    from .shards import HiddenStatesReader
+    from .reader import HiddenStatesReader
 
     reader = HiddenStatesReader(folder)
     made = {sid: StoredExtraction.of(folder, reader._where[sid][0]) for sid in sample_ids}

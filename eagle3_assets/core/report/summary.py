@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,39 @@ from ..storage.files import write_json, write_text
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import parquet_problem, quarantined
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
+from .dataset_report import (
+    DamagedFile,
+    DuplicateIds,
+    HistogramBin,
+    OutputPaths,
+    TurnCounts,
+    ValidationReport,
+)
 
 HIST_BINS = 12
 ANSWER_FEATURE_NAMES = ["answer_empty", "answer_degenerate", "answer_has_reasoning"]
+RESPONSE_COLUMNS = [
+    "id",
+    "backend",
+    "model",
+    "provider",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "cost_usd",
+    "source",
+]
+TOKEN_COLUMNS = [
+    "id",
+    "n_tokens",
+    "n_loss_tokens",
+    "reference_match",
+    "match_explained",
+    "mismatch",
+    "ids_source",
+    "finish_reason",
+    *ANSWER_FEATURE_NAMES,
+]
 BAR = "█"
 
 
@@ -46,26 +78,24 @@ def percentiles(values: np.ndarray) -> dict[str, float]:
     return {k: float(np.percentile(values, q)) for k, q in qs.items()} | {"mean": float(values.mean())}
 
 
-def histogram(values: np.ndarray, bins: int = HIST_BINS) -> list[dict[str, float]]:
+def histogram(values: np.ndarray, bins: int = HIST_BINS) -> list[HistogramBin]:
     if values.size == 0:
         return []
     lo, hi = float(values.min()), float(values.max())
     edges = np.linspace(lo, hi if hi > lo else lo + 1, bins + 1)
     counts, _ = np.histogram(values, bins=edges)
-    return [
-        {"from": float(edges[i]), "to": float(edges[i + 1]), "count": int(c)} for i, c in enumerate(counts)
-    ]
+    return [HistogramBin(float(edges[i]), float(edges[i + 1]), int(c)) for i, c in enumerate(counts)]
 
 
-def bar_chart(hist: list[dict[str, float]], width: int = 40) -> str:
+def bar_chart(hist: list[HistogramBin], width: int = 40) -> str:
     if not hist:
         return "(no data)"
-    top = max(h["count"] for h in hist) or 1
+    top = max(h.count for h in hist) or 1
     lines = []
     for h in hist:
-        n = round(width * h["count"] / top)
-        bar = BAR * n if n or not h["count"] else "▏"
-        lines.append(f"{h['from']:>8,.0f}-{h['to']:<8,.0f} {bar} {h['count']}")
+        n = round(width * h.count / top)
+        bar = BAR * n if n or not h.count else "▏"
+        lines.append(f"{h.start:>8,.0f}-{h.end:<8,.0f} {bar} {h.count}")
     return "\n".join(lines)
 
 
@@ -92,151 +122,170 @@ def _read(path: Path, columns: list[str] | None = None) -> pl.DataFrame | None:
     return df.with_columns(pl.lit(None).alias(c) for c in columns if c not in have)
 
 
-def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> dict[str, Any]:
-    budget_tokens, budget_usd = dataset.budget_tokens, dataset.budget_usd
-    prompts = _read(layout.prompts, ["id"])
-    quarantine = _read(layout.quarantine, ["reason"])
-    # Small columns only: the answers' text was read once, when each row was tokenized (its features are in the
-    # token rows and the error rows), so a top-up's report does not read every answer again.
-    responses_all = (
-        JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
-        .scan(
-            [
-                "id",
-                "backend",
-                "model",
-                "provider",
-                "finish_reason",
-                "prompt_tokens",
-                "completion_tokens",
-                "cost_usd",
-                "source",
-            ]
-        )
-        .collect()
-    )
-    failures = JournalTable(layout.failures_dir, FAILURE_SCHEMA).read(keep="last")
-    tokens = _read(
-        layout.tokens,
-        [
-            "id",
-            "n_tokens",
-            "n_loss_tokens",
-            "reference_match",
-            "match_explained",
-            "mismatch",
-            "ids_source",
-            "finish_reason",
-            *ANSWER_FEATURE_NAMES,
-        ],
-    )
-    tokens_errors = _read(layout.tokens_errors, ["reason", *ANSWER_FEATURE_NAMES])
+@dataclass(frozen=True)
+class StoredTables:
+    """The stage outputs the report reads: small columns only (the answers' text was read once, when each row
+    was tokenized: its features are in the token rows and the error rows), so a top-up's report does not
+    read every answer again."""
 
-    responses = responses_all.unique(subset=["id"], keep="first", maintain_order=True)
-    n_prompts = prompts.height if prompts is not None else 0
+    prompts: pl.DataFrame | None
+    quarantine: pl.DataFrame | None
+    responses_all: pl.DataFrame  # every response row, duplicates included
+    failures: pl.DataFrame
+    tokens: pl.DataFrame | None
+    tokens_errors: pl.DataFrame | None
+
+    @classmethod
+    def read(cls, layout: DatasetLayout) -> StoredTables:
+        responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).scan(RESPONSE_COLUMNS).collect()
+        return cls(
+            prompts=_read(layout.prompts, ["id"]),
+            quarantine=_read(layout.quarantine, ["reason"]),
+            responses_all=responses,
+            failures=JournalTable(layout.failures_dir, FAILURE_SCHEMA).read(keep="last"),
+            tokens=_read(layout.tokens, TOKEN_COLUMNS),
+            tokens_errors=_read(layout.tokens_errors, ["reason", *ANSWER_FEATURE_NAMES]),
+        )
+
+    @property
+    def responses(self) -> pl.DataFrame:
+        """One row per id (the first stored)."""
+        return self.responses_all.unique(subset=["id"], keep="first", maintain_order=True)
+
+
+@dataclass(frozen=True)
+class AnswerFeatures:
+    """How many answers are empty, degenerate or carry reasoning (text features the tokens stage records)."""
+
+    empty: int = 0
+    degenerate: int = 0
+    with_reasoning: int = 0
+
+    @classmethod
+    def of(cls, tables: StoredTables) -> AnswerFeatures:
+        parts = [
+            t.select(ANSWER_FEATURE_NAMES) for t in (tables.tokens, tables.tokens_errors) if t is not None
+        ]
+        parts = [t for t in parts if t.height]
+        if not parts:
+            return cls()
+        features = pl.concat(parts, how="vertical_relaxed")
+        count = lambda name: int(features[name].fill_null(False).sum())  # noqa: E731
+        return cls(count("answer_empty"), count("answer_degenerate"), count("answer_has_reasoning"))
+
+
+@dataclass
+class TokenFigures:
+    """What the token rows say: lengths, trained tokens, and how many match the ids the generator produced."""
+
+    token_lengths: dict[str, float] = field(default_factory=dict)
+    histogram: list[HistogramBin] = field(default_factory=list)
+    loss_tokens: int | None = None
+    n_reference: int = 0
+    reference_match_rate: float | None = None
+    excluding_truncation_tails: float | None = None
+    finished_rate: float | None = None
+    n_finished: int | None = None
+    mismatch_kinds: dict[str, int] = field(default_factory=dict)
+    ids_source: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tokens: pl.DataFrame | None) -> TokenFigures:
+        if tokens is None or not tokens.height:
+            return cls()
+        lengths = tokens["n_tokens"].to_numpy()
+        out = cls(
+            token_lengths=percentiles(lengths),
+            histogram=histogram(lengths),
+            loss_tokens=int(tokens["n_loss_tokens"].sum()),
+            mismatch_kinds=dict(Counter(m for m in tokens["mismatch"].to_list() if m).most_common()),
+            ids_source=dict(Counter(tokens["ids_source"].to_list()).most_common()),
+        )
+        with_ref = tokens.filter(pl.col("reference_match").is_not_null())
+        out.n_reference = with_ref.height
+        if with_ref.height:
+            out.reference_match_rate = float(with_ref["reference_match"].mean())
+            out.excluding_truncation_tails = float(with_ref["match_explained"].mean())
+            finished = with_ref.filter(pl.col("finish_reason") == "stop")
+            out.finished_rate = float(finished["reference_match"].mean()) if finished.height else None
+            out.n_finished = finished.height
+        return out
+
+
+def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationReport:
+    tables = StoredTables.read(layout)
+    responses, failures, tokens = tables.responses, tables.failures, tables.tokens
+    n_prompts = tables.prompts.height if tables.prompts is not None else 0
     finish = Counter(responses["finish_reason"].fill_null("unknown").to_list())
     n_resp = responses.height
-    features = (
-        pl.concat(
-            [t.select(ANSWER_FEATURE_NAMES) for t in (tokens, tokens_errors) if t is not None and t.height],
-            how="vertical_relaxed",
-        )
-        if any(t is not None and t.height for t in (tokens, tokens_errors))
-        else None
-    )
-    count = lambda name: int(features[name].fill_null(False).sum()) if features is not None else 0  # noqa: E731
-    empty, degenerate, with_reasoning = (
-        count("answer_empty"),
-        count("answer_degenerate"),
-        count("answer_has_reasoning"),
-    )
-    turns = _turn_counts(layout, responses["id"].to_list()) if dataset.turns == "all" else None
-    if turns is not None:
-        # Answered up to a turn the template refuses: the rest is recorded (failures, kind template_rest) and not
-        # counted as failed requests by the failure-share check.
-        turns["conversations_cut_by_template"] = int((failures["error_kind"] == TEMPLATE_REST).sum())
+    answers = AnswerFeatures.of(tables)
+    turns = _turn_counts(layout, responses["id"].to_list(), failures) if dataset.turns == "all" else None
     completion_tokens = int(responses["completion_tokens"].fill_null(0).sum())
     costs = responses["cost_usd"].drop_nulls()
-    cost = float(costs.sum()) if costs.len() else None
-
-    report: dict[str, Any] = {
-        "dataset": layout.key,
-        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "n_prompts": n_prompts,
-        "n_quarantined": quarantine.height if quarantine is not None else 0,
-        "n_responses": n_resp,
-        "n_failures": failures.height,
-        "failure_kinds": dict(Counter(failures["error_kind"].to_list()).most_common()),
-        # turns: all: answered turns over the conversations' turns (a response row is a turn)
-        "coverage": (n_resp / turns["total"] if turns["total"] else 0.0)
-        if turns
-        else (n_resp / n_prompts if n_prompts else 0.0),
-        "turns": turns,
-        "budget_tokens": budget_tokens,
-        "budget_usd": budget_usd,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens": int(responses["prompt_tokens"].fill_null(0).sum()),
-        "budget_used_share": completion_tokens / budget_tokens if budget_tokens else None,
-        "cost_usd": cost,
-        "backends": dict(Counter(responses["backend"].to_list()).most_common()),
-        "models": dict(Counter(responses["model"].to_list()).most_common()),
-        "providers": dict(Counter(p for p in responses["provider"].to_list() if p).most_common()),
-        "sources": dict(Counter(responses["source"].fill_null("generated").to_list()).most_common()),
-        "finish_reasons": dict(finish.most_common()),
-        "truncated_share": finish.get("length", 0) / n_resp if n_resp else 0.0,
-        "empty_answers": empty,
-        "degenerate_answers": degenerate,
-        "degenerate_share": degenerate / n_resp if n_resp else 0.0,
-        "reasoning_share": with_reasoning / n_resp if n_resp else 0.0,
-        "responses_with_output_ids": int(tokens["reference_match"].is_not_null().sum())
+    tok = TokenFigures.of(tokens)
+    return ValidationReport(
+        dataset=layout.key,
+        generated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        n_prompts=n_prompts,
+        n_quarantined=tables.quarantine.height if tables.quarantine is not None else 0,
+        n_responses=n_resp,
+        n_failures=failures.height,
+        failure_kinds=dict(Counter(failures["error_kind"].to_list()).most_common()),
+        coverage=_share(n_resp, turns.total if turns else n_prompts),
+        turns=turns,
+        budget_tokens=dataset.budget_tokens,
+        budget_usd=dataset.budget_usd,
+        completion_tokens=completion_tokens,
+        prompt_tokens=int(responses["prompt_tokens"].fill_null(0).sum()),
+        budget_used_share=completion_tokens / dataset.budget_tokens if dataset.budget_tokens else None,
+        cost_usd=float(costs.sum()) if costs.len() else None,
+        backends=_counts(responses["backend"].to_list()),
+        models=_counts(responses["model"].to_list()),
+        providers=_counts(p for p in responses["provider"].to_list() if p),
+        sources=_counts(responses["source"].fill_null("generated").to_list()),
+        finish_reasons=dict(finish.most_common()),
+        truncated_share=_share(finish.get("length", 0), n_resp),
+        empty_answers=answers.empty,
+        degenerate_answers=answers.degenerate,
+        degenerate_share=_share(answers.degenerate, n_resp),
+        reasoning_share=_share(answers.with_reasoning, n_resp),
+        responses_with_output_ids=int(tokens["reference_match"].is_not_null().sum())
         if tokens is not None
         else 0,
-        "duplicate_ids": {
-            "responses_files": responses_all.height - n_resp,
-            "tokens": (tokens.height - tokens["id"].n_unique()) if tokens is not None else 0,
-        },
-        "n_tokens_rows": tokens.height if tokens is not None else 0,
-        "n_tokens_errors": tokens_errors.height if tokens_errors is not None else 0,
-        "reference_match_rate": None,
-        "n_reference": 0,
-        "mismatch_kinds": {},
-        "token_lengths": {},
-        "token_length_histogram": [],
-        "completion_token_lengths": percentiles(responses["completion_tokens"].drop_nulls().to_numpy()),
-        # Files a stage found damaged and set aside (quarantine/<stage>/), each with where it was and why.
-        "damaged_files": [
-            {"path": q.path, "stage": q.stage, "reason": q.reason, "rows": q.rows, "moved_to": q.moved_to}
-            for q in quarantined(layout.dir)
+        duplicate_ids=DuplicateIds(
+            responses_files=tables.responses_all.height - n_resp,
+            tokens=(tokens.height - tokens["id"].n_unique()) if tokens is not None else 0,
+        ),
+        n_tokens_rows=tokens.height if tokens is not None else 0,
+        n_tokens_errors=tables.tokens_errors.height if tables.tokens_errors is not None else 0,
+        reference_match_rate=tok.reference_match_rate,
+        n_reference=tok.n_reference,
+        mismatch_kinds=tok.mismatch_kinds,
+        token_lengths=tok.token_lengths,
+        token_length_histogram=tok.histogram,
+        completion_token_lengths=percentiles(responses["completion_tokens"].drop_nulls().to_numpy()),
+        damaged_files=[
+            DamagedFile(q.path, q.stage, q.reason, q.rows, q.moved_to) for q in quarantined(layout.dir)
         ],
-        "outputs": {
-            "dir": str(layout.dir),
-            "tokens": str(layout.tokens),
-            "responses": str(layout.responses_dir),
-        },
-    }
-    if tokens is not None and tokens.height:
-        lengths = tokens["n_tokens"].to_numpy()
-        report["token_lengths"] = percentiles(lengths)
-        report["token_length_histogram"] = histogram(lengths)
-        report["loss_tokens"] = int(tokens["n_loss_tokens"].sum())
-        with_ref = tokens.filter(pl.col("reference_match").is_not_null())
-        report["n_reference"] = with_ref.height
-        if with_ref.height:
-            report["reference_match_rate"] = float(with_ref["reference_match"].mean())
-            report["reference_match_rate_excluding_truncation_tails"] = float(
-                with_ref["match_explained"].mean()
-            )
-            finished = with_ref.filter(pl.col("finish_reason") == "stop")
-            report["reference_match_rate_finished"] = (
-                float(finished["reference_match"].mean()) if finished.height else None
-            )
-            report["n_reference_finished"] = finished.height
-        report["mismatch_kinds"] = dict(Counter(m for m in tokens["mismatch"].to_list() if m).most_common())
-        report["ids_source"] = dict(Counter(tokens["ids_source"].to_list()).most_common())
-    return report
+        outputs=OutputPaths(str(layout.dir), str(layout.tokens), str(layout.responses_dir)),
+        loss_tokens=tok.loss_tokens,
+        reference_match_rate_excluding_truncation_tails=tok.excluding_truncation_tails,
+        reference_match_rate_finished=tok.finished_rate,
+        n_reference_finished=tok.n_finished,
+        ids_source=tok.ids_source,
+    )
 
 
-def _turn_counts(layout: DatasetLayout, response_ids: list[str]) -> dict[str, int]:
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def _counts(values: Iterable[Any]) -> dict[Any, int]:
+    """Value -> count, the most frequent first (as report.json lists them)."""
+    return dict(Counter(values).most_common())
+
+
+def _turn_counts(layout: DatasetLayout, response_ids: list[str], failures: pl.DataFrame) -> TurnCounts:
     """turns: all: how many turns the conversations have, how many are answered, in how many conversations."""
     prompts = _read(layout.prompts, ["id", "messages"])
     n_slots = (
@@ -248,98 +297,104 @@ def _turn_counts(layout: DatasetLayout, response_ids: list[str]) -> dict[str, in
         else {}
     )
     per_conv: Counter = Counter(p[0] for rid in response_ids if (p := split_turn_id(rid)) and p[0] in n_slots)
-    return {
-        "total": sum(n_slots.values()),
-        "answered": sum(per_conv.values()),
-        "conversations_answered": len(per_conv),
-        "conversations_complete": sum(1 for c, n in per_conv.items() if n >= n_slots[c]),
-    }
+    return TurnCounts(
+        total=sum(n_slots.values()),
+        answered=sum(per_conv.values()),
+        conversations_answered=len(per_conv),
+        conversations_complete=sum(1 for c, n in per_conv.items() if n >= n_slots[c]),
+        conversations_cut_by_template=int((failures["error_kind"] == TEMPLATE_REST).sum()),
+    )
 
 
-def render_markdown(r: dict[str, Any]) -> str:
-    rate = r["reference_match_rate"]
-    rate_text = f"{100 * rate:.2f}% of {r['n_reference']}" if rate is not None else "n/a (no reference ids)"
-    if rate is not None:
-        fin = r.get("reference_match_rate_finished")
-        rate_text += (
-            f"; finished answers {100 * fin:.2f}% of {r['n_reference_finished']}" if fin is not None else ""
-        )
-        rate_text += (
-            f"; excluding truncation tails {100 * r['reference_match_rate_excluding_truncation_tails']:.2f}%"
-        )
-    cost = f"${r['cost_usd']:,.4f}" if r["cost_usd"] is not None else "n/a"
-    budget_share = r["budget_used_share"]
+def render_markdown(r: ValidationReport) -> str:
     lines = [
-        f"# Dataset {r['dataset']}",
+        f"# Dataset {r.dataset}",
         "",
         "| measure | value |",
         "| --- | --- |",
-        f"| prompts | {r['n_prompts']:,} ({r['n_quarantined']} quarantined source rows) |",
-        f"| responses | {r['n_responses']:,} ({100 * r['coverage']:.1f}% of "
-        + ("turns" if r.get("turns") else "prompts")
-        + ") |",
-        *(
-            [
-                f"| turns (every assistant turn regenerated) | {t['answered']:,} of {t['total']:,} answered, in "
-                f"{t['conversations_answered']:,} conversations ({t['conversations_complete']:,} complete"
-                + (
-                    f"; {cut:,} cut at a turn the template refuses"
-                    if (cut := t.get("conversations_cut_by_template"))
-                    else ""
-                )
-                + ") |"
-            ]
-            if (t := r.get("turns"))
-            else []
-        ),
-        f"| failures | {r['n_failures']:,} {r['failure_kinds'] or ''} |",
-        f"| completion tokens | {r['completion_tokens']:,} of budget {r['budget_tokens']:,}"
-        + (f" ({100 * budget_share:.2f}%)" if budget_share is not None else "")
-        + " |",
-        f"| cost | {cost} |",
-        f"| truncated (finish=length) | {100 * r['truncated_share']:.1f}% |",
-        f"| empty / degenerate answers | {r['empty_answers']} / {r['degenerate_answers']} |",
-        f"| with reasoning | {100 * r['reasoning_share']:.1f}% |",
-        f"| token rows / errors | {r['n_tokens_rows']:,} / {r['n_tokens_errors']} |",
-        f"| reference match | {rate_text} |",
-        f"| duplicate ids | {r['duplicate_ids']} |",
-        f"| damaged files set aside | {len(r.get('damaged_files') or [])} |",
+        *_measure_rows(r),
         "",
         "## Token lengths (prompt + answer)",
         "",
         "```",
-        bar_chart(r["token_length_histogram"]),
+        bar_chart(r.token_length_histogram),
         "```",
         "",
-        "percentiles: " + ", ".join(f"{k} {v:,.0f}" for k, v in r["token_lengths"].items()),
+        "percentiles: " + ", ".join(f"{k} {v:,.0f}" for k, v in r.token_lengths.items()),
         "",
         "## Finish reasons",
         "",
         "```",
-        share_chart(r["finish_reasons"]),
+        share_chart(r.finish_reasons),
         "```",
         "",
         "## Backends",
         "",
         "```",
-        share_chart(r["backends"]),
+        share_chart(r.backends),
         "```",
     ]
-    if r["mismatch_kinds"]:
-        lines += ["", "## Reference mismatches", "", "```", share_chart(r["mismatch_kinds"]), "```"]
-    if r.get("damaged_files"):
+    if r.mismatch_kinds:
+        lines += ["", "## Reference mismatches", "", "```", share_chart(r.mismatch_kinds), "```"]
+    if r.damaged_files:
         lines += ["", "## Damaged files set aside", "", "| file | stage | reason | rows held | now at |"]
         lines += ["| --- | --- | --- | --- | --- |"]
         lines += [
-            f"| {d['path']} | {d['stage']} | {d['reason']} | {d['rows'] if d['rows'] is not None else '?'} "
-            f"| {d['moved_to']} |"
-            for d in r["damaged_files"]
+            f"| {d.path} | {d.stage} | {d.reason} | {d.rows if d.rows is not None else '?'} | {d.moved_to} |"
+            for d in r.damaged_files
         ]
     return "\n".join(lines) + "\n"
 
 
-def write_report(layout: DatasetLayout, dataset: DatasetConfig) -> dict[str, Any]:
+def _measure_rows(r: ValidationReport) -> list[str]:
+    """The rows of the report's table of measures."""
+    cost = f"${r.cost_usd:,.4f}" if r.cost_usd is not None else "n/a"
+    share = r.budget_used_share
+    return [
+        f"| prompts | {r.n_prompts:,} ({r.n_quarantined} quarantined source rows) |",
+        f"| responses | {r.n_responses:,} ({100 * r.coverage:.1f}% of "
+        + ("turns" if r.turns else "prompts")
+        + ") |",
+        *([_turns_row(r.turns)] if r.turns else []),
+        f"| failures | {r.n_failures:,} {r.failure_kinds or ''} |",
+        f"| completion tokens | {r.completion_tokens:,} of budget {r.budget_tokens:,}"
+        + (f" ({100 * share:.2f}%)" if share is not None else "")
+        + " |",
+        f"| cost | {cost} |",
+        f"| truncated (finish=length) | {100 * r.truncated_share:.1f}% |",
+        f"| empty / degenerate answers | {r.empty_answers} / {r.degenerate_answers} |",
+        f"| with reasoning | {100 * r.reasoning_share:.1f}% |",
+        f"| token rows / errors | {r.n_tokens_rows:,} / {r.n_tokens_errors} |",
+        f"| reference match | {_reference_text(r)} |",
+        f"| duplicate ids | {asdict(r.duplicate_ids)} |",
+        f"| damaged files set aside | {len(r.damaged_files)} |",
+    ]
+
+
+def _turns_row(t: TurnCounts) -> str:
+    cut = t.conversations_cut_by_template
+    return (
+        f"| turns (every assistant turn regenerated) | {t.answered:,} of {t.total:,} answered, in "
+        f"{t.conversations_answered:,} conversations ({t.conversations_complete:,} complete"
+        + (f"; {cut:,} cut at a turn the template refuses" if cut else "")
+        + ") |"
+    )
+
+
+def _reference_text(r: ValidationReport) -> str:
+    rate = r.reference_match_rate
+    if rate is None:
+        return "n/a (no reference ids)"
+    text = f"{100 * rate:.2f}% of {r.n_reference}"
+    fin = r.reference_match_rate_finished
+    text += f"; finished answers {100 * fin:.2f}% of {r.n_reference_finished}" if fin is not None else ""
+    return (
+        text + f"; excluding truncation tails {100 * r.reference_match_rate_excluding_truncation_tails:.2f}%"
+    )
+
+
+def write_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationReport:
     report = build_report(layout, dataset)
-    write_json(report, layout.report_json)
+    write_json(report.to_json(), layout.report_json)
     write_text(render_markdown(report), layout.report_md)
     return report

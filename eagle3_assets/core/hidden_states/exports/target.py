@@ -27,7 +27,7 @@ def read_target(ref: str, revision: str | None = None, trust_remote_code: bool =
     """The target's config and head weight names (from its weight index or safetensors header, where local)."""
     from transformers import AutoConfig
 
-    from ..target.loading import resolve
+    from ...target.loading import resolve
 
     path = resolve(ref)
     cfg = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
