@@ -18,7 +18,8 @@ import httptools
 import pytest
 
 from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError
-from resources.inference.streaming import StreamClient, _Events, _Response
+from resources.inference.sse import EventBatches, Response
+from resources.inference.streaming import StreamClient
 
 
 def sse(*events: dict | str) -> bytes:
@@ -114,9 +115,9 @@ def decode_in_pieces(
     does at each pump tick (the C parser fed the piece, the payload it has undone handed to the event
     decoder), and whether the stream said `[DONE]`."""
     seen: list[dict] = []
-    r = _Response(lambda: None)
+    r = Response(lambda: None)
     parser = httptools.HttpResponseParser(r)
-    events = _Events(r.headers, lambda batch, _headers: seen.extend(batch), secrets)
+    events = EventBatches(r.headers, lambda batch, _headers: seen.extend(batch), secrets)
     for a, b in itertools.pairwise([0, *ends, len(response)]):
         parser.feed_data(response[a:b])
         payload = r.take()
