@@ -2,9 +2,10 @@
 a router, 5xx and resets beside them) leave the window near the ceiling, while a real in-flight cap and a real
 request-rate bucket still pull it to the limit.
 
-The control law is driven on a fake clock by a small event simulation of the engine (due retries first, then new
-prompts, while the window has room) against a simulated provider; one test runs the real engine against the loopback
-provider. Every assertion is on behaviour (the window, what was in flight, what was refused), none on elapsed time.
+The control law is driven on a fake clock by a small event simulation of the engine (due retries first, then
+new prompts, while the window has room) against a simulated provider; one test runs the real engine on the
+virtual clock of `test_limits` (`run_virtual`). Every assertion is on behaviour (the window, what was in
+flight, what was refused), none on elapsed time.
 """
 
 from __future__ import annotations
@@ -161,11 +162,12 @@ def mixed_script(prompts: int, share: float, seed: int = 1) -> dict[int, list[st
     [
         # 12% of attempts refused whatever the load. Answers as fast as the refusals (0.1 s): 3,000 dispatches a
         # second at a 300 ceiling, more than two blocks of the background in one refusal's round trip. Blocks
-        # closed a block later read as nearly empty, and every refusal cluster as a storm: 7 cuts, 47-72 in flight.
+        # closed a block later would read as nearly empty, and every refusal cluster as a storm (7 cuts, 47-72
+        # in flight).
         ("12% noise", Provider(noise=0.12), 0.1),
-        # The mixed fault mix on the first attempts of 40% of the prompts (retries refused again, so refusals bunch
-        # where retries come due). The window fell to 1 here: each false alarm also took its refusals out of the
-        # background, which sank until any refusal looked like a storm, and cuts deepened to half.
+        # The mixed fault mix on the first attempts of 40% of the prompts (retries refused again, so refusals
+        # bunch where retries come due). A background that loses each false alarm's refusals sinks until any
+        # refusal looks like a storm, cuts deepen to half, and the window falls to 1 here.
         ("mixed faults", Provider(script=mixed_script(6000, 0.4)), 0.1),
     ],
 )
@@ -222,8 +224,8 @@ def test_a_cap_behind_load_independent_noise_is_still_found():
     run = simulate(Provider(cap=cap, noise=0.12), prompts=20_000, ceiling=2000)
     assert run.answered == 20_000
     mid = run.windows_between(0.3 * run.end, 0.8 * run.end)
-    # Ridden: near the cap on average, never far above it, and not collapsed (the old background, drained by every
-    # storm's cut of the noise's refusals with it, left 1-18 in flight here).
+    # Ridden: near the cap on average, never far above it, and not collapsed (a background drained of the
+    # noise's refusals with every storm's cut leaves 1-18 in flight here).
     assert 0.85 * cap <= sum(mid) / len(mid) and min(mid) >= 0.5 * cap and max(mid) <= 1.3 * cap, (
         min(mid),
         max(mid),
@@ -232,32 +234,22 @@ def test_a_cap_behind_load_independent_noise_is_still_found():
 
 
 # -- through the engine -------------------------------------------------------------------------------------------
-@pytest.fixture
-def key_env(monkeypatch):
-    from .support.engine_runs import KEY, KEY_ENV
-
-    monkeypatch.setenv(KEY_ENV, KEY)
-
-
-def test_the_engine_keeps_its_window_against_a_provider_whose_refusals_do_not_depend_on_load(
-    tmp_path, chat, key_env
-):
-    """Through the real engine and HTTP: 40% of 3,000 prompts get one to three faults on their first attempts (429
-    with and without Retry-After, 503, 5xx, resets, errors in 200 bodies, malformed answers), answers take 0.1 s,
-    and nothing limits the load. The window fell to 1-3 in flight here (the run took 27-277 s, 1.8 s without the
-    faults); now it stays near its 300 ceiling once it got there."""
-    from .support.engine_runs import assert_all_answered, dataset, drive
-    from .support.fake_servers import FakeOpenRouter, scripted_fault_prompts
+def test_the_engine_keeps_its_window_against_a_provider_whose_refusals_do_not_depend_on_load():
+    """Through the real engine: 40% of 3,000 prompts get one to three faults on their first attempts (429 with
+    and without Retry-After, 503, 5xx, resets, errors in 200 bodies, malformed answers), answers take 0.1 s
+    (faults too, as `FakeOpenRouter(latency=0.1)` gives them), and nothing limits the load. A window that
+    reads such refusals as a limit falls to 1-3 in flight (and the run takes minutes, not seconds); this one
+    stays near its 300 ceiling once it got there."""
+    from .support.fake_servers import scripted_fault_prompts
+    from .support.limited_provider import ProviderSpec
+    from .support.virtual_clock import run_virtual
 
     texts = scripted_fault_prompts(3000, 0.4, seed=5, prefix="noise")
-    layout = dataset(tmp_path, texts)
     ceiling = 300
-    with FakeOpenRouter(latency=0.1) as server:
-        summary = drive(
-            layout, server.base_url, chat, model=server.model, concurrency=ceiling, stream=False, retries=4
-        )
-    assert_all_answered(layout, 3000, summary)
-    r = summary.report
+    spec = ProviderSpec(latency_median_s=0.1, latency_sigma=0.0)
+    run = run_virtual(spec, [texts], concurrency=ceiling, stream=False, retries=4, fault_s=0.1)
+    run.assert_all_answered(3000)
+    r = run.report
     assert r.refused_share > 0.1, r.refused_share  # the refusals were there
     reached = next((i for i, (_, w) in enumerate(r.limit_trace) if w >= ceiling), None)
     assert reached is not None, r.limit_trace

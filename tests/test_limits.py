@@ -1,9 +1,14 @@
 """The engine against providers as they are: request-rate buckets, in-flight caps, limits that change mid-run,
 heavy-tailed answer lengths with latency growing with length, random fault mixes, errors mid-stream.
 
-Every provider here is a real HTTP server on loopback (`limited_provider.LimitedProvider`, `FakeOpenRouter`).
-Tests assert behaviour (nothing lost, refusals bounded, the limit found, the budget held); speed goals are in
-`bench/limits.py`.
+The control law and the budget are properties of time (how fast the window finds a limit, how late a refusal
+comes back, how long an answer has run), so they are asserted on a virtual clock: the real engine against a
+simulated provider (`VirtualProvider`, the `ProviderSpec` of `limited_provider.LimitedProvider` without the
+HTTP) on an event loop whose clock jumps to its next timer (`VirtualClockLoop`). No load of the machine
+running the tests reaches what they see, and every run of a seed is the same run. The same laws are then
+smoke-tested once per family through real HTTP servers on loopback (`LimitedProvider`), with bounds a busy
+machine cannot fail but a broken law still does; the functional tests (faults, streaks, redaction) run on
+loopback too. Speed goals are in `bench/limits.py`.
 """
 
 from __future__ import annotations
@@ -15,16 +20,20 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import OpenRouterConfig
+from eagle3_assets.core.generation.budget import Budget
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.generation.limiter import AdaptiveLimit
-from eagle3_assets.core.generation.protocol import FatalRunError
+from eagle3_assets.core.generation.protocol import (
+    FatalRunError,
+)
 from eagle3_assets.core.generation.run import DatasetJob, generate_datasets
 from resources.inference.openrouter import OpenRouterBackend
 
 from .support.engine_runs import KEY, KEY_ENV, assert_all_answered, dataset, drive, make_plan, stored
 from .support.fake_servers import FakeOpenRouter
 from .support.limited_provider import LimitedProvider, ProviderSpec
+from .support.virtual_clock import run_virtual
 
 
 @pytest.fixture(autouse=True)
@@ -32,28 +41,171 @@ def key_env(monkeypatch):
     monkeypatch.setenv(KEY_ENV, KEY)
 
 
-def test_a_request_rate_bucket_is_ridden_without_losing_a_prompt(tmp_path, chat):
+# -- the control law, on the virtual clock -------------------------------------------------------------------
+def test_a_request_rate_bucket_is_ridden_without_losing_a_prompt():
     n = 1500
-    layout = dataset(tmp_path, [f"rate {i}" for i in range(n)])
     spec = ProviderSpec(rate=100, retry_after=1, latency_median_s=0.3, latency_sigma=0.6, median_tokens=20)
-    with LimitedProvider(spec) as provider:
-        summary = drive(layout, provider.base_url, chat, concurrency=500, retries=0)
-        seen = provider.stats()
-    assert_all_answered(layout, n, summary)  # retries=0: refusals never used an allowance
-    r = summary.report
-    # The old fixed-concurrency engine had 75% of its attempts refused against such a bucket. At this small scale
-    # most refusals are the exit from slow start (bench/limits.py measures 0.4% at 300 requests/s). Sixteen runs,
-    # half beside a busy core: 3.8-5.5% (7.0-9.9% when each cut of a storm was only beta of what the provider held).
+    run = run_virtual(spec, [[f"rate {i}" for i in range(n)]], concurrency=500, retries=0)
+    run.assert_all_answered(n)  # retries=0: refusals never used an allowance
+    r = run.report
+    # A fixed-concurrency engine has 75% of its attempts refused against such a bucket. At this small scale
+    # most refusals are the exit from slow start (bench/limits.py measures 0.4% at 300 requests/s): about 6-7%
+    # here.
     assert r.refused > 0 and r.refused_share < 0.08, (r.refused, r.attempts)
-    assert seen["refused"] == r.refused
+    assert run.provider.refused == r.refused
     # The window settled far below the ceiling, around what 100 requests/s need (≈ 100 × 0.36 s mean latency).
     assert r.limit_decreases >= 1 and 15 <= r.limit_final <= 120, r.limit_trace[-5:]
 
 
+def test_an_in_flight_cap_is_found_and_held():
+    n = 1200
+    spec = ProviderSpec(max_in_flight=60, latency_median_s=0.3, latency_sigma=0.6, median_tokens=20)
+    run = run_virtual(spec, [[f"cap {i}" for i in range(n)]], concurrency=2000, retries=0)
+    run.assert_all_answered(n)
+    r = run.report
+    assert r.refused_share < 0.05, (r.refused, r.attempts)
+    assert run.provider.max_in_flight == 60
+    # Held: the window ends near the cap; the cubic probe may stand a few slots past it when the last answer
+    # lands, which its next refusal would take back.
+    assert 0.6 * 60 <= r.limit_final <= 66 and r.limit_max <= 80, r.limit_trace
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_cold_window_ramps_on_first_tokens_not_on_whole_answers(stream):
+    """Answers of about 3 s (a thinking model's minutes, compressed), first token after a sixteenth of that,
+    no limit below the 600 ceiling. Streamed, the window counts each request when its first token arrives and
+    reaches the ceiling before the first answer lands (on answers alone it holds 64 until then: the whole
+    first answer latency at a tenth of the ceiling). Unstreamed, nothing shows acceptance before the answer:
+    the window grows only on answers and holds its initial 64 until the first one."""
+    n, ceiling = 1800, 600
+    spec = ProviderSpec(
+        latency_median_s=3.0, latency_sigma=0.03, median_tokens=32, sigma=0.1, stream_chunks=16
+    )
+    run = run_virtual(spec, [[f"cold {i}" for i in range(n)]], concurrency=ceiling, retries=0, stream=stream)
+    run.assert_all_answered(n)
+    held = run.provider.held_before_first_answer
+    if stream:
+        assert held >= 0.9 * ceiling, held
+    else:
+        assert held <= 64, held
+    assert run.report.refused == 0
+
+
+def test_a_limit_that_changes_mid_run_is_tracked_and_the_ceiling_recovered():
+    n, ceiling = 9000, 150
+    spec = ProviderSpec(
+        max_in_flight=80, latency_median_s=0.4, latency_sigma=0.4, median_tokens=10, stream_chunks=2
+    )
+    drop, lift = 5.0, 10.0
+    events = {
+        drop: lambda provider: provider.set_limits(max_in_flight=20),
+        lift: lambda provider: provider.set_limits(max_in_flight=None),
+    }
+    run = run_virtual(
+        spec, [[f"change {i}" for i in range(n)]], concurrency=ceiling, retries=0, events=events
+    )
+    run.assert_all_answered(n)
+    trace = run.report.limit_trace
+
+    def window_at(t: float) -> int:
+        return [w for at, w in trace if at <= t][-1]
+
+    assert 60 <= window_at(drop) <= 81  # riding the first cap
+    assert window_at(drop + 2.0) <= 21  # found the lower cap within two seconds
+    assert window_at(lift) <= 21
+    recovered = [at for at, w in trace if at > lift and w >= 0.95 * ceiling]
+    assert recovered, trace[-10:]  # back at the ceiling once the cap went away
+    assert run.report.refused_share < 0.05
+
+
+def test_a_random_fault_mix_does_not_collapse_the_window():
+    n = 4000
+    mix = {"429": 0.12, "500": 0.02, "502": 0.02, "reset": 0.02, "malformed": 0.02, "stream_error": 0.02}
+    spec = ProviderSpec(latency_median_s=0.3, latency_sigma=0.5, median_tokens=12, fault_mix=mix)
+    run = run_virtual(spec, [[f"mix {i}" for i in range(n)]], concurrency=300, retries=8)
+    run.assert_all_answered(n)
+    r = run.report
+    # 12% of attempts refused whatever the load: the background rate, not a limit to back away from.
+    assert 0.08 < r.refused_share < 0.18
+    assert r.limit_min >= 60 and r.limit_max >= 290, r.limit_trace
+
+
+@pytest.mark.parametrize(
+    "concurrency, budget, stream, spec",
+    [
+        # Median 160 tokens, a tail to max_tokens 2048, latency 0.4 s + tokens / 400 per second (about 1 s an
+        # answer).
+        (500, 1_000_000, True, dict(median_tokens=160, max_tokens=2048, tokens_per_s=400, base_s=0.4)),
+        # 2000 in flight: longer answers, slower decoding.
+        (2000, 2_300_000, False, dict(median_tokens=120, max_tokens=1024, tokens_per_s=150, base_s=0.3)),
+    ],
+)
+def test_the_budget_holds_with_heavy_tailed_lengths_and_latency_growing_with_length(
+    concurrency, budget, stream, spec
+):
+    """Short answers land first, so the answers seen so far under-represent what is in flight. Budgets are
+    6-10 windows of answers, so the run is not all first wave (whose every answer may still be as long as
+    max_tokens)."""
+    max_tokens = spec.pop("max_tokens")
+    provider_spec = ProviderSpec(sigma=1.0, latency_median_s=None, **spec)
+    texts = [f"long {i}" for i in range(30_000)]
+    run = run_virtual(
+        provider_spec,
+        [texts],
+        concurrency=concurrency,
+        budget_tokens=budget,
+        max_tokens=max_tokens,
+        stream=stream,
+    )
+    assert run.report.stop_reason == "budget"
+    billed = run.provider.billed_tokens
+    assert run.writers[0].completion_tokens == billed  # every token bought is stored and counted
+    assert 0.90 * budget <= billed <= 1.02 * budget, billed / budget
+    assert run.report.max_in_flight >= 0.9 * concurrency  # concurrency was not given up to hold it
+
+
+def test_the_dollar_budget_holds_the_same_way():
+    spec = ProviderSpec(
+        median_tokens=160,
+        sigma=1.0,
+        tokens_per_s=400,
+        base_s=0.4,
+        latency_median_s=None,
+        cost_per_token=2e-6,
+    )
+    texts = [f"usd {i}" for i in range(20_000)]
+    run = run_virtual(spec, [texts], concurrency=500, budget_usd=2.0, max_tokens=2048)
+    spent = sum(c.cost_usd for c in run.writers[0].answers.values())
+    assert 0.90 * 2.0 <= spent <= 1.02 * 2.0, spent
+
+
+def test_several_datasets_share_one_window_each_within_its_budget():
+    """A backfill of several datasets is one engine: their prompts fill the key's in-flight cap together, each
+    dataset stops at its own budget, and the datasets run side by side rather than one after another."""
+    cap, budget = 120, 60_000
+    spec = ProviderSpec(
+        max_in_flight=cap, median_tokens=160, sigma=0.8, tokens_per_s=2000, base_s=0.05, latency_median_s=None
+    )
+    datasets = [[f"d{k} q{i}" for i in range(3000)] for k in (1, 2, 3)]
+    run = run_virtual(spec, datasets, concurrency=1000, budget_tokens=budget, max_tokens=1024)
+    for report, writer in zip(run.reports, run.writers, strict=True):
+        assert report.stop_reason == "budget"
+        assert 0.9 * budget <= writer.completion_tokens <= 1.02 * budget, writer.completion_tokens / budget
+        assert not writer.failures  # (a prompt refused for capacity when the budget closed stays unsent)
+    assert run.provider.billed_tokens == sum(w.completion_tokens for w in run.writers)  # nothing lost
+    # Its refusals are the cost of finding the cap, mostly slow start's overshoot (2-10% here); a limiter that
+    # held the ceiling refuses 79% of its attempts.
+    assert run.provider.max_in_flight <= cap and run.provider.refused <= 0.20 * run.provider.attempts
+    # Side by side: every dataset's first answer landed before any dataset's last one.
+    assert max(min(w.landed_at) for w in run.writers) < min(max(w.landed_at) for w in run.writers)
+    assert run.report.max_in_flight >= 0.9 * cap  # the datasets together reached the key's cap
+
+
 def test_a_cut_that_did_not_end_a_storm_is_followed_by_a_deeper_one():
-    """The window's cuts, driven by hand on a fake clock. A storm of refusals against a window that was cut and
-    has not grown back to where the storm began (a request-rate bucket: what the provider held says little) cuts
-    deeper each time; a refusal at the level of the last one (an in-flight cap met again) cuts by beta alone."""
+    """The window's cuts, driven by hand on a fake clock. A storm of refusals against a window that was cut
+    and has not grown back to where the storm began (a request-rate bucket: what the provider held says
+    little) cuts deeper each time; a refusal at the level of the last one (an in-flight cap met again) cuts by
+    beta alone."""
     now = [0.0]
     lim = AdaptiveLimit(ceiling=500, initial=100, beta=0.9, clock=lambda: now[0])
 
@@ -77,30 +229,24 @@ def test_a_cut_that_did_not_end_a_storm_is_followed_by_a_deeper_one():
     assert storm(lim.window) == pytest.approx(0.9) and lim.stats.decreases == 4
 
 
-def test_an_in_flight_cap_is_found_and_held(tmp_path, chat):
-    n = 1200
-    layout = dataset(tmp_path, [f"cap {i}" for i in range(n)])
-    spec = ProviderSpec(max_in_flight=60, latency_median_s=0.3, latency_sigma=0.6, median_tokens=20)
+# -- the same laws through HTTP on this machine, bounds a busy machine cannot fail ---------------------------
+def test_smoke_a_request_rate_bucket_narrows_the_window_over_http(tmp_path, chat):
+    n, ceiling = 1500, 500
+    layout = dataset(tmp_path, [f"rate {i}" for i in range(n)])
+    spec = ProviderSpec(rate=100, retry_after=1, latency_median_s=0.3, latency_sigma=0.6, median_tokens=20)
     with LimitedProvider(spec) as provider:
-        summary = drive(layout, provider.base_url, chat, concurrency=2000, retries=0)
+        summary = drive(layout, provider.base_url, chat, concurrency=ceiling, retries=0)
         seen = provider.stats()
-    assert_all_answered(layout, n, summary)
+    assert_all_answered(layout, n, summary)  # retries=0: refusals never used an allowance
     r = summary.report
-    assert r.refused_share < 0.05, (r.refused, r.attempts)
-    assert seen["max_in_flight"] == 60
-    # Held: the window ends near the cap; the cubic probe may stand a few slots past it when the last answer lands
-    # (62 in one run of twelve here), which its next refusal would take back.
-    assert 0.6 * 60 <= r.limit_final <= 66 and r.limit_max <= 80, r.limit_trace
+    assert r.refused > 0 and r.refused_share < 0.5, (r.refused, r.attempts)
+    assert seen["refused"] == r.refused
+    assert r.limit_decreases >= 1 and r.limit_final < 0.5 * ceiling, r.limit_trace[-5:]
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_cold_window_ramps_on_first_tokens_not_on_whole_answers(tmp_path, chat, stream):
-    """Answers of about 3 s (a thinking model's minutes, compressed), first token after a sixteenth of that, no
-    limit below the 600 ceiling. Streamed, the window counts each request when its first token arrives and reaches
-    the ceiling before the first answer lands (on answers alone it held 64 until then: the whole first answer
-    latency at a tenth of the ceiling). Here the ramp is paced by how fast two cores open streams (about 500 a
-    second, provider included), not by the window's doubling. Unstreamed, nothing shows acceptance before the
-    answer: the window grows only on answers and holds its initial 64 until the first one."""
+def test_smoke_a_cold_window_grows_on_first_tokens_over_http(tmp_path, chat):
+    """Answers of about 3 s, streamed: before the first one lands, only first tokens can have grown the window
+    past its initial 64."""
     n, ceiling = 1800, 600
     layout = dataset(tmp_path, [f"cold {i}" for i in range(n)])
     spec = ProviderSpec(
@@ -121,126 +267,84 @@ def test_a_cold_window_ramps_on_first_tokens_not_on_whole_answers(tmp_path, chat
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            summary = drive(layout, provider.base_url, chat, concurrency=ceiling, retries=0, stream=stream)
+            summary = drive(layout, provider.base_url, chat, concurrency=ceiling, retries=0)
         finally:
             done.set()
             sampler.join()
     assert_all_answered(layout, n, summary)
-    held = max(before_first_answer)
-    if stream:
-        assert held >= 0.9 * ceiling, " ".join(map(str, before_first_answer))
-    else:
-        assert held <= 64, before_first_answer
+    assert max(before_first_answer) > 64, " ".join(map(str, before_first_answer))
     assert summary.report.refused == 0
 
 
-def test_a_limit_that_changes_mid_run_is_tracked_and_the_ceiling_recovered(tmp_path, chat):
-    n = 9000
-    ceiling = 150  # what two cores drive here, client and provider together (~400 streamed answers/s)
-    layout = dataset(tmp_path, [f"change {i}" for i in range(n)])
-    spec = ProviderSpec(
-        max_in_flight=80, latency_median_s=0.4, latency_sigma=0.4, median_tokens=10, stream_chunks=2
-    )
-    marks: dict[str, float] = {}
-    with LimitedProvider(spec, process=True) as provider:
-
-        def change() -> None:
-            time.sleep(5)
-            marks["drop"] = time.monotonic()
-            provider.set_limits(max_in_flight=20)
-            time.sleep(5)
-            marks["lift"] = time.monotonic()
-            provider.set_limits(max_in_flight=None)
-
-        threading.Thread(target=change, daemon=True).start()
-        summary = drive(layout, provider.base_url, chat, concurrency=ceiling, retries=0)
-    assert_all_answered(layout, n, summary)
-    trace = summary.report.limit_trace
-
-    def window_at(t: float) -> int:
-        return [w for at, w in trace if at <= t][-1]
-
-    assert 60 <= window_at(marks["drop"]) <= 81  # riding the first cap
-    assert window_at(marks["drop"] + 2.0) <= 21  # found the lower cap within two seconds
-    assert window_at(marks["lift"]) <= 21
-    recovered = [at for at, w in trace if at > marks["lift"] and w >= 0.95 * ceiling]
-    assert recovered, trace[-10:]  # back at the ceiling once the cap went away
-    assert summary.report.refused_share < 0.05
-
-
-def test_a_random_fault_mix_does_not_collapse_the_window(tmp_path, chat):
-    n = 4000
+def test_smoke_a_random_fault_mix_does_not_collapse_the_window_over_http(tmp_path, chat):
+    n, ceiling = 4000, 300
     layout = dataset(tmp_path, [f"mix {i}" for i in range(n)])
     mix = {"429": 0.12, "500": 0.02, "502": 0.02, "reset": 0.02, "malformed": 0.02, "stream_error": 0.02}
     spec = ProviderSpec(latency_median_s=0.3, latency_sigma=0.5, median_tokens=12, fault_mix=mix)
     with LimitedProvider(spec, process=True) as provider:
-        summary = drive(layout, provider.base_url, chat, concurrency=300, retries=8)
+        summary = drive(layout, provider.base_url, chat, concurrency=ceiling, retries=8)
     assert_all_answered(layout, n, summary)
     r = summary.report
-    # 12% of attempts refused whatever the load: the background rate, not a limit to back away from.
-    assert 0.08 < r.refused_share < 0.18
-    assert r.limit_min >= 60 and r.limit_max >= 290, r.limit_trace
+    assert 0.08 < r.refused_share < 0.18  # the mix's 12%, whatever the timing
+    # Grown, and never collapsed (a window that reads noise as a limit ends at 1-3 in flight).
+    assert r.limit_min >= 0.1 * ceiling and r.limit_max > 64, r.limit_trace
     assert r.errors["server"] and r.errors["connection"]  # a malformed body on a stream is a cut stream
 
 
-@pytest.mark.parametrize(
-    "concurrency, budget, stream, spec",
-    [
-        # Median 160 tokens, a tail to max_tokens 2048, latency 0.4 s + tokens / 400 per second (about 1 s an
-        # answer). Conditioning on elapsed time assumes the client's own lag is small against answer latencies, as
-        # it is against real ones (seconds to minutes). At a quarter of this (0.25 s an answer), a loaded test
-        # machine's 0.1-0.3 s stalls were as long as the answers: 3 of 20 runs under three busy processes bought
-        # 1.02-1.028x (1.0202x once in `make test`); at this pace 10 of 10 under the same load bought 0.993x.
-        (500, 1_000_000, True, dict(median_tokens=160, max_tokens=2048, tokens_per_s=400, base_s=0.4)),
-        # 2000 in flight at ~1,200 answers/s (what this machine drives): longer answers, slower decoding.
-        (2000, 2_300_000, False, dict(median_tokens=120, max_tokens=1024, tokens_per_s=150, base_s=0.3)),
-    ],
-)
-def test_the_budget_holds_with_heavy_tailed_lengths_and_latency_growing_with_length(
-    tmp_path, chat, concurrency, budget, stream, spec
-):
-    """Short answers land first, so the answers seen so far under-represent what is in flight. Budgets are 6-10
-    windows of answers, so the run is not all first wave (whose every answer may still be as long as max_tokens)."""
+def test_smoke_the_budget_holds_over_http(tmp_path, chat):
+    """Heavy-tailed lengths, latency growing with length: the budget is used and not overrun by much even when
+    the machine is busy (its strict bounds are asserted on the virtual clock)."""
+    budget, concurrency = 1_000_000, 500
     layout = dataset(tmp_path, [f"long {i}" for i in range(30_000)])
-    max_tokens = spec.pop("max_tokens")
-    provider_spec = ProviderSpec(sigma=1.0, latency_median_s=None, **spec)
-    with LimitedProvider(provider_spec, process=True) as provider:
+    spec = ProviderSpec(sigma=1.0, latency_median_s=None, median_tokens=160, tokens_per_s=400, base_s=0.4)
+    with LimitedProvider(spec, process=True) as provider:
         summary = drive(
-            layout,
-            provider.base_url,
-            chat,
-            concurrency=concurrency,
-            budget_tokens=budget,
-            max_tokens=max_tokens,
-            stream=stream,
+            layout, provider.base_url, chat, concurrency=concurrency, budget_tokens=budget, max_tokens=2048
         )
         billed = provider.stats()["billed_tokens"]
     assert summary.stop_reason == "budget"
     responses, _ = stored(layout)
     assert int(responses["completion_tokens"].sum()) == billed  # every token bought is stored and counted
-    assert 0.90 * budget <= billed <= 1.02 * budget, billed / budget
-    assert summary.report.max_in_flight >= 0.9 * concurrency  # concurrency was not given up to hold it
+    assert 0.8 * budget <= billed <= 1.1 * budget, billed / budget
+    assert summary.report.max_in_flight >= 0.5 * concurrency
 
 
-def test_the_dollar_budget_holds_the_same_way(tmp_path, chat):
-    """At the pace of the token-budget test above (about 1 s an answer): at 0.2 s an answer (0.1 s + tokens / 1600
-    per second) a loaded CI machine's stalls were as long as the answers and bought 1.022x once."""
-    layout = dataset(tmp_path, [f"usd {i}" for i in range(20_000)])
+def test_smoke_several_datasets_share_one_window_over_http(tmp_path, chat):
+    """Through `generate_datasets`, as a backfill runs: one engine, the key's cap shared, each dataset within its
+    own budget, side by side."""
+    cap, budget = 120, 60_000
+    layouts = [dataset(tmp_path, [f"d{k} q{i}" for i in range(3000)], key=f"B{k}") for k in (1, 2, 3)]
     spec = ProviderSpec(
-        median_tokens=160,
-        sigma=1.0,
-        tokens_per_s=400,
-        base_s=0.4,
-        latency_median_s=None,
-        cost_per_token=2e-6,
+        max_in_flight=cap, median_tokens=160, sigma=0.8, tokens_per_s=2000, base_s=0.05, latency_median_s=None
     )
+    settings = EngineSettings(max_concurrency=1000, flush_interval_s=0.5, progress_interval_s=1.0)
     with LimitedProvider(spec, process=True) as provider:
-        drive(layout, provider.base_url, chat, concurrency=500, budget_usd=2.0, max_tokens=2048)
-    responses, _ = stored(layout)
-    spent = float(responses["cost_usd"].sum())
-    assert 0.90 * 2.0 <= spent <= 1.02 * 2.0, spent
+        cfg = OpenRouterConfig(
+            base_url=provider.base_url,
+            api_key_env=KEY_ENV,
+            model="sim/model",
+            max_concurrency=1000,
+            stream=True,
+            reasoning=None,
+        )
+        jobs = [DatasetJob(layout, make_plan(layout.key, 1024, budget)) for layout in layouts]
+        summaries = generate_datasets(jobs, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
+        stats = provider.stats()
+    spans = []
+    for layout in layouts:
+        assert summaries[layout.key].stop_reason == "budget", (layout.key, summaries[layout.key].stop_reason)
+        responses, failures = stored(layout)
+        tokens = int(responses["completion_tokens"].sum())
+        assert 0.8 * budget <= tokens <= 1.1 * budget, (layout.key, tokens / budget)
+        assert failures.height == 0
+        spans.append((responses["created_at"].min(), responses["created_at"].max()))
+    assert stats["billed_tokens"] == sum(int(stored(lo)[0]["completion_tokens"].sum()) for lo in layouts)
+    assert stats["max_in_flight"] <= cap and stats["refused"] <= 0.5 * stats["attempts"]
+    assert max(first for first, _ in spans) < min(last for _, last in spans)
+    assert summaries["B1"].report.max_in_flight >= 0.5 * cap
 
 
+# -- faults, streaks and redaction through HTTP --------------------------------------------------------------
 def test_a_streak_of_identical_permanent_errors_after_successes_stops_the_run(tmp_path, chat):
     texts = [f"streak {i}" for i in range(400)]
     layout = dataset(tmp_path, texts)
@@ -316,56 +420,14 @@ def test_the_key_is_redacted_in_every_form_a_server_echoes_it(tmp_path, chat):
     assert KEY not in message and message.count("[redacted]") == 2, message
 
 
-def test_several_datasets_share_one_window_each_within_its_budget(tmp_path, chat):
-    """A backfill of several datasets is one engine: their prompts fill the key's in-flight cap together, each
-    dataset stops at its own budget, and the datasets run side by side rather than one after another."""
-    cap, budget = 120, 60_000
-    layouts = [dataset(tmp_path, [f"d{k} q{i}" for i in range(3000)], key=f"B{k}") for k in (1, 2, 3)]
-    spec = ProviderSpec(
-        max_in_flight=cap, median_tokens=160, sigma=0.8, tokens_per_s=2000, base_s=0.05, latency_median_s=None
-    )
-    settings = EngineSettings(max_concurrency=1000, flush_interval_s=0.5, progress_interval_s=1.0)
-    with LimitedProvider(spec, process=True) as provider:
-        cfg = OpenRouterConfig(
-            base_url=provider.base_url,
-            api_key_env=KEY_ENV,
-            model="sim/model",
-            max_concurrency=1000,
-            stream=True,
-            reasoning=None,
-        )
-        jobs = [DatasetJob(layout, make_plan(layout.key, 1024, budget)) for layout in layouts]
-        summaries = generate_datasets(jobs, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
-        stats = provider.stats()
-    spans = []
-    for layout in layouts:
-        s = summaries[layout.key]
-        assert s.stop_reason == "budget", (layout.key, s.stop_reason)
-        responses, failures = stored(layout)
-        tokens = int(responses["completion_tokens"].sum())
-        assert 0.9 * budget <= tokens <= 1.02 * budget, (layout.key, tokens / budget)
-        assert failures.height == 0  # (a prompt refused for capacity when the budget closed stays unsent)
-        spans.append((responses["created_at"].min(), responses["created_at"].max()))
-    billed = stats["billed_tokens"]
-    assert billed == sum(int(stored(lo)[0]["completion_tokens"].sum()) for lo in layouts)  # nothing lost
-    # A short run (~850 attempts): its refusals are the cost of finding the cap, mostly slow start's overshoot,
-    # which grows with how late refusals come back: 3-8% on an idle machine, up to 13% with two busy processes
-    # beside it (and 12% once in a full test suite). Long runs refuse ~0.4% (bench/backfill.py). A limiter that
-    # held the ceiling (adaptive=False) refused 79% here.
-    assert stats["max_in_flight"] <= cap and stats["refused"] <= 0.20 * stats["attempts"]
-    # Side by side: every dataset's first answer landed before any dataset's last one.
-    assert max(first for first, _ in spans) < min(last for _, last in spans)
-    report = summaries["B1"].report
-    assert report.max_in_flight >= 0.9 * cap  # the datasets together reached the key's cap
-
-
+# -- the budget's reservation rule, on fake clocks -----------------------------------------------------------
 def _spend_after_one_window(learned: int, limit: int, trials: int, count_model_error: bool) -> list[float]:
     """Learn answer lengths from `learned` answers (log-normal, σ 1), then fill the window until the budget blocks
     and let everything in flight finish: the final spend per trial as a share of the limit (a seeded clockless
     simulation of the rule alone, the harshest case: the whole window rides on what `learned` answers taught)."""
     import numpy as np
 
-    from eagle3_assets.core.generation.budget import Budget, LengthHistory
+    from eagle3_assets.core.generation.budget import LengthHistory
 
     rng = np.random.default_rng(7)
     draw = lambda n: np.minimum(np.round(400 * np.exp(rng.normal(0, 1, n))), 4096)  # noqa: E731
@@ -435,7 +497,6 @@ def test_a_provider_that_speeds_up_is_read_at_its_new_pace(monkeypatch):
 def test_an_answer_longer_than_any_seen_is_reserved_for():
     """Fifty answers of exactly 100 tokens do not prove the next is 100: it is longer than all of them with
     probability 1/51, and only max_tokens bounds it; the reservation carries that mass."""
-    from eagle3_assets.core.generation.budget import Budget
 
     budget = Budget(4096, 10**9, clock=lambda: 0.0)
     for _ in range(50):
