@@ -44,7 +44,7 @@ def gate_engines(
         from ..core.target.loading import cache_root
 
         # The servers' logs stay on the step's machine (named in any error), out of the partition's outputs.
-        measurer = VllmMeasurer(cfg, stop_ids, cache_root() / "acceptance-servers" / layout.key, log)
+        measurer = VllmMeasurer(cfg, sorted(stop_ids), cache_root() / "acceptance-servers" / layout.key, log)
         if extraction_backend(cfg, layout.key) is not None:
             features = VllmFeatures(cfg.hidden_states.vllm, layout.key, len(feature_ids))
             return GateEngines(target, measurer, features, t.model)

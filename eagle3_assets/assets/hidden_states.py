@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -324,7 +325,7 @@ HIDDEN_STATES_CHECKS = (
 def _asset_check(spec: HiddenStatesCheck, partitions: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:
     """The Dagster check of one spec: blocking, with the project resource only where the rule reads the
     config."""
-    options = {
+    options: dict[str, Any] = {
         "name": spec.name,
         "asset": "hidden_states",
         "blocking": True,

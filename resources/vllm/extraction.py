@@ -98,7 +98,9 @@ class VllmHiddenStates:
                         "prints the command) or fix hidden_states.vllm.base_urls"
                     )
                     continue
-                ids = [m.get("id") for m in (body or {}).get("data", []) if isinstance(m, dict)]
+                ids = [
+                    str(m["id"]) for m in (body or {}).get("data", []) if isinstance(m, dict) and m.get("id")
+                ]
                 if status != 200 or not ids:
                     problems.append(
                         f"{base}/models answered HTTP {status} with no model; is this a vLLM server?"

@@ -143,6 +143,12 @@ class DraftLayer(nn.Module):
 class Eagle3Draft(nn.Module):
     """The draft head. `embed_tokens` is the target's embedding, frozen."""
 
+    # Buffers (register_buffer), named here for the type checker.
+    draft_to_target: torch.Tensor
+    target_to_draft: torch.Tensor
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, s: DraftShape, embedding: torch.Tensor, draft_ids: torch.Tensor):
         super().__init__()
         self.s = s

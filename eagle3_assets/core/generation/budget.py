@@ -76,10 +76,12 @@ class LengthHistory:
         self.q[b] += tokens * tokens
         self.n += 1
         self.total_tokens += tokens
-        if b:
+        if b and latency is not None:
             self.latency.add(tokens, latency)
 
-    def add_many(self, tokens: Sequence[float], latencies: Sequence[float | None]) -> None:
+    def add_many(
+        self, tokens: Sequence[float] | np.ndarray, latencies: Sequence[float | None] | np.ndarray
+    ) -> None:
         t = np.asarray(tokens, dtype=float)
         lat = np.array([x if x is not None and x > 0 else 0.0 for x in latencies], dtype=float)
         b = np.where(lat > 0, np.searchsorted(_EDGES, lat, side="right"), 0)
@@ -137,7 +139,7 @@ class CostFit:
         self.sxy += tokens * cost
         self.syy += cost * cost
 
-    def add_many(self, tokens: Sequence[float], costs: Sequence[float]) -> None:
+    def add_many(self, tokens: Sequence[float] | np.ndarray, costs: Sequence[float] | np.ndarray) -> None:
         x, y = np.asarray(tokens, dtype=float), np.asarray(costs, dtype=float)
         self.n += len(x)
         self.sx += float(x.sum())

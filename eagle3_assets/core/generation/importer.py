@@ -97,7 +97,7 @@ def _completion(answer: dict, chat: ChatTokenizer, default_model: str) -> Comple
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids)):
         raise RowError("output_ids must be a list of non-negative integers")
     finish = str(answer.get("finish_reason") or "stop")
-    usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+    usage: dict[str, Any] = answer["usage"] if isinstance(answer.get("usage"), dict) else {}
     tokens = usage.get("completion_tokens")
     if not isinstance(tokens, int):
         if ids is not None:

@@ -18,11 +18,11 @@ from pathlib import Path
 import polars as pl
 
 LOST_SCHEMA: dict[str, pl.DataType] = {
-    "id": pl.String,
-    "run_id": pl.String,
-    "estimated_tokens": pl.Float64,
-    "estimated_usd": pl.Float64,
-    "created_at": pl.Float64,
+    "id": pl.String(),
+    "run_id": pl.String(),
+    "estimated_tokens": pl.Float64(),
+    "estimated_usd": pl.Float64(),
+    "created_at": pl.Float64(),
 }
 
 

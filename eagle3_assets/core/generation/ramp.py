@@ -23,12 +23,13 @@ class FirstTokenRamp:
 
     def __init__(self, limiter: AdaptiveLimit):
         self._limiter = limiter
-        self._waiting: dict[int, PendingPrompt] | None = {}  # None once the ramp is over
+        # The sent requests by dispatch number, with the token they went out with; None once the ramp is over.
+        self._waiting: dict[int, tuple[PendingPrompt, DispatchToken]] | None = {}
 
     def track(self, p: PendingPrompt) -> None:
         """A request just sent (its token set): it counts for the window at its first token."""
-        if self._waiting is not None:
-            self._waiting[p.token.seq] = p
+        if self._waiting is not None and p.token is not None:
+            self._waiting[p.token.seq] = (p, p.token)
 
     def on_answer(self, p: PendingPrompt) -> None:
         """An answer with no token streamed before it: the backend does not stream, acceptance cannot be
@@ -48,9 +49,9 @@ class FirstTokenRamp:
         if not self._limiter.ramping:
             self._waiting = None
             return False
-        accepted = [p for p in self._waiting.values() if p.request.streamed_tokens]
-        for p in accepted:
-            del self._waiting[p.token.seq]
+        accepted = [(p, token) for p, token in self._waiting.values() if p.request.streamed_tokens]
+        for p, token in accepted:
+            del self._waiting[token.seq]
             p.accepted = True
-            self._limiter.on_accepted(p.token)
+            self._limiter.on_accepted(token)
         return bool(accepted)

@@ -16,6 +16,7 @@ while the next forward runs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import queue
@@ -42,13 +43,13 @@ from .capture import HiddenStateCapture
 from .fp8 import STATE_TENSORS, is_fp8, payload_bytes_per_token, quantize_layers, scales_name
 
 FORMAT = "eagle3-assets/hidden-states/v1"
-INDEX_SCHEMA = {
-    "id": pl.String,
-    "shard": pl.String,
-    "position": pl.Int32,
-    "n_tokens": pl.Int32,
-    "input_hash": pl.String,
-    "storage_dtype": pl.String,  # the shard's (a reader picks FP8's dequantization per sample without opening it)
+INDEX_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String(),
+    "shard": pl.String(),
+    "position": pl.Int32(),
+    "n_tokens": pl.Int32(),
+    "input_hash": pl.String(),
+    "storage_dtype": pl.String(),  # the shard's (a reader picks FP8's dequantization per sample without opening it)
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 SDPA_ROW_TOKENS = {
@@ -359,7 +360,7 @@ def extract_shard(
         t0 = time.perf_counter()
         aux, last = capture.forward_packed([ordered[i].input_ids for i in row])
         stats.forward_s += time.perf_counter() - t0
-        writer.submit(lambda a=aux, b=last: to_host(a, b))
+        writer.submit(functools.partial(to_host, aux, last))
 
     path = folder / plan.name
 

@@ -204,10 +204,10 @@ class TokenFigures:
         with_ref = tokens.filter(pl.col("reference_match").is_not_null())
         out.n_reference = with_ref.height
         if with_ref.height:
-            out.reference_match_rate = float(with_ref["reference_match"].mean())
-            out.excluding_truncation_tails = float(with_ref["match_explained"].mean())
+            out.reference_match_rate = _true_share(with_ref["reference_match"])
+            out.excluding_truncation_tails = _true_share(with_ref["match_explained"])
             finished = with_ref.filter(pl.col("finish_reason") == "stop")
-            out.finished_rate = float(finished["reference_match"].mean()) if finished.height else None
+            out.finished_rate = _true_share(finished["reference_match"]) if finished.height else None
             out.n_finished = finished.height
         return out
 
@@ -388,9 +388,8 @@ def _reference_text(r: ValidationReport) -> str:
     text = f"{100 * rate:.2f}% of {r.n_reference}"
     fin = r.reference_match_rate_finished
     text += f"; finished answers {100 * fin:.2f}% of {r.n_reference_finished}" if fin is not None else ""
-    return (
-        text + f"; excluding truncation tails {100 * r.reference_match_rate_excluding_truncation_tails:.2f}%"
-    )
+    tails = r.reference_match_rate_excluding_truncation_tails
+    return text + (f"; excluding truncation tails {100 * tails:.2f}%" if tails is not None else "")
 
 
 def write_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationReport:
@@ -398,3 +397,9 @@ def write_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationRep
     write_json(report.to_json(), layout.report_json)
     write_text(render_markdown(report), layout.report_md)
     return report
+
+
+def _true_share(flags: pl.Series) -> float:
+    """The share of true values among the non-null ones of a boolean column (NaN when all are null)."""
+    known = flags.drop_nulls()
+    return int(known.cast(pl.Int64).sum()) / known.len() if known.len() else float("nan")

@@ -72,7 +72,7 @@ def _convert_smollm2(dest: Path) -> None:
     _restore_smollm_pretokenizer(tok)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
     # transformers refuses to save a model loaded from GGUF; its weights are already dequantised, so drop the marker.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # typed as a quantizer; None is "not quantized"
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(dest)
@@ -305,7 +305,7 @@ def load_model(
     except Exception as e:
         raise TargetError(f"cannot load the model {ref!r}: {type(e).__name__}: {e}") from e
     if "device_map" not in kwargs:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers types `to` by its dtype overload only
     model.eval()
     return model
 

@@ -149,8 +149,7 @@ class CheckpointPieces:
                 names.append(name)
         state = self.tensors(names)
         own = set(model.state_dict())  # tied weights listed under both names
-        renamed = {_match_param(k, own): v for k, v in state.items()}
-        renamed = {k: v for k, v in renamed.items() if k is not None}
+        renamed = {name: v for k, v in state.items() if (name := _match_param(k, own)) is not None}
         if "lm_head.weight" in own and "lm_head.weight" not in renamed:
             emb = next((v for k, v in renamed.items() if k.endswith("embed_tokens.weight")), None)
             if emb is not None:

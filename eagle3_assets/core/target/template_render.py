@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .template_plan import CLOSE, OPEN, FormatText, Shape, sentinel, text_index
 from .verbatim import verbatim_problem
@@ -117,19 +117,24 @@ class ChatTemplate:
 
         Also returns why the template is not proven to write texts verbatim (None when it is): the proof reads
         the very template this renderer renders."""
+        from transformers import PreTrainedTokenizerBase
+
+        render: Callable[..., Any] | None
         try:
-            from transformers import PreTrainedTokenizerBase
-            from transformers.utils.chat_template_utils import render_jinja_template
-        except ImportError:
-            render_jinja_template = None
+            from transformers.utils.chat_template_utils import render_jinja_template as render
+        except ImportError:  # a transformers without it: the tokenizer's own call
+            render = None
         cls = type(self.tok)
-        if render_jinja_template is None or not (
+        if render is None or not (
             getattr(cls, "apply_chat_template", None) is PreTrainedTokenizerBase.apply_chat_template
             and getattr(cls, "get_chat_template", None) is PreTrainedTokenizerBase.get_chat_template
         ):
             return (
-                lambda convs, gen: self.tok.apply_chat_template(
-                    convs, tokenize=False, add_generation_prompt=gen, **self.kwargs
+                lambda convs, gen: cast(
+                    list[str],
+                    self.tok.apply_chat_template(
+                        convs, tokenize=False, add_generation_prompt=gen, **self.kwargs
+                    ),
                 ),
                 "the tokenizer class renders with its own apply_chat_template",
             )
@@ -140,10 +145,14 @@ class ChatTemplate:
             if any(c in repr(template_kwargs) for c in OPEN + CLOSE)
             else verbatim_problem(template, reserved=OPEN + CLOSE)
         )
+        jinja = render
         return (
-            lambda convs, gen: render_jinja_template(
-                conversations=convs, chat_template=template, add_generation_prompt=gen, **template_kwargs
-            )[0]
+            lambda convs, gen: cast(
+                list[str],
+                jinja(
+                    conversations=convs, chat_template=template, add_generation_prompt=gen, **template_kwargs
+                )[0],
+            )
         ), problem
 
     def render_many(self, convs: list[list[dict[str, str]]], gen: bool) -> list[str | Exception]:

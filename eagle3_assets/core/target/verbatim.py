@@ -59,7 +59,7 @@ def verbatim_problem(template: str, reserved: str = "") -> str | None:
     except Exception as e:  # deep nesting (RecursionError), a huge number literal (ValueError), ...
         return f"not parsed for the proof: {type(e).__name__}"
     for node in tree.find_all((nodes.Const, nodes.TemplateData)):
-        value = node.data if isinstance(node, nodes.TemplateData) else node.value
+        value: object = node.data if isinstance(node, nodes.TemplateData) else getattr(node, "value", None)
         if isinstance(value, str) and any(c in value for c in reserved):
             return f"line {node.lineno}: the template writes a character reserved for sentinels"
     try:

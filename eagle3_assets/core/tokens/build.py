@@ -28,6 +28,7 @@ from .chunks import TOKENS_ERRORS_SCHEMA, TOKENS_SCHEMA, TokensSummary, tokenize
 from .parquet_io import (
     STATE_KEY,
     BuildState,
+    batch_frame,
     kept_batches,
     place_tokens,
     recorded_state,
@@ -76,7 +77,7 @@ def response_batches(
         if parquet_problem(path, RESPONSE_SCHEMA, ["id"]) is not None:
             continue  # damaged: the responses stage sets it aside and asks its prompts again
         for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
-            df = pl.from_arrow(batch)
+            df = batch_frame(batch)
             for name in RESPONSE_COLUMNS:  # a part written with fewer columns reads the missing ones as null
                 if name not in df.columns:
                     df = df.with_columns(pl.lit(None, dtype=RESPONSE_SCHEMA[name]).alias(name))

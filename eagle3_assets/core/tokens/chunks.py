@@ -10,7 +10,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
@@ -22,14 +22,19 @@ from .reference import Comparison, compare, normalise_reference
 
 # Per-answer text features the report counts, computed once when a row is tokenized (a top-up's report then reads
 # small columns, not every answer's text again).
-ANSWER_FEATURES = {
-    "answer_empty": pl.Boolean,
-    "answer_degenerate": pl.Boolean,
-    "answer_has_reasoning": pl.Boolean,
+ANSWER_FEATURES: dict[str, pl.DataType] = {
+    "answer_empty": pl.Boolean(),
+    "answer_degenerate": pl.Boolean(),
+    "answer_has_reasoning": pl.Boolean(),
 }
 
 
-TOKENS_ERRORS_SCHEMA = {"id": pl.String, "reason": pl.String, "row_key": pl.UInt64, **ANSWER_FEATURES}
+TOKENS_ERRORS_SCHEMA: dict[str, pl.DataType] = {
+    "id": pl.String(),
+    "reason": pl.String(),
+    "row_key": pl.UInt64(),
+    **ANSWER_FEATURES,
+}
 
 
 @dataclass
@@ -84,7 +89,7 @@ def _list_column(flat: np.ndarray, lengths: np.ndarray) -> pl.Series:
     np.cumsum(lengths, out=offsets[1:])
     cls = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray
     offsets = offsets.astype(np.int32) if cls is pa.ListArray else offsets
-    return pl.from_arrow(cls.from_arrays(pa.array(offsets), pa.array(flat)))
+    return cast(pl.Series, pl.from_arrow(cls.from_arrays(pa.array(offsets), pa.array(flat))))
 
 
 def tokenize_in_parallel(
@@ -128,23 +133,23 @@ def _map_in_order(pool: Executor, fn: Callable, items: Iterator, n_workers: int)
 
 
 TOKENS_SCHEMA: dict[str, pl.DataType] = {
-    "id": pl.String,
-    "input_ids": pl.List(pl.Int32),
-    "loss_mask": pl.List(pl.Int8),
-    "reference_match": pl.Boolean,
-    "match_explained": pl.Boolean,
-    "n_tokens": pl.Int32,
-    "n_loss_tokens": pl.Int32,
-    "answer_start": pl.Int32,
-    "ids_source": pl.String,
-    "mismatch": pl.String,
-    "first_diff": pl.Int32,
-    "finish_reason": pl.String,
-    "row_key": pl.UInt64,  # content key of the prompt + answer (+ tokenizer): unchanged rows are not redone
+    "id": pl.String(),
+    "input_ids": pl.List(pl.Int32()),
+    "loss_mask": pl.List(pl.Int8()),
+    "reference_match": pl.Boolean(),
+    "match_explained": pl.Boolean(),
+    "n_tokens": pl.Int32(),
+    "n_loss_tokens": pl.Int32(),
+    "answer_start": pl.Int32(),
+    "ids_source": pl.String(),
+    "mismatch": pl.String(),
+    "first_diff": pl.Int32(),
+    "finish_reason": pl.String(),
+    "row_key": pl.UInt64(),  # content key of the prompt + answer (+ tokenizer): unchanged rows are not redone
     **ANSWER_FEATURES,
     # turns: all: a conversation row (`<id>#t<K>`, loss on every target turn 1..K) rather than one turn's row.
     # A file without this column reads it as null: not a conversation row.
-    "all_turns": pl.Boolean,
+    "all_turns": pl.Boolean(),
 }
 
 
@@ -339,7 +344,7 @@ def _canonical(chat: ChatTokenizer) -> Callable[[list[int]], list[int]]:
         body = reference[:-1] if reference and reference[-1] == eot else reference
         text = chat.encoder.decode(list(body))
         ids = chat.tok(chat.eot_token + text, add_special_tokens=False)["input_ids"][1:]
-        return [*ids, eot] if len(body) < len(reference) else ids
+        return [*ids, eot] if eot is not None and len(body) < len(reference) else ids
 
     return encode
 

@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import polars as pl
 import pyarrow as pa
@@ -43,10 +44,15 @@ def place_tokens(
             metadata=metadata,
             frames=itertools.chain(
                 kept_batches(path, keys, TOKENS_SCHEMA, batch_size),
-                (pl.from_arrow(b) for b in pq.ParquetFile(new).iter_batches(batch_size)),
+                (batch_frame(b) for b in pq.ParquetFile(new).iter_batches(batch_size)),
             ),
         ),
     )
+
+
+def batch_frame(batch: pa.RecordBatch) -> pl.DataFrame:
+    """A record batch as a frame (`pl.from_arrow` is typed for any arrow data; a batch is always a frame)."""
+    return cast(pl.DataFrame, pl.from_arrow(batch))
 
 
 def kept_batches(
@@ -57,7 +63,7 @@ def kept_batches(
     if not path.exists() or "row_key" not in pq.read_schema(path).names:
         return
     for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
-        df = pl.from_arrow(batch)
+        df = batch_frame(batch)
         df = df.with_columns(pl.lit(None, dtype=t).alias(c) for c, t in schema.items() if c not in df.columns)
         kept = df.select(list(schema))
         if keys is not None:  # None: all of them

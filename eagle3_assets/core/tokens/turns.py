@@ -35,7 +35,7 @@ from ..target.chat import Answer, ChatTokenizer
 MESSAGE = pl.Struct({"role": pl.String, "content": pl.String, "reasoning": pl.String})
 # An earlier turn of a conversation row: the ids the model produced for it and whether it finished.
 HISTORY_REF = pl.Struct({"output_ids": pl.List(pl.Int64), "finished": pl.Boolean})
-TURN_COLUMNS = {"all_turns": pl.Boolean, "history_refs": pl.List(HISTORY_REF)}
+TURN_COLUMNS: dict[str, pl.DataType] = {"all_turns": pl.Boolean(), "history_refs": pl.List(HISTORY_REF)}
 
 
 def with_turn_prompts(

@@ -63,7 +63,7 @@ class _Copied:
 
 
 def _wants_save(params: dict[str, Any] | None) -> bool:
-    return bool(params) and bool(params.get(OPT_IN))
+    return params is not None and bool(params.get(OPT_IN))
 
 
 def _fp8_file(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

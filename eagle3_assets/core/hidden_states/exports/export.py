@@ -52,7 +52,12 @@ def export(
     )  # refuses an export that trains nothing before writing
     source = StoredStates.read(folder)
     states = StatesAs.of(layout, source.dtype)
-    target = target or read_target(source.model, source.revision)
+    if target is None:
+        if source.model is None:
+            raise ExportError(
+                f"{folder}: the shards name no target model; pass the target's facts explicitly"
+            )
+        target = read_target(source.model, source.revision)
     _check_out(out)
     work = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     work.mkdir()  # not mkdtemp: the export's folders get the user's umask, not 0700
