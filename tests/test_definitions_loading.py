@@ -5,6 +5,7 @@ file first, and works outside a checkout."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +13,11 @@ from .support.projects import REPO, make_project
 
 
 def _python(code: str, cwd, config) -> subprocess.CompletedProcess:
-    env = {**os.environ, "EAGLE3_CONFIG": str(config), "PYTHONPATH": str(REPO)}
+    """Run `code` as `make demo` would: its own DAGSTER_HOME holding the shipped local instance config."""
+    home = cwd / ".dagster"
+    home.mkdir(exist_ok=True)
+    shutil.copy(REPO / "deploy" / "local" / "dagster.yaml", home / "dagster.yaml")
+    env = {**os.environ, "EAGLE3_CONFIG": str(config), "PYTHONPATH": str(REPO), "DAGSTER_HOME": str(home)}
     return subprocess.run(
         [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
