@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +14,15 @@ import pytest
 
 from .support.projects import REPO
 
-warnings.filterwarnings("ignore")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The project's known notices, named in one place, join pytest's own filters (which replace the module's)."""
+    from eagle3_assets.definitions import KNOWN_NOTICES
+
+    for message, category in KNOWN_NOTICES:
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__module__}.{category.__qualname__}")
 
 
 @pytest.fixture(scope="session")

@@ -80,7 +80,7 @@ def operator_stop(context: dg.OpExecutionContext | dg.AssetExecutionContext) -> 
     backfill it belongs to was cancelled (which the backfill daemon passes on to its runs only at its next pass,
     up to 30 s later). On a cancelled backfill this run asks to be terminated itself, as the daemon would, so that
     it ends CANCELED."""
-    instance, run_id = context.instance, context.run_id
+    instance, run_id = context.instance, context.run.run_id
     backfill_id = context.run.tags.get(BACKFILL_ID_TAG)
     asked: list[str] = []
 

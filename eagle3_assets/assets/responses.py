@@ -102,7 +102,7 @@ def startup_timeline(
     from a backfill), the run's start, the step's start, and the step's own preparation (journals, the target's and
     the backend's preflight, the tokenizer where the backend needs one). Wall-clock stamps from the instance and this
     process."""
-    record = context.instance.get_run_record_by_id(context.run_id)
+    record = context.instance.get_run_record_by_id(context.run.run_id)
     phases: dict[str, float] = {}
     created = record.create_timestamp.timestamp() if record else None
     backfill_id = context.run.tags.get("dagster/backfill")
