@@ -1,4 +1,6 @@
-"""`make bench` / `python -m bench [engine|limits|backfill|multiturn|storage|tokens|hidden|vllm|acceptance|served_gate] [--quick]`: run benchmarks and print ratio tables."""
+"""`make bench` / `python -m bench
+[engine|limits|backfill|multiturn|storage|tokens|hidden|vllm|acceptance|served_gate] [--quick]`: run
+benchmarks and print ratio tables."""
 
 from __future__ import annotations
 

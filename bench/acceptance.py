@@ -1,11 +1,12 @@
 """The acceptance gate's cost on one demo partition (B3, code), on this machine, with the shipped defaults.
 
 Builds the partition the way `make demo` does (the embedded target answers B3's prompts; hidden states on this
-device), then times each phase of the gate. Baseline, measured in the same run: plain greedy decoding of the same
-measured prompts with the target (`generate`, the same number of new tokens), so the measurement phases read as a
-multiple of "just decoding them". Also printed: acceptance lengths (train, heldout, untrained floor, the source's own
-answers) and the speed-up they imply in target forwards. Then the same partition's states are extracted again in FP8
-(`storage_dtype: float8_e4m3fn`) and the gate runs again on them: heldout acceptance on FP8 states against bf16.
+device), then times each phase of the gate. Baseline, measured in the same run: plain greedy decoding of the
+same measured prompts with the target (`generate`, the same number of new tokens), so the measurement phases
+read as a multiple of "just decoding them". Also printed: acceptance lengths (train, heldout, untrained floor,
+the source's own answers) and the speed-up they imply in target forwards. Then the same partition's states are
+extracted again in FP8 (`storage_dtype: float8_e4m3fn`) and the gate runs again on them: heldout acceptance on
+FP8 states against bf16.
 
 `python -m bench acceptance` (`--quick`: 12 prompts, 60 training steps, 32 new tokens).
 """
@@ -128,31 +129,30 @@ def run(quick: bool = False) -> dict:
         },
     }
     print(
-        f"B3 on {device}: {result['samples_trained']} samples trained, {result['heldout_prompts']} heldout prompts, "
-        f"k = {r.draft_tokens}, {settings.train_steps} training steps"
+        f"B3 on {device}: {result['samples_trained']} samples trained, {result['heldout_prompts']} heldout "
+        f"prompts, k = {r.draft_tokens}, {settings.train_steps} training steps"
     )
     print(f"{'phase':34} {'seconds':>8}")
     for name, value in secs.items():
         print(f"{name:34} {value:>8.1f}")
     print(
-        f"baseline: greedy decoding of the heldout prompts {greedy_s:.1f} s; measuring the untrained draft on them "
-        f"{secs['measure_untrained'] / greedy_s:.1f}x that (each of its rounds is a target forward that accepts "
-        "nothing), the whole gate "
-        f"{secs['total'] / greedy_s:.0f}x"
+        f"baseline: greedy decoding of the heldout prompts {greedy_s:.1f} s; measuring the untrained draft "
+        f"on them {secs['measure_untrained'] / greedy_s:.1f}x that (each of its rounds is a target forward "
+        f"that accepts nothing), the whole gate {secs['total'] / greedy_s:.0f}x"
     )
     al = result["acceptance_length"]
     src = al["source_answers_heldout"]
     print(
-        f"acceptance length (tokens per target forward): train {al['train']:.2f}, heldout {al['heldout']:.2f}, "
-        f"untrained {al['untrained']:.2f}, trained on the source's own answers "
+        f"acceptance length (tokens per target forward): train {al['train']:.2f}, heldout "
+        f"{al['heldout']:.2f}, untrained {al['untrained']:.2f}, trained on the source's own answers "
         + (f"{src:.2f}" if src is not None else "n/a")
         + f"; gate {'passed' if result['gate_passed'] else 'FAILED'}"
     )
     f = result["fp8"]["acceptance_length"]
     print(
         f"FP8 states (storage_dtype: float8_e4m3fn), the same gate: train {f['train']:.2f}, heldout "
-        f"{f['heldout']:.2f} ({result['fp8']['heldout_vs_bf16']:+.2f} vs bf16), untrained {f['untrained']:.2f}; "
-        f"gate {'passed' if result['fp8']['gate_passed'] else 'FAILED'}"
+        f"{f['heldout']:.2f} ({result['fp8']['heldout_vs_bf16']:+.2f} vs bf16), untrained "
+        f"{f['untrained']:.2f}; gate {'passed' if result['fp8']['gate_passed'] else 'FAILED'}"
     )
     print(json.dumps({"partition_build_s": result["partition_build_s"]}))
     return result

@@ -1,6 +1,6 @@
 """The seed's job at the seed's scale: eight datasets, one key with a limit, heavy-tailed streamed answers and
-budgets that bind; through the real Dagster path (dagster dev, its daemon and queue, the pools, one backfill of
-`responses` over B1..B8 launched through GraphQL as the UI launches it) and through the engine alone.
+budgets that bind; through the real Dagster path (dagster dev, its daemon and queue, the pools, one backfill
+of `responses` over B1..B8 launched through GraphQL as the UI launches it) and through the engine alone.
 
 The key is `tests.support.limited_provider.LimitedProvider` in its own process: an in-flight cap (or a
 request-rate limit), answers of log-normal length (median 1,500 tokens, σ 0.8, capped at 8,192) decoded at
@@ -10,12 +10,12 @@ events each. Each dataset has 2,500 prompts and a budget of 3M tokens (5,000 tok
 
 Figures, all from one run: wall time from the first run's start (and from the first request) against the key's
 ideal, the total service time of the answers divided by the cap (or the answers divided by the rate); the mean
-number of requests the provider held while work remained (until its last accepted request) as a share of the cap;
-refused attempts; the largest budget overshoot; prompts lost (bought and not stored); and the fixed costs from the
-launch to the first request, as the `responses` metadata reports them. With an in-flight cap, also the blind floor:
-the same answers, in the order given, on the cap's slots kept full from the first request (`list_schedule_s`), the
-best any client reaches that cannot know an answer's length before it ends; the wall against it is the client's
-share of the gap to the ideal, the floor against the ideal is the heavy tail's.
+number of requests the provider held while work remained (until its last accepted request) as a share of the
+cap; refused attempts; the largest budget overshoot; prompts lost (bought and not stored); and the fixed costs
+from the launch to the first request, as the `responses` metadata reports them. With an in-flight cap, also
+the blind floor: the same answers, in the order given, on the cap's slots kept full from the first request
+(`list_schedule_s`), the best any client reaches that cannot know an answer's length before it ends; the wall
+against it is the client's share of the gap to the ideal, the floor against the ideal is the heavy tail's.
 """
 
 from __future__ import annotations
@@ -138,9 +138,9 @@ def _figures(stats: dict, samples: list, ideal: float, cap: float | None, root: 
 
 
 def list_schedule_s(service_times: list[float], cap: int) -> float:
-    """The makespan of the same answers, in the order the provider gave them, on `cap` slots kept full from the
-    first request: what any client that cannot know an answer's length before it ends reaches at best. Its excess
-    over the ideal is the structural tail (the last long answers land alone), not the client."""
+    """The makespan of the same answers, in the order the provider gave them, on `cap` slots kept full from
+    the first request: what any client that cannot know an answer's length before it ends reaches at best. Its
+    excess over the ideal is the structural tail (the last long answers land alone), not the client."""
     import heapq
 
     slots = [0.0] * max(cap, 1)

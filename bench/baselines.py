@@ -1,9 +1,10 @@
 """The policies the adaptive engine is compared with, over the same HTTP client and error classification.
 
 - `fixed`: the engine as it was before adaptive concurrency: `concurrency` workers, each with one request in
-  flight; a 429/503 sets a cool-down shared by every worker (its Retry-After, else jittered backoff) and counts
-  against the prompt's retries like any fault; a prompt out of retries is left unanswered.
-- `pause10`: the common client (curator and others): any 429 pauses every worker for a fixed 10 s; up to 10 retries.
+  flight; a 429/503 sets a cool-down shared by every worker (its Retry-After, else jittered backoff) and
+  counts against the prompt's retries like any fault; a prompt out of retries is left unanswered.
+- `pause10`: the common client (curator and others): any 429 pauses every worker for a fixed 10 s; up to 10
+  retries.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ async def run_fixed(
     pause_on_429_s: float | None = None,
     deadline_s: float = 120.0,
 ) -> BaselineReport:
-    """`pause_on_429_s` None: today's policy (shared cool-down from Retry-After or backoff); a number: pause10."""
+    """`pause_on_429_s` None: today's policy (shared cool-down from Retry-After or backoff); a number:
+    pause10."""
     report = BaselineReport()
     it = iter(requests)
     resume_at = 0.0

@@ -1,9 +1,9 @@
 """Engine throughput at 256/1000/2000 concurrent requests against one loopback server with 1 s latency.
 
 Compared, in the same run against the same server: the generation engine (aiohttp, one session, journal writes
-included), a plain `openai.AsyncOpenAI` client behind an `asyncio.Semaphore`, and the ideal (concurrency / latency).
-Steady requests/s is counted over the middle waves (the first wave's connection set-up and the last wave's drain
-excluded); CPU per request is the client process's CPU time over the requests it completed.
+included), a plain `openai.AsyncOpenAI` client behind an `asyncio.Semaphore`, and the ideal (concurrency /
+latency). Steady requests/s is counted over the middle waves (the first wave's connection set-up and the last
+wave's drain excluded); CPU per request is the client process's CPU time over the requests it completed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
 def _steady_rate(done_at: list[float], concurrency: int) -> float:
-    """Requests/s of the middle waves: from the c-th completion to the (n-c)-th (start-up and drain excluded)."""
+    """Requests/s of the middle waves: from the c-th completion to the (n-c)-th (start-up and drain
+    excluded)."""
     xs = sorted(done_at)
     if len(xs) <= 2 * concurrency:
         return len(xs) / (xs[-1] - xs[0]) if len(xs) > 1 else 0.0
@@ -207,23 +208,25 @@ def run(quick: bool = False) -> dict:
                 "ideal_rps": c / LATENCY_S,
             }
     print(
-        "requests/s (steady) and client CPU per request; ratios against the ideal (concurrency / latency), the"
+        "requests/s (steady) and client CPU per request; ratios against the ideal (concurrency / latency), "
+        "the"
     )
     print(
         "openai SDK + semaphore, bare aiohttp (the transport's ceiling on this machine), and, streamed "
         f"({EVENTS} events per answer), a minimal aiohttp streaming client; every client on the same loop"
     )
     print(
-        f"{'conc.':>5} {'engine':>7} {'openai':>7} {'aiohttp':>7} {'ideal':>6} | {'eng/ideal':>9} {'eng/openai':>10} "
-        f"{'eng/aiohttp':>11} | {'cpu ms/req eng':>14} {'openai':>6} {'aiohttp':>7} | {'streamed eng':>12} "
-        f"{'minimal':>7} {'ratio':>5} {'cpu ms eng/min':>14}"
+        f"{'conc.':>5} {'engine':>7} {'openai':>7} {'aiohttp':>7} {'ideal':>6} | {'eng/ideal':>9} "
+        f"{'eng/openai':>10} {'eng/aiohttp':>11} | {'cpu ms/req eng':>14} {'openai':>6} {'aiohttp':>7} | "
+        f"{'streamed eng':>12} {'minimal':>7} {'ratio':>5} {'cpu ms eng/min':>14}"
     )
     for c, r in results["levels"].items():
         e, o, a = r["engine"], r["openai_semaphore"], r["plain_aiohttp"]
         se, sm = r["engine_streamed"], r["minimal_streaming"]
         print(
-            f"{c:>5} {e['steady_rps']:>7.0f} {o['steady_rps']:>7.0f} {a['steady_rps']:>7.0f} {r['ideal_rps']:>6.0f} | "
-            f"{e['steady_rps'] / r['ideal_rps']:>9.2f} {e['steady_rps'] / max(o['steady_rps'], 1e-9):>10.2f} "
+            f"{c:>5} {e['steady_rps']:>7.0f} {o['steady_rps']:>7.0f} {a['steady_rps']:>7.0f} "
+            f"{r['ideal_rps']:>6.0f} | {e['steady_rps'] / r['ideal_rps']:>9.2f} "
+            f"{e['steady_rps'] / max(o['steady_rps'], 1e-9):>10.2f} "
             f"{e['steady_rps'] / max(a['steady_rps'], 1e-9):>11.2f} | {e['cpu_ms_per_request']:>14.3f} "
             f"{o['cpu_ms_per_request']:>6.3f} {a['cpu_ms_per_request']:>7.3f} | {se['steady_rps']:>12.0f} "
             f"{sm['steady_rps']:>7.0f} {se['steady_rps'] / max(sm['steady_rps'], 1e-9):>5.2f} "
@@ -231,7 +234,8 @@ def run(quick: bool = False) -> dict:
         )
     results["resume_finished_100k_s"] = round(resume_check_seconds(), 2)
     print(
-        f"re-materialising a finished 100k-prompt partition: {results['resume_finished_100k_s']} s, nothing sent"
+        "re-materialising a finished 100k-prompt partition: "
+        f"{results['resume_finished_100k_s']} s, nothing sent"
     )
     return results
 

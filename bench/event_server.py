@@ -1,15 +1,15 @@
 """A lean loopback provider for measuring a client's CPU per streamed event, in its own process.
 
-Providers send a streamed answer one token per event, each event in its own TCP segment, spread over the answer's
-time. A server in Python that writes 64,000 events a second through aiohttp needs more than the one core it has
-here: it falls behind, and late events arrive in clumps, which makes every client look cheaper per event than it
-is against a real provider. This one keeps pace on a share of a core: a raw protocol, prebuilt event bytes, one
-timer wheel for all streams, one `send` per event with Nagle off. It reports how far behind it fell (its lag), so a
-measurement where it could not keep up says so.
+Providers send a streamed answer one token per event, each event in its own TCP segment, spread over the
+answer's time. A server in Python that writes 64,000 events a second through aiohttp needs more than the one
+core it has here: it falls behind, and late events arrive in clumps, which makes every client look cheaper per
+event than it is against a real provider. This one keeps pace on a share of a core: a raw protocol, prebuilt
+event bytes, one timer wheel for all streams, one `send` per event with Nagle off. It reports how far behind
+it fell (its lag), so a measurement where it could not keep up says so.
 
 A request with `"stream": true` gets `events` content events spread evenly over a log-normal time (median
-`median_s`), then the finish event with usage and `[DONE]`, chunked, as OpenRouter sends them; any other request
-gets the same answer unstreamed after the same time.
+`median_s`), then the finish event with usage and `[DONE]`, chunked, as OpenRouter sends them; any other
+request gets the same answer unstreamed after the same time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ TICK_S = 0.002
 
 # An OpenRouter chunk as it comes (its fields, their order, their size: ~300 bytes).
 _EVENT = (
-    b'data: {"id":"gen-1764650000-AbCdEfGhIjKlMnOpQrSt","provider":"Moonshot AI","model":"moonshotai/kimi-k2",'
+    b'data: {"id":"gen-1764650000-AbCdEfGhIjKlMnOpQrSt","provider":"Moonshot AI",'
+    b'"model":"moonshotai/kimi-k2",'
     b'"object":"chat.completion.chunk","created":1764650000,"choices":[{"index":0,"delta":{"role":"assistant",'
     b'"content":" tok"},"finish_reason":null,"native_finish_reason":null,"logprobs":null}]}\n\n'
 )
@@ -38,7 +39,8 @@ _CHUNK = b"%x\r\n" % len(_EVENT) + _EVENT + b"\r\n"
 
 def _last(events: int) -> bytes:
     finish = (
-        b'data: {"id":"gen-1764650000-AbCdEfGhIjKlMnOpQrSt","provider":"Moonshot AI","model":"moonshotai/kimi-k2",'
+        b'data: {"id":"gen-1764650000-AbCdEfGhIjKlMnOpQrSt","provider":"Moonshot AI",'
+        b'"model":"moonshotai/kimi-k2",'
         b'"object":"chat.completion.chunk","created":1764650000,"choices":[{"index":0,"delta":{"role":"assistant",'
         b'"content":""},"finish_reason":"stop","native_finish_reason":"stop","logprobs":null}],"usage":'
         + json.dumps({"prompt_tokens": 20, "completion_tokens": events, "total_tokens": 20 + events}).encode()
@@ -187,7 +189,8 @@ def _serve(events: int, median_s: float, sigma: float, pipe) -> None:
 
 
 class EventServer:
-    """`with EventServer(events=256, median_s=8.0) as s:` a provider at `s.base_url`; `s.stats()` once done."""
+    """`with EventServer(events=256, median_s=8.0) as s:` a provider at `s.base_url`; `s.stats()` once
+    done."""
 
     def __init__(self, events: int = 256, median_s: float = 8.0, sigma: float = 0.2):
         self.args = (events, median_s, sigma)

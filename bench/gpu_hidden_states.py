@@ -1,20 +1,24 @@
-"""Prepared GPU check for hidden-state extraction: proves the CUDA path and measures tokens/s, in under 5 minutes.
+"""Prepared GPU check for hidden-state extraction: proves the CUDA path and measures tokens/s, in under 5
+minutes.
 
     python -m bench.gpu_hidden_states [--quick] [--out DIR]
 
 What it does, on `cuda` (or `--device cpu` for a dry run of the script itself):
-1. builds Llama-architecture models from config with random weights in bf16 (no download; throughput does not depend
-   on the weights): SmolLM2's shape (30 layers, H = 576) and an 8B shape (32 layers, H = 4096, GQA 32/8);
-2. checks on the device that packed rows (positions restarting per sample) give the same hidden states as one
-   forward per sample (bf16 tolerance) with the attention implementation the pipeline picks (flash-attention 2 when
-   installed, else sdpa);
+
+1. builds Llama-architecture models from config with random weights in bf16 (no download; throughput does
+   not depend on the weights): SmolLM2's shape (30 layers, H = 576) and an 8B shape (32 layers, H = 4096,
+   GQA 32/8);
+2. checks on the device that packed rows (positions restarting per sample) give the same hidden states as
+   one forward per sample (bf16 tolerance) with the attention implementation the pipeline picks
+   (flash-attention 2 when installed, else sdpa);
 3. measures a bare forward over the packed rows against the full extraction (hooks, device-to-host copies,
-   safetensors shard written atomically) on the same samples; prints and saves tokens/s, overhead and bytes/token;
-4. where a vLLM is installed (`--vllm-python`, default: this interpreter if it imports vllm): the same shapes
-   through a vLLM server started with the exact `eagle3 vllm-serve` command (extract_hidden_states + the project's
-   connector), a bare vLLM prefill of the same ids against the served extraction (tokens/s, overhead, bytes per
-   token, connector files left), beside the transformers path's tokens/s. `--device cpu --vllm-python <the CPU
-   build's python>` is the dry run of this part.
+   safetensors shard written atomically) on the same samples; prints and saves tokens/s, overhead and
+   bytes/token;
+4. where a vLLM is installed (`--vllm-python`, default: this interpreter if it imports vllm): the same
+   shapes through a vLLM server started with the exact `eagle3 vllm-serve` command (extract_hidden_states +
+   the project's connector), a bare vLLM prefill of the same ids against the served extraction (tokens/s,
+   overhead, bytes per token, connector files left), beside the transformers path's tokens/s.
+   `--device cpu --vllm-python <the CPU build's python>` is the dry run of this part.
 
 Needs torch, transformers, safetensors, numpy and polars (the extraction module writes Parquet indexes); on a
 machine without internet carry polars as wheels (see the device tool's notes).
@@ -185,8 +189,8 @@ def vllm_python(arg: str | None) -> str | None:
 
 
 def measure_vllm(name: str, shape: dict, device: str, n_tokens: int, python: str, work: Path) -> dict:
-    """The shape served by vLLM: SmolLM2's real checkpoint, or random bf16 weights saved with SmolLM2's tokenizer
-    (ids stay inside its vocabulary)."""
+    """The shape served by vLLM: SmolLM2's real checkpoint, or random bf16 weights saved with SmolLM2's
+    tokenizer (ids stay inside its vocabulary)."""
     import shutil
 
     import polars as pl
@@ -255,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(
             f"{r['model']:>14} on {r['device']} ({r['attn']}): bare {r['bare_tok_s']:,.0f} tok/s, extraction "
-            f"{r['extraction_tok_s']:,.0f} tok/s ({100 * r['overhead']:+.1f}%), {r['bytes_per_token']:,.0f} B/token "
-            f"vs 8·H {r['ideal_bytes_per_token']:,}"
+            f"{r['extraction_tok_s']:,.0f} tok/s ({100 * r['overhead']:+.1f}%), {r['bytes_per_token']:,.0f} "
+            f"B/token vs 8·H {r['ideal_bytes_per_token']:,}"
         )
     served: list[dict] = []
     python = vllm_python(args.vllm_python)
@@ -274,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in served:
             ratio = r["served_tok_s"] / local[r["model"]] if r["model"] in local else float("nan")
             print(
-                f"{r['model']:>14} through vLLM: {r['served_tok_s']:,.0f} tok/s ({ratio:.2f}x the transformers path), "
-                f"bare prefill {r['bare_prefill_tok_s']:,.0f} tok/s ({100 * r['over_bare']:+.1f}%), connector files "
-                f"{r['connector_bytes_per_token']:,.0f} B/token, {r['files_left']} left behind"
+                f"{r['model']:>14} through vLLM: {r['served_tok_s']:,.0f} tok/s ({ratio:.2f}x the "
+                f"transformers path), bare prefill {r['bare_prefill_tok_s']:,.0f} tok/s "
+                f"({100 * r['over_bare']:+.1f}%), connector files {r['connector_bytes_per_token']:,.0f} "
+                f"B/token, {r['files_left']} left behind"
             )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

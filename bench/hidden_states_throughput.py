@@ -1,11 +1,13 @@
 """hidden_states extraction against a bare transformers forward over the same packed batches.
 
 Overhead = extraction time (hooks, device-to-host copies, bf16 casts, safetensors writes, index) over the bare
-forward's time on exactly the same rows (goal <= 10%). Also: padding share (goal 0) and bytes written per token
-against 8·H (bf16: three aux layers + the last layer). FP8 storage (`storage_dtype: float8_e4m3fn`) on the same
-rows: its cost against bf16 (the quantization; goal < 5%) and its bytes per token against bf16's (goal <= 0.55x).
+forward's time on exactly the same rows (goal <= 10%). Also: padding share (goal 0) and bytes written per
+token against 8·H (bf16: three aux layers + the last layer). FP8 storage (`storage_dtype: float8_e4m3fn`) on
+the same rows: its cost against bf16 (the quantization; goal < 5%) and its bytes per token against bf16's
+(goal <= 0.55x).
 
-Runs on whatever device is there (CPU here); `bench/gpu_hidden_states.py` is the prepared script for a real GPU.
+Runs on whatever device is there (CPU here); `bench/gpu_hidden_states.py` is the prepared script for a real
+GPU.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def _print(r: dict, n: int, hidden: int) -> None:
         f"(ratio {r['bytes_per_token'] / (8 * hidden):.3f}; the rest is ids, mask and headers)"
     )
     print(
-        f"FP8 storage       {r['fp8_extraction_tok_s']:>10,.0f} tok/s   {100 * r['fp8_cost_vs_bf16']:+.1f}% vs bf16 "
-        f"(goal < 5%); {r['fp8_bytes_per_token']:,.0f} bytes per token, {r['fp8_bytes_ratio']:.3f}x bf16 "
-        "(goal <= 0.55)"
+        f"FP8 storage       {r['fp8_extraction_tok_s']:>10,.0f} tok/s   {100 * r['fp8_cost_vs_bf16']:+.1f}% "
+        f"vs bf16 (goal < 5%); {r['fp8_bytes_per_token']:,.0f} bytes per token, {r['fp8_bytes_ratio']:.3f}x "
+        "bf16 (goal <= 0.55)"
     )

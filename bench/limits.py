@@ -1,7 +1,7 @@
-"""Riding provider limits: goodput as a share of the limit and refused attempts as a share of all attempts, for
-this engine beside today's fixed-concurrency policy and a client that pauses 10 s after each 429; the random
-fault mix against its fault-free time; faults scripted on first attempts (no limit behind them) against the same run
-without them; budget overshoot at 500 and 2000 in flight; client CPU of 2000 streams.
+"""Riding provider limits: goodput as a share of the limit and refused attempts as a share of all attempts,
+for this engine beside today's fixed-concurrency policy and a client that pauses 10 s after each 429; the
+random fault mix against its fault-free time; faults scripted on first attempts (no limit behind them) against
+the same run without them; budget overshoot at 500 and 2000 in flight; client CPU of 2000 streams.
 
 Every provider is `tests.support.limited_provider.LimitedProvider` in its own process (so the client's CPU is
 its own), with heavy-tailed service times (log-normal, median 1 s). Goodput is counted by the provider between
@@ -127,8 +127,9 @@ def limits(quick: bool) -> dict:
             r["goodput_share"] = round(r["steady_goodput"] / capacity, 3)
             results[f"{name} | {client}"] = r
             print(
-                f"{name:<32} {client:<8} goodput {r['steady_goodput']:>7.1f}/s = {r['goodput_share']:.2f} of the "
-                f"limit, refused {r['refused_share']:.1%}, unanswered {r['unanswered']}, wall {r['wall_s']} s",
+                f"{name:<32} {client:<8} goodput {r['steady_goodput']:>7.1f}/s = {r['goodput_share']:.2f} of "
+                f"the limit, refused {r['refused_share']:.1%}, unanswered {r['unanswered']}, wall "
+                f"{r['wall_s']} s",
                 flush=True,
             )
     return results
@@ -145,8 +146,8 @@ def fault_mix(quick: bool) -> dict:
         r["vs_fault_free"] = round(r["wall_s"] / clean["wall_s"], 2)
         out[client] = r
         print(
-            f"fault mix (12% 429, 8% 5xx/reset/malformed) {client:<8} {r['wall_s']:>6} s = {r['vs_fault_free']:.2f}× "
-            f"the fault-free {clean['wall_s']} s, unanswered {r['unanswered']}",
+            f"fault mix (12% 429, 8% 5xx/reset/malformed) {client:<8} {r['wall_s']:>6} s = "
+            f"{r['vs_fault_free']:.2f}× the fault-free {clean['wall_s']} s, unanswered {r['unanswered']}",
             flush=True,
         )
     return out
@@ -170,9 +171,9 @@ async def _scripted_engine(url: str, texts: list[str], ceiling: int):
 
 
 def first_attempt_faults(quick: bool) -> dict:
-    """Mixed faults (429 with and without Retry-After, 5xx, resets, errors in 200 bodies, malformed answers) on the
-    first one to three attempts of 30% of the prompts, with no limit behind them: the run against the same run
-    without faults (the window must not read the noise as a limit)."""
+    """Mixed faults (429 with and without Retry-After, 5xx, resets, errors in 200 bodies, malformed answers)
+    on the first one to three attempts of 30% of the prompts, with no limit behind them: the run against the
+    same run without faults (the window must not read the noise as a limit)."""
     n, ceiling = (3000, 300) if quick else (12000, 600)
     out: dict = {}
     for share in (0.0, 0.3):
@@ -233,20 +234,21 @@ def budget(quick: bool) -> dict:
         }
         out[f"{ceiling} in flight"] = r
         print(
-            f"budget {limit:,} tokens at {ceiling} in flight ({'streaming' if stream else 'not streaming'}): bought "
-            f"{r['bought_over_budget']:.4f}× the budget; mean in flight while 10-80% of it was bought: "
-            f"{r['in_flight_share_until_80pct']:.2f} of {ceiling}",
+            f"budget {limit:,} tokens at {ceiling} in flight ({'streaming' if stream else 'not streaming'}): "
+            f"bought {r['bought_over_budget']:.4f}× the budget; mean in flight while 10-80% of it was "
+            f"bought: {r['in_flight_share_until_80pct']:.2f} of {ceiling}",
             flush=True,
         )
     return out
 
 
 def streaming_cpu(quick: bool) -> dict:
-    """Client CPU per streamed event: 2000 concurrent streams of 256 events over ~8 s each (32 events/s per stream, a
-    thinking model's pace; 64,000 events/s in all), each event in its own TCP segment as providers send them, from
-    `event_server.EventServer` (a server lean enough to keep that pace; how late it fell is reported), against the
-    same answers unstreamed; the engine beside a minimal aiohttp streaming client that reads each chunk as it comes
-    and parses every event, on the same loop. Providers send about one token per event, so events/s is tokens/s."""
+    """Client CPU per streamed event: 2000 concurrent streams of 256 events over ~8 s each (32 events/s per
+    stream, a thinking model's pace; 64,000 events/s in all), each event in its own TCP segment as providers
+    send them, from `event_server.EventServer` (a server lean enough to keep that pace; how late it fell is
+    reported), against the same answers unstreamed; the engine beside a minimal aiohttp streaming client that
+    reads each chunk as it comes and parses every event, on the same loop. Providers send about one token per
+    event, so events/s is tokens/s."""
     from .engine_throughput import _minimal_streaming_client, _plain_aiohttp_client
     from .event_server import EventServer
 
@@ -281,10 +283,10 @@ def streaming_cpu(quick: bool) -> dict:
         )
         out[name] = per
         print(
-            f"{name:<16} 2000 streams of {events} events: {s_['client_cpu_ms_per_answer']} ms client CPU per answer "
-            f"against {p_['client_cpu_ms_per_answer']} ms unstreamed: {per['us_per_event']} µs per event "
-            f"(one core follows {1e6 / max(per['us_per_event'], 1e-9):,.0f} streamed tokens/s; the server "
-            f"{s_['server_mean_lag_ms']} ms late on average)",
+            f"{name:<16} 2000 streams of {events} events: {s_['client_cpu_ms_per_answer']} ms client CPU per "
+            f"answer against {p_['client_cpu_ms_per_answer']} ms unstreamed: {per['us_per_event']} µs per "
+            f"event (one core follows {1e6 / max(per['us_per_event'], 1e-9):,.0f} streamed tokens/s; the "
+            f"server {s_['server_mean_lag_ms']} ms late on average)",
             flush=True,
         )
     out["engine_vs_minimal"] = round(

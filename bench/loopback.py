@@ -1,7 +1,8 @@
-"""A loopback chat-completions server with a fixed latency, in its own process (so client CPU is measured alone).
+"""A loopback chat-completions server with a fixed latency, in its own process (so client CPU is measured
+alone).
 
-A request with `"stream": true` is answered as server-sent events: `EVENTS` content events spread over the latency
-(one per chunk, as providers send tokens), then the finish event with usage and `[DONE]`."""
+A request with `"stream": true` is answered as server-sent events: `EVENTS` content events spread over the
+latency (one per chunk, as providers send tokens), then the finish event with usage and `[DONE]`."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ _DELTA = (
     b'data: {"id":"gen-bench","model":"bench/model","choices":[{"index":0,"delta":{"content":"tok "}}]}\n\n'
 )
 _LAST = (
-    b'data: {"id":"gen-bench","model":"bench/model","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+    b'data: {"id":"gen-bench","model":"bench/model",'
+    b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
     b'"usage":{"prompt_tokens":20,"completion_tokens":16,"total_tokens":36}}\n\ndata: [DONE]\n\n'
 )
 
@@ -96,7 +98,8 @@ class LoopbackServer:
         return self
 
     def cpu_seconds(self) -> float:
-        """CPU time the server process has used so far (to tell a server-bound run from a client-bound one)."""
+        """CPU time the server process has used so far (to tell a server-bound run from a client-bound
+        one)."""
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

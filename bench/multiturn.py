@@ -1,11 +1,11 @@
-"""turns: all at scale: thousands of conversations as chains in one window, against the same number of independent
-requests.
+"""turns: all at scale: thousands of conversations as chains in one window, against the same number of
+independent requests.
 
-2,000 conversations of 4 turns (8,000 requests, each turn sent only after the previous answer landed) against a
-loopback provider in its own process that holds at most 600 requests in flight, with heavy-tailed service times
-(log-normal, median 1 s); beside it, the same 8,000 requests as independent single-turn prompts. Head-of-line
-blocking would show as a lower mean in flight for the chains (slots idle while conversations wait for their previous
-turn); the ratio of the two walls is what chaining costs.
+2,000 conversations of 4 turns (8,000 requests, each turn sent only after the previous answer landed) against
+a loopback provider in its own process that holds at most 600 requests in flight, with heavy-tailed service
+times (log-normal, median 1 s); beside it, the same 8,000 requests as independent single-turn prompts.
+Head-of-line blocking would show as a lower mean in flight for the chains (slots idle while conversations wait
+for their previous turn); the ratio of the two walls is what chaining costs.
 """
 
 from __future__ import annotations
@@ -49,8 +49,13 @@ async def _run(url: str, n: int, turns: int, chained: bool) -> dict:
         )
         budget = Budget(4096, 10**12)
         if chained:
-            chains = Chains([Chain(f"c{i}", conversation(i, turns)) for i in range(n)], 4096, Sampling(), None,
-                            lambda *a: None)  # fmt: skip
+            chains = Chains(
+                [Chain(f"c{i}", conversation(i, turns)) for i in range(n)],
+                4096,
+                Sampling(),
+                None,
+                lambda *a: None,
+            )
             lane = Lane("bench", chains.first_requests(), n, budget, writer, follow=chains.follow)
         else:
             requests = (
@@ -94,9 +99,9 @@ def run(quick: bool = False) -> dict:
         name = "chains" if chained else "independent"
         result[name] = r
         print(
-            f"{name:12s} {r['answered']:,} answers: wall {r['wall_s']:.1f} s = {r['wall_s'] / r['ideal_s']:.2f}x the "
-            f"ideal, mean in flight {r['mean_in_flight']:.0f} = {r['mean_in_flight'] / CAP:.2f} of the cap, refused "
-            f"{r['refused'] / max(r['attempts'], 1):.1%}",
+            f"{name:12s} {r['answered']:,} answers: wall {r['wall_s']:.1f} s = "
+            f"{r['wall_s'] / r['ideal_s']:.2f}x the ideal, mean in flight {r['mean_in_flight']:.0f} = "
+            f"{r['mean_in_flight'] / CAP:.2f} of the cap, refused {r['refused'] / max(r['attempts'], 1):.1%}",
             flush=True,
         )
     return result

@@ -1,14 +1,15 @@
 """The acceptance gate served by vLLM against the gate in this process, on one demo partition (B3).
 
-Builds the partition as `make demo` does (the embedded target answers B3's prompts, hidden states in process), then
-runs the gate twice, each in a process of its own: `acceptance.engine: transformers` (the target in the step, this
-project's speculative loop) and `acceptance.engine: vllm` with `vllm.cpu: true` (the step starts vLLM's CPU build
-with each draft as EAGLE-3 and reads its counters). Both skip the source-answers arm (the served one takes those
-states from hidden-states servers, which this partition did not use), so they do the same work.
+Builds the partition as `make demo` does (the embedded target answers B3's prompts, hidden states in process),
+then runs the gate twice, each in a process of its own: `acceptance.engine: transformers` (the target in the
+step, this project's speculative loop) and `acceptance.engine: vllm` with `vllm.cpu: true` (the step starts
+vLLM's CPU build with each draft as EAGLE-3 and reads its counters). Both skip the source-answers arm (the
+served one takes those states from hidden-states servers, which this partition did not use), so they do the
+same work.
 
 Reported: wall time of each (and the ratio served / in-process), the step process's peak RSS under each engine
-(the served step holds the draft and the target's embedding; the vLLM servers' own memory is reported beside it),
-and the acceptance lengths each engine measured on the same prompts.
+(the served step holds the draft and the target's embedding; the vLLM servers' own memory is reported beside
+it), and the acceptance lengths each engine measured on the same prompts.
 
 `python -m bench served_gate` (`--quick`: 12 prompts, 60 training steps, 32 new tokens).
 """

@@ -1,7 +1,8 @@
-"""Storage at scale: a generated partition of N answered prompts (~10 KB of content plus reasoning each), built in
-full, then topped up with 1,000 more answers; every stage but hidden states (a GPU stage: hours on this CPU) runs in
-its own process, so its peak RSS is its own. Once with a local root, once with an S3 root on a loopback
-S3-compatible server (moto's server mode), where each stage pulls what it reads and pushes what it writes.
+"""Storage at scale: a generated partition of N answered prompts (~10 KB of content plus reasoning each),
+built in full, then topped up with 1,000 more answers; every stage but hidden states (a GPU stage: hours on
+this CPU) runs in its own process, so its peak RSS is its own. Once with a local root, once with an S3 root on
+a loopback S3-compatible server (moto's server mode), where each stage pulls what it reads and pushes what it
+writes.
 
 `python -m bench storage` (N = 200,000; BENCH_STORAGE_ROWS overrides; `--quick`: 20,000).
 """
@@ -169,7 +170,8 @@ if stage == "responses":
     from bench.storage import FastBackend
     plan = GenerationPlan("B1", cfg.datasets["B1"], cfg.sampling, limit={limit})
     with storage.stage("B1", "responses", append_only=True) as layout:
-        generate_responses(layout, plan, FastBackend(), None, EngineSettings(max_concurrency=256, progress_interval_s=3600),
+        settings = EngineSettings(max_concurrency=256, progress_interval_s=3600)
+        generate_responses(layout, plan, FastBackend(), None, settings,
                            log=lambda m: None, lock=storage.lock("B1"), on_flush=storage.flusher("B1"))
 elif stage == "tokens":
     from eagle3_assets.core.tokens.build import build_tokens
@@ -179,7 +181,8 @@ elif stage == "validation_report":
     from eagle3_assets.core.report.summary import write_report
     with storage.stage("B1", "validation_report") as layout:
         write_report(layout, cfg.datasets["B1"])
-print(json.dumps({{"seconds": time.perf_counter() - t0, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"seconds": time.perf_counter() - t0, "max_rss_mb": rss_mb}}))
 """
 
 
@@ -284,19 +287,21 @@ def run(quick: bool = False) -> dict:
         f"{n:,} answered prompts (~10 KB each), then a top-up of {TOP_UP:,}; seconds and peak RSS per stage"
     )
     print(
-        f"{'root':6} {'stage':18} {'full s':>8} {'top-up s':>9} {'top-up/full':>11} {'full MB':>8} {'top-up MB':>9}"
+        f"{'root':6} {'stage':18} {'full s':>8} {'top-up s':>9} {'top-up/full':>11} {'full MB':>8} "
+        f"{'top-up MB':>9}"
     )
     for kind in ("local", "s3"):
         r = results[kind]
         for stage in ("tokens", "validation_report"):
             f, t = r["full"][stage], r["top_up"][stage]
             print(
-                f"{kind:6} {stage:18} {f['seconds']:>8.1f} {t['seconds']:>9.1f} {t['seconds'] / f['seconds']:>11.2f} "
-                f"{f['max_rss_mb']:>8.0f} {t['max_rss_mb']:>9.0f}"
+                f"{kind:6} {stage:18} {f['seconds']:>8.1f} {t['seconds']:>9.1f} "
+                f"{t['seconds'] / f['seconds']:>11.2f} {f['max_rss_mb']:>8.0f} {t['max_rss_mb']:>9.0f}"
             )
         resp = r["top_up"]["responses"]
         print(
-            f"{kind:6} {'responses (+1000)':18} {'':>8} {resp['seconds']:>9.1f} {'':>11} {'':>8} {resp['max_rss_mb']:>9.0f}"
+            f"{kind:6} {'responses (+1000)':18} {'':>8} {resp['seconds']:>9.1f} {'':>11} {'':>8} "
+            f"{resp['max_rss_mb']:>9.0f}"
         )
         full_total = sum(r["full"][s]["seconds"] for s in ("tokens", "validation_report"))
         top_total = sum(r["top_up"][s]["seconds"] for s in r["top_up"])

@@ -1,13 +1,16 @@
-"""tokens stage throughput on the same 80k conversations (~20M tokens), as ratios against two baselines measured in this run:
+"""tokens stage throughput on the same 80k conversations (~20M tokens), as ratios against two baselines
+measured in this run:
 
-- ceiling: the raw `tokenizers` `encode_batch` over the already rendered conversations (no template work at all);
+- ceiling: the raw `tokenizers` `encode_batch` over the already rendered conversations (no template work at
+  all);
 - naive: per-row `apply_chat_template(tokenize=True)`.
 
-Ours is `ChatTokenizer.tokenize` in batches (template plans, text-only encoding of every run, splicing, loss masks),
-the whole `build_tokens` stage (Parquet in and out, reference comparison), and the tokens asset materialised as a
-Dagster step (the number the goal is about: >= 0.7 of the ceiling, every core busy). SmolLM2's ChatML template is
-proven to write texts verbatim, so no row is rendered twice; the stage is also timed with every row's render checked,
-as it runs for a template the proof refuses (Llama-3's `| trim`, Kimi's macros).
+Ours is `ChatTokenizer.tokenize` in batches (template plans, text-only encoding of every run, splicing, loss
+masks), the whole `build_tokens` stage (Parquet in and out, reference comparison), and the tokens asset
+materialised as a Dagster step (the number the goal is about: >= 0.7 of the ceiling, every core busy).
+SmolLM2's ChatML template is proven to write texts verbatim, so no row is rendered twice; the stage is also
+timed with every row's render checked, as it runs for a template the proof refuses (Llama-3's `| trim`, Kimi's
+macros).
 """
 
 from __future__ import annotations
@@ -168,14 +171,16 @@ def run(quick: bool = False) -> dict:
         cores = f"{r[busy]:>12.2f}" if busy else ""
         print(f"{name:44}{r[key]:>12,.0f}{r[key] / r['ceiling_tok_s']:>12.2f}{cores}")
     print(
-        f"ours / naive: {r['ours_vs_naive']:.1f}x   (goal: the Dagster step >= 0.7 of the ceiling, every core busy; "
-        "a fresh process pays for importing transformers (~1.3 s) and loading the tokenizer inside the step)"
+        f"ours / naive: {r['ours_vs_naive']:.1f}x   (goal: the Dagster step >= 0.7 of the ceiling, every "
+        "core busy; a fresh process pays for importing transformers (~1.3 s) and loading the tokenizer "
+        "inside the step)"
     )
     return r
 
 
 def _seed_partition(root: Path, convs) -> None:
-    """prompts.parquet and one journal part of answers for partition B1, as a finished responses stage leaves them."""
+    """prompts.parquet and one journal part of answers for partition B1, as a finished responses stage leaves
+    them."""
     layout = DatasetLayout(root, "B1").ensure()
     ids = [f"c{i}" for i in range(len(convs))]
     pl.DataFrame({"id": ids, "messages": [m for m, _ in convs]}).write_parquet(layout.prompts)
@@ -217,11 +222,12 @@ print(json.dumps({"seconds": stamps["STEP_SUCCESS"] - stamps["STEP_START"], "run
 
 
 def _dagster_step(convs, warm: bool = False) -> dict:
-    """The tokens asset materialised by Dagster (the training-data job, tokens selected) on a seeded partition, in a
-    fresh process as a run worker would (cold: importing transformers and loading the tokenizer are part of the step,
-    with its class remembered by an earlier load as on any machine after its first; warm: loaded before, as after a
-    responses step in the same run): the step's own duration from its STEP_START / STEP_SUCCESS events, and the cores
-    it kept busy (the run's CPU time over the step's wall time)."""
+    """The tokens asset materialised by Dagster (the training-data job, tokens selected) on a seeded
+    partition, in a fresh process as a run worker would (cold: importing transformers and loading the
+    tokenizer are part of the step, with its class remembered by an earlier load as on any machine after its
+    first; warm: loaded before, as after a responses step in the same run): the step's own duration from its
+    STEP_START / STEP_SUCCESS events, and the cores it kept busy (the run's CPU time over the step's wall
+    time)."""
     from eagle3_assets.core.storage.files import available_cores
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +256,8 @@ def _dagster_step(convs, warm: bool = False) -> dict:
 
 
 def _whole_stage_seconds(chat: ChatTokenizer, convs) -> tuple[float, int]:
-    """build_tokens end to end: read prompts + responses, tokenize (every core), compare, write tokens.parquet."""
+    """build_tokens end to end: read prompts + responses, tokenize (every core), compare, write
+    tokens.parquet."""
     with tempfile.TemporaryDirectory() as tmp:
         _seed_partition(Path(tmp), convs)
         layout = DatasetLayout(Path(tmp), "B1")

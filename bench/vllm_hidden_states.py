@@ -1,13 +1,14 @@
 """Hidden states through vLLM against the transformers path, on the same rows in one run (CPU here).
 
 For each server dtype (fp32, then bf16; one server at a time, started with the exact `eagle3 vllm-serve --cpu`
-command), after a first pass of each kind (reported apart: the server's first pass over new shapes and the client
-process's imports are paid once per run, not per token): extraction through the served path (engine, connector
-files read, checked and removed, shards written), against a bare vLLM prefill of the same ids at the same
-concurrency (one generated token, no file: the serving engine's own cost, so the ratio is the connector's and the
-client's overhead), against the same requests with the connector saving and no client reading (the server's share
-of that overhead), and against the in-process transformers path (fp32 compute on this CPU, bf16 stored). Also
-bytes per token of the connector's files and of the shards, and connector files left behind (target 0).
+command), after a first pass of each kind (reported apart: the server's first pass over new shapes and the
+client process's imports are paid once per run, not per token): extraction through the served path (engine,
+connector files read, checked and removed, shards written), against a bare vLLM prefill of the same ids at the
+same concurrency (one generated token, no file: the serving engine's own cost, so the ratio is the connector's
+and the client's overhead), against the same requests with the connector saving and no client reading (the
+server's share of that overhead), and against the in-process transformers path (fp32 compute on this CPU, bf16
+stored). Also bytes per token of the connector's files and of the shards, and connector files left behind
+(target 0).
 
 Targets: served tokens/s >= 1.0x the transformers path's; <= 10% over the bare prefill; 0 files left.
 """
@@ -56,8 +57,8 @@ async def bare_prefill(base_url: str, model: str, rows: list[list[int]], concurr
 async def saving_prefill(
     base_url: str, model: str, rows: list[list[int]], concurrency: int, storage: Path
 ) -> float:
-    """The same ids with the connector writing each file and nothing reading it (removed afterwards): the server's
-    own cost of saving, which no client can take back. Served minus this is what the client adds."""
+    """The same ids with the connector writing each file and nothing reading it (removed afterwards): the
+    server's own cost of saving, which no client can take back. Served minus this is what the client adds."""
     sem = asyncio.Semaphore(concurrency)
     prefix = request_prefix("bench")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -105,14 +106,15 @@ def measure_served(
     max_model_len: int = 2048,
     extra_args: list[str] | None = None,
 ) -> dict:
-    """One server for `model` (the exact `eagle3 vllm-serve` command), then on `rows`' samples: a bare prefill,
-    the served extraction, a bare prefill again (the better of the two is the baseline)."""
+    """One server for `model` (the exact `eagle3 vllm-serve` command), then on `rows`' samples: a bare
+    prefill, the served extraction, a bare prefill again (the better of the two is the baseline)."""
     from eagle3_assets.core.hidden_states.layer_ids import default_aux_layers
 
     work.mkdir(parents=True, exist_ok=True)
     storage = work / "connector"
     spec = ServeSpec(
-        model=model, aux_layers=default_aux_layers(num_layers), num_layers=num_layers, storage_path=str(storage),
+        model=model, aux_layers=default_aux_layers(num_layers), num_layers=num_layers,
+        storage_path=str(storage),
         served_model_name="target", port=free_port(), dtype=dtype, max_model_len=max_model_len, cpu=cpu,
         extra_args=list(extra_args or []),
     )  # fmt: skip
@@ -128,8 +130,8 @@ def measure_served(
         return layout
 
     try:
-        # First passes, reported apart: the CPU server's first pass over new shapes, the client process's first
-        # extraction (imports of torch and the model's config). A run pays them once, not per token.
+        # First passes, reported apart: the CPU server's first pass over new shapes, the client process's
+        # first extraction (imports of torch and the model's config). A run pays them once, not per token.
         first_bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
         first_served_s, *_ = served(server.base_url, storage, fresh("served-first"), model)
         bare_s = asyncio.run(bare_prefill(server.base_url, "target", ids, CONCURRENCY))
@@ -153,8 +155,8 @@ def measure_served(
         "connector_bytes_per_token": backend.file_bytes / tokens,
         "shard_bytes_per_token": shard_bytes / tokens,
         "file_wait_s_per_sample": backend.file_wait_s / max(backend.files_read, 1),
-        # The client's CPU against the time it added: on a machine whose cores the server also computes on, the
-        # client's CPU is taken from the server; where it exceeds the overhead, contention explains it.
+        # The client's CPU against the time it added: on a machine whose cores the server also computes on,
+        # the client's CPU is taken from the server; where it exceeds the overhead, contention explains it.
         "client_cpu_share_of_wall": client_cpu / served_s,
         "client_cpu_s_vs_added_s": client_cpu / max(served_s - bare, 1e-9),
         "files_left": leftover_files(storage, request_prefix(rows.key)),
@@ -190,11 +192,12 @@ def run(quick: bool = False) -> dict:
         r["vs_transformers"] = r["served_tok_s"] / (tokens / local_s)
         out[dtype] = r
         print(
-            f"vLLM {dtype:9s} served {r['served_tok_s']:7.0f} tok/s = {r['vs_transformers']:.2f}x transformers; "
-            f"bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is {100 * r['over_bare']:+.1f}% over it "
-            f"(the server's saving alone {100 * r['server_saving_over_bare']:+.1f}%, the client "
-            f"{100 * r['client_over_server_saving']:+.1f}% over that); "
-            f"connector files {r['connector_bytes_per_token']:,.0f} B/token, shards {r['shard_bytes_per_token']:,.0f} "
+            f"vLLM {dtype:9s} served {r['served_tok_s']:7.0f} tok/s = {r['vs_transformers']:.2f}x "
+            f"transformers; bare prefill {r['bare_prefill_tok_s']:7.0f} tok/s, served is "
+            f"{100 * r['over_bare']:+.1f}% over it (the server's saving alone "
+            f"{100 * r['server_saving_over_bare']:+.1f}%, the client "
+            f"{100 * r['client_over_server_saving']:+.1f}% over that); connector files "
+            f"{r['connector_bytes_per_token']:,.0f} B/token, shards {r['shard_bytes_per_token']:,.0f} "
             f"B/token; left behind {r['files_left']}; server ready in {r['start_s']:.0f} s; client CPU "
             f"{100 * r['client_cpu_share_of_wall']:.0f}% of a core over the extraction; first passes: bare "
             f"{r['first_bare_prefill_s']:.1f} s, served {r['first_served_s']:.1f} s "

@@ -8,7 +8,8 @@ from .core.generation.topup import source_changed, top_up_status
 
 
 class _PerDataset(dg.AutomationCondition):
-    """True for the partitions whose dataset passes `wanted` (reads the outputs, so it runs on the code server)."""
+    """True for the partitions whose dataset passes `wanted` (reads the outputs, so it runs on the code
+    server)."""
 
     label_text = ""
 
@@ -78,7 +79,8 @@ def ingest_condition(cron: str, config_path: str, backend: str | None) -> dg.Aut
 
 
 def top_up_condition(cron: str, config_path: str, backend: str | None) -> dg.AutomationCondition:
-    """responses: on the cron where there is work for generation, and whenever the prompts' content changed."""
+    """responses: on the cron where there is work for generation, and whenever the prompts' content
+    changed."""
     # Dagster types since_last_handled on conditions over assets and checks; this one is over assets only.
     tick = dg.AutomationCondition.cron_tick_passed(cron).since_last_handled()  # type: ignore[misc]
     scheduled = (tick & BudgetNotMet(config_path, backend) & _quiet()).with_label("scheduled top-up")
@@ -86,8 +88,9 @@ def top_up_condition(cron: str, config_path: str, backend: str | None) -> dg.Aut
 
 
 def follow_upstream() -> dg.AutomationCondition:
-    """Run when an input's data version changed (not merely re-materialised): a top-up that bought nothing leaves
-    the responses' version as it was, and nothing after it runs. Never past a failing blocking check."""
+    """Run when an input's data version changed (not merely re-materialised): a top-up that bought nothing
+    leaves the responses' version as it was, and nothing after it runs. Never past a failing blocking
+    check."""
     changed = dg.AutomationCondition.any_deps_match(dg.AutomationCondition.data_version_changed())
     trigger = (dg.AutomationCondition.newly_missing() | changed).since_last_handled()
     return (
@@ -106,5 +109,7 @@ def automation_sensor(enabled: bool) -> dg.AutomationConditionSensorDefinition:
         emit_backfills=True,  # several partitions at one tick: one backfill
         default_status=dg.DefaultSensorStatus.RUNNING if enabled else dg.DefaultSensorStatus.STOPPED,
         minimum_interval_seconds=30,
-        description="Scheduled top-ups of datasets under budget, and downstream stages after their inputs change.",
+        description=(
+            "Scheduled top-ups of datasets under budget, and downstream stages after their inputs change."
+        ),
     )

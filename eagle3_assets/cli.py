@@ -1,4 +1,5 @@
-"""`eagle3`: the commands beside the Dagster UI (demo, preflight, importing responses, exports, the instance's pools)."""
+"""`eagle3`: the commands beside the Dagster UI (demo, preflight, importing responses, exports, the instance's
+pools)."""
 
 from __future__ import annotations
 
@@ -127,8 +128,8 @@ def cmd_hidden_states(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm_serve(args: argparse.Namespace) -> int:
-    """The vLLM server command for the configured target (layer ids in vLLM's convention, the connector and its
-    storage, parallelism, dtype, context); printed, or run with --run."""
+    """The vLLM server command for the configured target (layer ids in vLLM's convention, the connector and
+    its storage, parallelism, dtype, context); printed, or run with --run."""
     import os
     import shutil
     from urllib.parse import urlparse
@@ -205,13 +206,15 @@ def cmd_compact(args: argparse.Namespace) -> int:
         before = len(journal.responses.files())
         answered, failed = journal.compact()
     print(
-        f"{args.dataset}: {answered:,} responses and {failed:,} failures, in one file each ({before} response parts before)"
+        f"{args.dataset}: {answered:,} responses and {failed:,} failures, in one file each "
+        f"({before} response parts before)"
     )
     return 0
 
 
 def cmd_instance(args: argparse.Namespace) -> int:
-    """Apply the config's pool limits (llm_api, gpu) and the one-run-per-dataset limit to DAGSTER_HOME's instance."""
+    """Apply the config's pool limits (llm_api, gpu) and the one-run-per-dataset limit to DAGSTER_HOME's
+    instance."""
     import os
 
     import dagster as dg
@@ -260,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-vocab-size",
         type=int,
         default=32000,
-        help="draft vocabulary of the side files (SpecForge's maps, the speculators command); capped at the target's",
+        help="draft vocabulary of the side files (SpecForge's maps, the speculators command); "
+        "capped at the target's",
     )
     hs = sub.add_parser(
         "hidden-states", help="extract hidden states for a dataset in this process (no Dagster)"
@@ -268,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     hs.add_argument("--dataset", required=True)
     vs = sub.add_parser(
         "vllm-serve",
-        help="print (or --run) the vLLM server command that generates and extracts hidden states for the target",
+        help="print (or --run) the vLLM server command that generates and extracts hidden states for the "
+        "target",
     )
     vs.add_argument("--run", action="store_true", help="start the server instead of printing the command")
     vs.add_argument(

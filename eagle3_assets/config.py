@@ -61,8 +61,8 @@ class StorageConfig(Strict):
         secret = [k for k in v if any(w in k.lower() for w in ("secret", "password", "token", "access_key"))]
         if secret:
             raise ValueError(
-                f"storage.options {secret} look like credentials: set them in the environment (AWS_ACCESS_KEY_ID, "
-                f"AWS_SECRET_ACCESS_KEY, ...), never in this file ({README_CONFIG})"
+                f"storage.options {secret} look like credentials: set them in the environment "
+                f"(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...), never in this file ({README_CONFIG})"
             )
         return v
 
@@ -76,7 +76,8 @@ class TargetConfig(Strict):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     # The end-of-turn token the template emits after an answer. Default: the tokenizer's eos token.
     end_of_turn_token: str | None = None
-    # Optional hard-coded id (e.g. a serving stack's stop id); preflight checks it decodes to end_of_turn_token.
+    # Optional hard-coded id (e.g. a serving stack's stop id); preflight checks it decodes to
+    # end_of_turn_token.
     end_of_turn_id: int | None = None
     # Used when the template has no reasoning field of its own: reasoning is rendered between these strings.
     think_open: str = "<think>"
@@ -117,9 +118,9 @@ class OpenRouterConfig(Strict):
         url = self.base_url
         if url.startswith("http://") and not is_loopback(url) and not self.allow_insecure_http:
             raise ValueError(
-                f"base_url {url!r} is plain http to another host: the API key would cross the network unencrypted. "
-                "Use https, or set backends.openrouter.allow_insecure_http: true for a trusted network "
-                f"({README_BACKENDS})"
+                f"base_url {url!r} is plain http to another host: the API key would cross the network "
+                "unencrypted. Use https, or set backends.openrouter.allow_insecure_http: true for a trusted "
+                f"network ({README_BACKENDS})"
             )
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"base_url {url!r} must start with https:// (or http:// on loopback)")
@@ -161,8 +162,9 @@ class DatasetConfig(Strict):
     budget_tokens: int = Field(10_000_000, ge=0)
     budget_usd: float | None = Field(None, ge=0)
     max_tokens: int = Field(4096, ge=1)
-    # last: the target answers the final turn (earlier assistant turns stay the source's); all: every assistant
-    # turn, in order, each request carrying the target's own earlier answers (a row per turn, `<id>#t<k>`).
+    # last: the target answers the final turn (earlier assistant turns stay the source's); all: every
+    # assistant turn, in order, each request carrying the target's own earlier answers (a row per turn,
+    # `<id>#t<k>`).
     turns: Literal["last", "all"] = "last"
     fields: InstructionFields = Field(default_factory=InstructionFields)
     system_prompt: str | None = None
@@ -173,15 +175,18 @@ class DatasetConfig(Strict):
 class TokensConfig(Strict):
     # Train on every assistant turn of multi-turn prompts, not only the generated one.
     train_all_assistant_turns: bool = False
-    # Where the backend returned the ids it generated, store those (ground truth) rather than the reconstruction.
+    # Where the backend returned the ids it generated, store those (ground truth) rather than the
+    # reconstruction.
     prefer_reference_ids: bool = True
-    # Conversations per chunk; 2 x cores chunks are in flight, so this bounds memory (512: < 1 GB at 10 KB answers).
+    # Conversations per chunk; 2 x cores chunks are in flight, so this bounds memory (512: < 1 GB at 10 KB
+    # answers).
     batch_size: int = Field(512, ge=1)
 
 
 class ChecksConfig(Strict):
     min_reference_match_rate: float = Field(0.99, ge=0, le=1)
-    # Answered prompts whose conversation cannot be tokenized exactly (tokens_errors), as a share: blocking above.
+    # Answered prompts whose conversation cannot be tokenized exactly (tokens_errors), as a share: blocking
+    # above.
     max_token_error_share: float = Field(0.05, ge=0, le=1)
     # hidden_states: samples recomputed by an independent forward and compared with what is stored.
     hidden_states_spot_samples: int = Field(3, ge=0)
@@ -191,13 +196,15 @@ class ChecksConfig(Strict):
 
 
 class VllmExtractionConfig(Strict):
-    """Running vLLM servers that extract hidden states (`eagle3 vllm-serve` prints the command for the target)."""
+    """Running vLLM servers that extract hidden states (`eagle3 vllm-serve` prints the command for the
+    target)."""
 
     # One or more data-parallel replicas (each may span GPUs and nodes with tensor/pipeline parallelism).
     base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000/v1"], min_length=1)
     model: str | None = None  # the served model name; null: the server's only model (GET /v1/models)
-    # Where the servers' connector writes (shared_storage_path): the extraction reads and removes the files there,
-    # so this process must see them at the path the server returns (a shared volume mounted at the same path).
+    # Where the servers' connector writes (shared_storage_path): the extraction reads and removes the files
+    # there, so this process must see them at the path the server returns (a shared volume mounted at the same
+    # path).
     storage_path: str = "/tmp/eagle3-hidden-states"
     max_concurrency: int = Field(
         64, ge=1
@@ -210,7 +217,8 @@ class VllmExtractionConfig(Strict):
 
 
 class HiddenStatesConfig(Strict):
-    # transformers: the target in this process (the default; one GPU or device_map); vllm: running vLLM servers.
+    # transformers: the target in this process (the default; one GPU or device_map); vllm: running vLLM
+    # servers.
     engine: Literal["transformers", "vllm"] = "transformers"
     vllm: VllmExtractionConfig = Field(default_factory=VllmExtractionConfig)
     aux_layers: list[int] | None = None  # default: [1, L//2-1, L-4]
@@ -218,8 +226,8 @@ class HiddenStatesConfig(Strict):
     max_tokens_per_batch: int = Field(16384, ge=16)
     max_seq_len: int = Field(32768, ge=16)
     device: str = "auto"
-    # What the shards store (compute runs in the device's own dtype): bf16, what the training frameworks read; or
-    # float8_e4m3fn, half the bytes, with a float32 scale per token and layer. Changing it recomputes the
+    # What the shards store (compute runs in the device's own dtype): bf16, what the training frameworks read;
+    # or float8_e4m3fn, half the bytes, with a float32 scale per token and layer. Changing it recomputes the
     # shards.
     storage_dtype: StorageDtype = "bfloat16"
 
@@ -234,8 +242,8 @@ class HiddenStatesConfig(Strict):
         old = "bfloat16" if old == "auto" else old
         if "storage_dtype" in data and data["storage_dtype"] != old:
             raise ValueError(
-                f"hidden_states.dtype ({old}) and hidden_states.storage_dtype ({data['storage_dtype']}) disagree: "
-                "dtype is storage_dtype's earlier name, keep storage_dtype only"
+                f"hidden_states.dtype ({old}) and hidden_states.storage_dtype ({data['storage_dtype']}) "
+                "disagree: dtype is storage_dtype's earlier name, keep storage_dtype only"
             )
         data["storage_dtype"] = old
         return data
@@ -263,8 +271,8 @@ class AcceptanceVllmConfig(Strict):
 
 
 class AcceptanceConfig(Strict):
-    """The acceptance gate (asset `acceptance`): a small EAGLE-3 draft trained on the partition, measured against
-    the target with greedy speculative decoding."""
+    """The acceptance gate (asset `acceptance`): a small EAGLE-3 draft trained on the partition, measured
+    against the target with greedy speculative decoding."""
 
     draft_tokens: int = Field(4, ge=1, le=16)  # k: draft tokens proposed per target forward
     train_prompts: int = Field(24, ge=1)  # samples the draft trains on (a stable hash picks them)
@@ -279,9 +287,9 @@ class AcceptanceConfig(Strict):
     compare_source_answers: bool = True  # also train on the dataset's own answers, where the source has them
     device: str = "auto"
     seed: int = 0
-    # transformers: the target in this process measures the draft with a speculative loop of this project's (the
-    # target must fit the step); vllm: the step starts vLLM serving the target with the draft as EAGLE-3 and reads
-    # the engine's own counters (the target never enters this process).
+    # transformers: the target in this process measures the draft with a speculative loop of this project's
+    # (the target must fit the step); vllm: the step starts vLLM serving the target with the draft as EAGLE-3
+    # and reads the engine's own counters (the target never enters this process).
     engine: Literal["transformers", "vllm"] = "transformers"
     vllm: AcceptanceVllmConfig = Field(default_factory=AcceptanceVllmConfig)
 
@@ -294,11 +302,13 @@ class AutomationConfig(Strict):
 
 
 class ExecutionConfig(Strict):
-    # in_process: one process runs a partition's steps in turn, sharing the loaded model and tokenizer (laptops,
-    # the demo); multiprocess: a process per step; k8s: a pod per step (k8s_job_executor, needs dagster-k8s).
+    # in_process: one process runs a partition's steps in turn, sharing the loaded model and tokenizer
+    # (laptops, the demo); multiprocess: a process per step; k8s: a pod per step (k8s_job_executor, needs
+    # dagster-k8s).
     executor: Literal["in_process", "multiprocess", "k8s"] = "in_process"
     max_concurrent_steps: int = Field(4, ge=1)
-    # With executor k8s: the Kubernetes secret holding the API key, mounted only into the pods of responses steps.
+    # With executor k8s: the Kubernetes secret holding the API key, mounted only into the pods of responses
+    # steps.
     k8s_api_key_secret: str = "eagle3-openrouter"
 
 
@@ -347,7 +357,8 @@ class ProjectConfig(Strict):
 
     @property
     def storage_root(self) -> Path:
-        """The local folder of every partition: the root itself, or the working copies of an object-store root."""
+        """The local folder of every partition: the root itself, or the working copies of an object-store
+        root."""
         if self.storage_is_remote:
             from .core.storage.remote import RemoteRoot
 
@@ -374,7 +385,8 @@ def _format_error(err: ValidationError, path: Path) -> str:
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(
-                f"{path}: unknown key '{loc}' (check the spelling; the keys are listed in the {README_CONFIG})"
+                f"{path}: unknown key '{loc}' (check the spelling; the keys are listed in the "
+                f"{README_CONFIG})"
             )
         elif e["type"] == "missing":
             lines.append(f"{path}: missing required key '{loc}'")

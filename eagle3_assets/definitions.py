@@ -22,10 +22,11 @@ from .automation import automation_sensor, follow_upstream, ingest_condition, to
 from .config import ProjectConfig, config_path, get_config
 from .partitions import dataset_partitions
 
-# Notices of features the project relies on knowingly, each named: per-partition asset checks (preview), one run
-# per backfill (`backfill_policy`, beta), data versions on outputs (beta), the automation sensor in the user code
-# server (beta), and that a job backfill of training_data runs a run per partition (one run over many partitions is
-# the responses asset's own policy). Any other notice shows; the tests add the same list to pytest's filters.
+# Notices of features the project relies on knowingly, each named: per-partition asset checks (preview), one
+# run per backfill (`backfill_policy`, beta), data versions on outputs (beta), the automation sensor in the
+# user code server (beta), and that a job backfill of training_data runs a run per partition (one run over
+# many partitions is the responses asset's own policy). Any other notice shows; the tests add the same list to
+# pytest's filters.
 KNOWN_NOTICES: tuple[tuple[str, type[Warning]], ...] = (
     (r"Specifying a partitions_def on an AssetCheckSpec is currently in preview", dg.PreviewWarning),
     (r"Parameter `backfill_policy` of function `asset` is currently in beta", dg.BetaWarning),
@@ -44,8 +45,8 @@ OFFLINE_STAGES = ["prompts", "responses", "tokens", "validation_report"]
 
 
 def build_runtime(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
-    """Resource key -> the adapter of one outside system, built from the one validated config (the CLI uses these
-    objects directly)."""
+    """Resource key -> the adapter of one outside system, built from the one validated config (the CLI uses
+    these objects directly)."""
     storage = Storage(cfg)
     return {
         "project": Project(cfg, Path(config_path)),
@@ -122,8 +123,8 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     acceptance_job = dg.define_asset_job(
         ACCEPTANCE_JOB,
         selection=dg.AssetSelection.assets("acceptance"),
-        description="The acceptance gate for one dataset: a small EAGLE-3 draft trained on its hidden states, "
-        "measured against the target (GPU pool; CPU for the embedded target).",
+        description="The acceptance gate for one dataset: a small EAGLE-3 draft trained on its hidden "
+        "states, measured against the target (GPU pool; CPU for the embedded target).",
     )
     return dg.Definitions(
         assets=assets,
@@ -137,6 +138,6 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
 
 @dg.definitions
 def defs() -> dg.Definitions:
-    """Built when Dagster loads the code location, from the config this process was given (`EAGLE3_CONFIG`, else
-    ./eagle3.yaml, else the checkout's): importing this module reads no config."""
+    """Built when Dagster loads the code location, from the config this process was given (`EAGLE3_CONFIG`,
+    else ./eagle3.yaml, else the checkout's): importing this module reads no config."""
     return build_definitions(get_config(), str(config_path()))

@@ -151,7 +151,8 @@ def _acceptance(definitions: dg.Definitions, key: str, instance, root) -> tuple[
 def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) -> int:
     cfg = get_config()
     keys = keys or list(cfg.datasets)
-    # Hidden states on CPU are slow beside everything else: one partition shows the whole path (B3, code, by default).
+    # Hidden states on CPU are slow beside everything else: one partition shows the whole path (B3, code, by
+    # default).
     hidden_keys = hidden_keys if hidden_keys is not None else ["B3" if "B3" in keys else keys[0]]
     instance = _instance()
     storage = Storage(cfg)
@@ -159,7 +160,8 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
     job = definitions.resolve_job_def(TRAINING_DATA_JOB)
     print(f"eagle3-assets demo: config {config_path()}, backend {cfg.backend}, {len(keys)} datasets")
     print(
-        f"outputs under {cfg.storage_root}; Dagster instance {os.environ.get('DAGSTER_HOME', '(ephemeral)')}\n"
+        f"outputs under {cfg.storage_root}; "
+        f"Dagster instance {os.environ.get('DAGSTER_HOME', '(ephemeral)')}\n"
     )
     rows, started = [], time.monotonic()
     for key in keys:
@@ -190,9 +192,9 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
     print(f"outputs: {cfg.storage_root}/<dataset>/ (prompts.parquet, responses/, tokens.parquet, report.md)")
     for key in hidden_keys:
         print(
-            f"hidden states: {cfg.storage_root}/{key}/hidden_states/ (shards + index.parquet); a speculators export in "
-            f"{cfg.storage_root}/{key}/exports/speculators/; the acceptance gate's report and draft in "
-            f"{cfg.storage_root}/{key}/acceptance/"
+            f"hidden states: {cfg.storage_root}/{key}/hidden_states/ (shards + index.parquet); a speculators "
+            f"export in {cfg.storage_root}/{key}/exports/speculators/; the acceptance gate's report and "
+            f"draft in {cfg.storage_root}/{key}/acceptance/"
         )
     print("inspect runs, lineage and checks with `make dev`, then open http://127.0.0.1:3000")
     return 0 if all(r["run"] == "ok" for r in rows) else 1

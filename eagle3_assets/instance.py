@@ -1,14 +1,14 @@
-"""The Dagster instance settings the platform relies on, in one place: one run per dataset at a time and the step
-pools' limits. `eagle3 instance` applies them to DAGSTER_HOME's instance; the shipped instance files under
-`deploy/` carry the same run limit (a test holds them to this module)."""
+"""The Dagster instance settings the platform relies on, in one place: one run per dataset at a time and the
+step pools' limits. `eagle3 instance` applies them to DAGSTER_HOME's instance; the shipped instance files
+under `deploy/` carry the same run limit (a test holds them to this module)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-# Two runs generating the same partition would both buy its answers. The queued run coordinator enforces this for
-# every run, two pods on a shared volume included, where a file lock is not reliable.
+# Two runs generating the same partition would both buy its answers. The queued run coordinator enforces this
+# for every run, two pods on a shared volume included, where a file lock is not reliable.
 ONE_RUN_PER_DATASET: dict[str, Any] = {
     "key": "dagster/partition",
     "value": {"applyLimitPerUniqueValue": True},
@@ -17,7 +17,8 @@ ONE_RUN_PER_DATASET: dict[str, Any] = {
 
 
 def ensure_run_limit(home: Path) -> str:
-    """Add the one-run-per-dataset limit to `home`/dagster.yaml when it is missing; the rest of the file is kept."""
+    """Add the one-run-per-dataset limit to `home`/dagster.yaml when it is missing; the rest of the file is
+    kept."""
     import yaml
 
     path = home / "dagster.yaml"

@@ -1,5 +1,5 @@
-"""Dagster resources: each adapts one outside system (an inference service, the target tokenizer, storage), built
-from its section of eagle3.yaml and not settable at launch (`locked`)."""
+"""Dagster resources: each adapts one outside system (an inference service, the target tokenizer, storage),
+built from its section of eagle3.yaml and not settable at launch (`locked`)."""
 
 from .inference import Inference
 from .locked import locked

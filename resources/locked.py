@@ -1,11 +1,12 @@
 """Resources that take their settings from eagle3.yaml only, never from run config at launch.
 
-Open-source Dagster has no login: anyone who reaches the UI can launch runs with run config. If a resource's fields
-could be set there, one launch could send any environment variable of the run worker as a Bearer token to any
-host (`api_key_env`, `base_url`), run code from the hub (`trust_remote_code`) or write anywhere (`storage.root`).
-So every resource here is built in code from the validated config file and wrapped in a definition that accepts
-no run config: a launch that tries is refused, naming the file to edit, before any step runs. What is safe and
-useful per run (`limit`, `retry_permanent_failures`, a lower `max_concurrency`) is op config of the asset.
+Open-source Dagster has no login: anyone who reaches the UI can launch runs with run config. If a resource's
+fields could be set there, one launch could send any environment variable of the run worker as a Bearer token
+to any host (`api_key_env`, `base_url`), run code from the hub (`trust_remote_code`) or write anywhere
+(`storage.root`). So every resource here is built in code from the validated config file and wrapped in a
+definition that accepts no run config: a launch that tries is refused, naming the file to edit, before any
+step runs. What is safe and useful per run (`limit`, `retry_permanent_failures`, a lower `max_concurrency`) is
+op config of the asset.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ def _refuse(name: str, config_path: str, section: str, given: dict[str, Any]) ->
     keys = ", ".join(sorted(given))
     return LaunchOverrideRefused(
         description=(
-            f"run config may not set resources.{name} ({keys}): endpoints, API key variables, tokenizer and model "
-            f"references, remote code and storage come from the config file only. Edit {section} in {config_path} "
-            f"and reload the code location ({README_CONFIG}). Per run you may set the responses asset's "
-            "limit, retry_permanent_failures and a lower max_concurrency."
+            f"run config may not set resources.{name} ({keys}): endpoints, API key variables, tokenizer and "
+            f"model references, remote code and storage come from the config file only. Edit {section} in "
+            f"{config_path} and reload the code location ({README_CONFIG}). Per run you may set the "
+            "responses asset's limit, retry_permanent_failures and a lower max_concurrency."
         )
     )
 

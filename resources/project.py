@@ -1,4 +1,5 @@
-"""The project config as a resource: the one validated `eagle3.yaml`, read the same way in the UI, CLI and tests."""
+"""The project config as a resource: the one validated `eagle3.yaml`, read the same way in the UI, CLI and
+tests."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Cached virtual environments for packages that pin other versions than the project (vLLM's CPU build; the training
-frameworks the tests run on the exports).
+"""Cached virtual environments for packages that pin other versions than the project (vLLM's CPU build; the
+training frameworks the tests run on the exports).
 
 The package itself and whatever its own pins would pull in another torch build are installed with `--no-deps`;
-what its imports need is pinned in the spec. torch is the project's CPU pin (`torch==2.13.0`, a CPU build from local
-disk on these machines). An environment is keyed by its whole specification and the Python version, built under a
-lock (parallel processes build it once), and used only once its stamp, written last, says the install and the
-import check finished: a build killed halfway is rebuilt, never used.
+what its imports need is pinned in the spec. torch is the project's CPU pin (`torch==2.13.0`, a CPU build from
+local disk on these machines). An environment is keyed by its whole specification and the Python version,
+built under a lock (parallel processes build it once), and used only once its stamp, written last, says the
+install and the import check finished: a build killed halfway is rebuilt, never used.
 """
 
 from __future__ import annotations
@@ -110,12 +110,14 @@ def ensure(spec: SideEnv, nice: bool = False) -> Path:
 
 
 def versions(spec: SideEnv) -> dict[str, str]:
-    """What the environment's stamp recorded: the installed versions of the package, transformers and torch."""
+    """What the environment's stamp recorded: the installed versions of the package, transformers and
+    torch."""
     return json.loads((ensure(spec).parent.parent / STAMP).read_text())["versions"]
 
 
 class Prefetcher:
-    """Builds environments one after another in a background thread (nice'd: the caller's work comes first)."""
+    """Builds environments one after another in a background thread (nice'd: the caller's work comes
+    first)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,6 +1,6 @@
-"""Where outputs land: one sub-folder per partition under `storage.root`, a local folder or an object store (the
-README's Outputs section). Stages work in the partition's local folder; with an object-store root that folder is a
-working copy synchronised around each stage (`eagle3_assets.core.storage.remote`)."""
+"""Where outputs land: one sub-folder per partition under `storage.root`, a local folder or an object store
+(the README's Outputs section). Stages work in the partition's local folder; with an object-store root that
+folder is a working copy synchronised around each stage (`eagle3_assets.core.storage.remote`)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class Storage:
         return DatasetLayout(Path(self.root), key).ensure()
 
     def checkout(self, key: str, stage: str) -> DatasetLayout:
-        """The partition's layout with what `stage` reads and writes up to date (a no-op for a local root). For
-        readers (checks, automation); a stage that writes uses `stage()`."""
+        """The partition's layout with what `stage` reads and writes up to date (a no-op for a local root).
+        For readers (checks, automation); a stage that writes uses `stage()`."""
         layout = self.layout(key)
         if self.remote is not None:
             reads, writes = layout.stage_paths(stage)
@@ -44,7 +44,8 @@ class Storage:
 
     @contextlib.contextmanager
     def stage(self, key: str, stage: str, *, append_only: bool = False) -> Iterator[DatasetLayout]:
-        """Check out what `stage` reads and writes, yield the layout, and publish what it wrote once it succeeded.
+        """Check out what `stage` reads and writes, yield the layout, and publish what it wrote once it
+        succeeded.
 
         After an error nothing is published, so a stage that failed halfway never replaces the stored outputs;
         except for an append-only stage (`append_only`: the journal), whose files are each whole and each hold
@@ -64,8 +65,8 @@ class Storage:
             self.remote.push(key, self.layout(key).stage_paths(stage)[1])
 
     def modified(self, key: str, path: Path) -> float | None:
-        """When `path`, a file of the partition's layout, was last written (seconds since the epoch), None if it
-        does not exist."""
+        """When `path`, a file of the partition's layout, was last written (seconds since the epoch), None if
+        it does not exist."""
         if self.remote is not None:
             return self.remote.modified(key, str(path.relative_to(self.layout(key).dir)))
         return path.stat().st_mtime if path.exists() else None
@@ -78,8 +79,8 @@ class Storage:
         return lambda what: JournalTable(self.layout(key).responses_dir, RESPONSE_SCHEMA).exclusive(what)
 
     def flusher(self, key: str) -> Callable[[], None] | None:
-        """Called after every journal flush: with an object store, the new parts go up at once (a dead pod loses
-        what a local kill -9 loses, no more)."""
+        """Called after every journal flush: with an object store, the new parts go up at once (a dead pod
+        loses what a local kill -9 loses, no more)."""
         remote = self.remote
         if remote is None:
             return None

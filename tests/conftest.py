@@ -1,6 +1,6 @@
-"""Shared fixtures and the session's hooks: the real embedded model and tokenizer, an S3-compatible server, the
-shipped defaults run once. Helpers that are not fixtures live in tests/support/. Fixtures import what they need
-when first used, so that collecting one light test module stays light."""
+"""Shared fixtures and the session's hooks: the real embedded model and tokenizer, an S3-compatible server,
+the shipped defaults run once. Helpers that are not fixtures live in tests/support/. Fixtures import what they
+need when first used, so that collecting one light test module stays light."""
 
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The project's known notices, named in one place, join pytest's own filters (which replace the module's)."""
+    """The project's known notices, named in one place, join pytest's own filters (which replace the
+    module's)."""
     from eagle3_assets.definitions import KNOWN_NOTICES
 
     for message, category in KNOWN_NOTICES:
-        config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__module__}.{category.__qualname__}")
+        config.addinivalue_line(
+            "filterwarnings", f"ignore:{message}:{category.__module__}.{category.__qualname__}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -76,9 +79,9 @@ def aws_env(monkeypatch):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Start building the training frameworks' environments in the background as soon as a collected test needs
-    them (`@pytest.mark.consumers(...)`), and the session's vLLM server (`@pytest.mark.vllm`): a cold build takes
-    minutes, the rest of the suite runs meanwhile."""
+    """Start building the training frameworks' environments in the background as soon as a collected test
+    needs them (`@pytest.mark.consumers(...)`), and the session's vLLM server (`@pytest.mark.vllm`): a cold
+    build takes minutes, the rest of the suite runs meanwhile."""
     names = {n for item in items if (m := item.get_closest_marker("consumers")) for n in m.args}
     if names:
         from .support.consumers import environments
@@ -116,9 +119,9 @@ class ShippedRun:
 
 @pytest.fixture(scope="session")
 def shipped_b3(tmp_path_factory) -> ShippedRun:
-    """One run of the shipped defaults for the whole session (the acceptance gate trains a draft: minutes), read by
-    the shipped-defaults test and by the training frameworks' tests. Six answers keep it short (the gate trains on
-    five, holds one out)."""
+    """One run of the shipped defaults for the whole session (the acceptance gate trains a draft: minutes),
+    read by the shipped-defaults test and by the training frameworks' tests. Six answers keep it short (the
+    gate trains on five, holds one out)."""
     import dagster as dg
 
     from eagle3_assets.config import load_config

@@ -1,7 +1,7 @@
 """The acceptance gate on the real embedded target: a partition of the target's own answers passes it through
-Dagster (asset, blocking check, report, a draft that loads back), speculative decoding gives exactly the target's
-greedy answer, training and inference see the same draft function, and each kind of wrong data fails the gate:
-hidden states shifted by one position, aux states of other samples, a loss mask shifted by one."""
+Dagster (asset, blocking check, report, a draft that loads back), speculative decoding gives exactly the
+target's greedy answer, training and inference see the same draft function, and each kind of wrong data fails
+the gate: hidden states shifted by one position, aux states of other samples, a loss mask shifted by one."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def _checks(result) -> dict[str, dg.AssetCheckEvaluation]:
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory):
-    """B3 (code, with the source's own answers) answered by the embedded target, its hidden states, the gate."""
+    """B3 (code, with the source's own answers) answered by the embedded target, its hidden states, the
+    gate."""
     root = tmp_path_factory.mktemp("acceptance")
     shutil.copy(REPO / "prompts" / "B3.jsonl", root / "B3.jsonl")
     cfg = {
@@ -109,7 +110,8 @@ def test_the_targets_own_answers_pass_the_gate_and_the_draft_loads_back(gated):
     folder = layout.acceptance_dir / "draft"
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
-    # vLLM reads the ids as output_hidden_states indices (decoder outputs [1, 14, 26] + 1), SGLang as layer outputs.
+    # vLLM reads the ids as output_hidden_states indices (decoder outputs [1, 14, 26] + 1), SGLang as layer
+    # outputs.
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     sglang = json.loads((folder / "config.sglang.json").read_text())
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
@@ -171,8 +173,8 @@ def _chat(config):
 
 
 def test_training_and_inference_compute_the_same_draft_chain():
-    """The TTT rows (positions t + j, step-0 keys of rows <= t, the row's own chain) are exactly what the decoder
-    computes when it drafts from row t with the true tokens forced."""
+    """The TTT rows (positions t + j, step-0 keys of rows <= t, the row's own chain) are exactly what the
+    decoder computes when it drafts from row t with the true tokens forced."""
     torch.manual_seed(0)
     shape = DraftShape(64, 128, 4, 2, 16, 300, 300)
     draft = Eagle3Draft(shape, torch.randn(300, 64), torch.arange(300)).eval()
@@ -251,9 +253,9 @@ def test_wrong_data_fails_the_gate(gated, tmp_path, corrupt, reason):
 
 
 def test_the_gate_trains_on_dequantized_fp8_states_and_passes(gated, tmp_path):
-    """The same partition's states extracted again in FP8 (hidden_states.storage_dtype: float8_e4m3fn): the gate
-    reads them dequantized, trains and passes; heldout acceptance against the bf16 states' is printed (one run each:
-    the difference is within the gate's own run-to-run noise, not measured here)."""
+    """The same partition's states extracted again in FP8 (hidden_states.storage_dtype: float8_e4m3fn): the
+    gate reads them dequantized, trains and passes; heldout acceptance against the bf16 states' is printed
+    (one run each: the difference is within the gate's own run-to-run noise, not measured here)."""
     from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 
     config, layout, _ = gated
@@ -278,7 +280,7 @@ def test_the_gate_trains_on_dequantized_fp8_states_and_passes(gated, tmp_path):
     assert mine["train"]["acceptance_length"] >= 0.8 * (k + 1)
     assert mine["heldout"]["acceptance_length"] > mine["untrained"]["acceptance_length"]
     print(
-        f"heldout acceptance length: FP8 {mine['heldout']['acceptance_length']:.3f}, "
-        f"bf16 {bf16['heldout']['acceptance_length']:.3f}; train FP8 {mine['train']['acceptance_length']:.3f}, "
+        f"heldout acceptance length: FP8 {mine['heldout']['acceptance_length']:.3f}, bf16 "
+        f"{bf16['heldout']['acceptance_length']:.3f}; train FP8 {mine['train']['acceptance_length']:.3f}, "
         f"bf16 {bf16['train']['acceptance_length']:.3f}"
     )

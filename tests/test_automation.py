@@ -1,4 +1,5 @@
-"""Scheduled top-ups: only datasets under budget with work left; downstream follows, never past a failed check."""
+"""Scheduled top-ups: only datasets under budget with work left; downstream follows, never past a failed
+check."""
 
 from __future__ import annotations
 
@@ -70,8 +71,9 @@ def test_top_up_requests_datasets_under_budget_and_downstream_follows(tmp_path, 
         )
         # prompts: only B1 (never ingested); B4's source did not change, so it is not ingested again.
         assert requested(r, "prompts") == {"B1"}
-        # responses: where generation has work (B1, and B4 half answered); B2 (all answered) and B3 (budget met)
-        # stay put. tokens waits for a changed responses version and its blocking checks, on a later tick.
+        # responses: where generation has work (B1, and B4 half answered); B2 (all answered) and B3 (budget
+        # met) stay put. tokens waits for a changed responses version and its blocking checks, on a later
+        # tick.
         assert requested(r, "responses") == {"B1", "B4"}
         assert not requested(r, "tokens")
         assert not requested(
@@ -106,7 +108,8 @@ def test_a_tick_with_nothing_to_do_runs_nothing_and_an_unchanged_stage_stops_the
                 evaluation_time=T0 + dt.timedelta(minutes=minutes),
             )
             assert r.total_requested == 0, [a for a in ("prompts", "responses", "tokens") if requested(r, a)]
-        # responses materialised again by hand but bought nothing: same data version, so tokens does not follow.
+        # responses materialised again by hand but bought nothing: same data version, so tokens does not
+        # follow.
         assert job.execute_in_process(
             partition_key="B1", instance=instance, asset_selection=[dg.AssetKey("responses")]
         ).success
@@ -151,7 +154,8 @@ def test_nothing_flows_past_a_failed_blocking_check(tmp_path, chat, smol_tok, ba
         match = checks["tokens_reference_match"]
         if bad_ids:  # compared, and wrong: an error that blocks
             assert not match.passed and match.severity == dg.AssetCheckSeverity.ERROR
-        else:  # nothing to compare with (text only): not a bare pass, it says UNVERIFIED, and lets the report follow
+        # nothing to compare with (text only): not a bare pass, it says UNVERIFIED, and lets the report follow
+        else:
             assert match.passed and "UNVERIFIED" in match.description
             assert match.metadata["verified"].value is False
         r = dg.evaluate_automation_conditions(

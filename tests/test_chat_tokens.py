@@ -91,7 +91,8 @@ def test_bad_conversation_yields_error_not_exception(chat):
 
 
 def test_reasoning_without_a_template_field_uses_the_configured_think_tags(chat, smol_tok):
-    """SmolLM2's template has no reasoning field: reasoning is written as <think>…</think> before the answer."""
+    """SmolLM2's template has no reasoning field: reasoning is written as <think>…</think> before the
+    answer."""
     res = chat.tokenize([(CONVERSATIONS[0], Answer("4", "2 plus 2", True))])[0]
     text = "<think>2 plus 2</think>4"
     assert res.answer_ids.tolist() == smol_tok(text, add_special_tokens=False)["input_ids"] + [2]
@@ -108,10 +109,11 @@ def test_surrounding_whitespace_and_tabs_are_kept(chat, smol_tok):
 
 
 def test_a_split_the_model_chose_is_told_apart_from_a_rebuild_defect(chat, smol_tok):
-    """Small models sometimes emit a non-canonical split of their own text ("ong" + "s" where the tokenizer writes
-    "ongs"). The row keeps the model's ids; the comparison calls it the model's split, explained, only when the
-    rebuild equals the tokenizer's own encoding of the text (an independent path). The other way round, a rebuild
-    that is not the tokenizer's encoding, stays a rebuild defect that the blocking check counts."""
+    """Small models sometimes emit a non-canonical split of their own text ("ong" + "s" where the tokenizer
+    writes "ongs"). The row keeps the model's ids; the comparison calls it the model's split, explained, only
+    when the rebuild equals the tokenizer's own encoding of the text (an independent path). The other way
+    round, a rebuild that is not the tokenizer's encoding, stays a rebuild defect that the blocking check
+    counts."""
     import numpy as np
 
     from eagle3_assets.core.tokens.chunks import _canonical

@@ -1,5 +1,6 @@
-"""The served extraction's wait for connector files, without a server: a file is taken only once its writer lets go
-of the lock, a file that never comes is reported with what was last seen, and many waits share one poller."""
+"""The served extraction's wait for connector files, without a server: a file is taken only once its writer
+lets go of the lock, a file that never comes is reported with what was last seen, and many waits share one
+poller."""
 
 from __future__ import annotations
 

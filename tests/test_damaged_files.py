@@ -1,7 +1,8 @@
-"""A damaged file never bricks a partition: each kind of damage (cut to half, not Parquet, a Parquet file of another
-schema) in each file a stage reads is set aside in quarantine/<stage>/ with its reason, and the stage goes on:
-answers are asked again (once, charged), tables rebuilt, shards recomputed; the warning check lists what was set
-aside. Locally, and through an object-store root's working copy (moto's S3 server on loopback)."""
+"""A damaged file never bricks a partition: each kind of damage (cut to half, not Parquet, a Parquet file
+of another schema) in each file a stage reads is set aside in quarantine/<stage>/ with its reason, and the
+stage goes on: answers are asked again (once, charged), tables rebuilt, shards recomputed; the warning
+check lists what was set aside. Locally, and through an object-store root's working copy (moto's S3 server
+on loopback)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def assert_set_aside(layout: DatasetLayout, stage: str, was: str, kind: str, row
     return record
 
 
-# -- the checks themselves ------------------------------------------------------------------------------------
+# -- the checks themselves
+# ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_damage_is_recognised_and_a_whole_file_is_not(tmp_path, kind):
     path = tmp_path / "t.parquet"
@@ -140,7 +142,8 @@ def test_each_damage_is_recognised_and_a_whole_file_is_not(tmp_path, kind):
     assert parquet_problem(path, schema, ["id", "n"]) is not None
 
 
-# -- responses: parts of the journal --------------------------------------------------------------------------
+# -- responses: parts of the journal
+# --------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_damaged_responses_part_is_set_aside_and_its_prompts_asked_again_once(tmp_path, chat, kind):
     layout, _ = dataset(tmp_path / "data", tmp_path)
@@ -168,8 +171,8 @@ def test_a_damaged_responses_part_is_set_aside_and_its_prompts_asked_again_once(
 
 
 def test_a_part_cut_after_a_kill_is_charged_once_through_the_runs_ledger(tmp_path, chat):
-    """A crashed run's part: its dispatch ledger survives, and charges the ids as bought and unstored (the tally
-    does not charge them a second time)."""
+    """A crashed run's part: its dispatch ledger survives, and charges the ids as bought and unstored (the
+    tally does not charge them a second time)."""
     layout, _ = dataset(tmp_path / "data", tmp_path)
     journal = ResponseJournal(layout)
     ledger = journal.ledger("crashed")
@@ -246,7 +249,8 @@ def test_a_damaged_imports_file_is_set_aside(tmp_path, chat, kind):
     assert_set_aside(layout, "responses", f"imports/{path.name}", kind)
 
 
-# -- tables ---------------------------------------------------------------------------------------------------
+# -- tables
+# ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_damaged_prompts_table_is_set_aside_and_written_again(tmp_path, chat, kind):
     layout, src = dataset(tmp_path / "data", tmp_path)
@@ -282,8 +286,8 @@ def test_a_damaged_tokens_table_is_set_aside_and_rebuilt(tmp_path, chat, kind):
 
 
 def test_tokens_rebuild_without_the_answers_of_a_damaged_part(tmp_path, chat):
-    """The tokens stage does not own the journal: it skips a damaged part (the responses stage sets it aside and
-    asks again), and the next build after that picks the answers up again."""
+    """The tokens stage does not own the journal: it skips a damaged part (the responses stage sets it aside
+    and asks again), and the next build after that picks the answers up again."""
     layout, _ = dataset(tmp_path / "data", tmp_path)
     answer(layout, chat, limit=5)
     part = only_file(layout.responses_dir)
@@ -377,7 +381,8 @@ def test_the_report_lists_what_was_set_aside_and_reads_around_damage(tmp_path, c
     assert report["n_responses"] == N and report["n_tokens_rows"] == 0
 
 
-# -- through Dagster: the warning check -----------------------------------------------------------------------
+# -- through Dagster: the warning check
+# -----------------------------------------------------------------------
 def test_the_quarantined_files_check_warns_in_a_run(tmp_path):
     import dagster as dg
 
@@ -406,8 +411,8 @@ def test_the_quarantined_files_check_warns_in_a_run(tmp_path):
 
 def test_after_a_kill_a_cut_part_no_longer_bricks_the_partition(tmp_path):
     """The issue's case through Dagster on the embedded model: the newest part of responses/ cut to half (and
-    tokens.parquet with it); the next run of the training-data job succeeds, asks the part's prompts again, and
-    the warning checks and the report say what was set aside."""
+    tokens.parquet with it); the next run of the training-data job succeeds, asks the part's prompts again,
+    and the warning checks and the report say what was set aside."""
     import dagster as dg
 
     from eagle3_assets.definitions import TRAINING_DATA_JOB, build_definitions
@@ -449,7 +454,8 @@ def test_after_a_kill_a_cut_part_no_longer_bricks_the_partition(tmp_path):
     assert "Damaged files set aside" in (root / "report.md").read_text()
 
 
-# -- an object-store root -------------------------------------------------------------------------------------
+# -- an object-store root
+# -------------------------------------------------------------------------------------
 @pytest.fixture
 def remote_project(tmp_path, s3_server, aws_env):
     prefix = f"runs/{tmp_path.name}"

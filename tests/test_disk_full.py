@@ -1,7 +1,7 @@
-"""A full disk under the storage root: the run stops buying at once with the system's own message, and after the data
-is moved somewhere roomy the next run answers every prompt once (what the last flush could not store is bought
-again). A real filesystem that fills: a small tmpfs mounted for the test (root only; elsewhere the test says why it
-cannot run)."""
+"""A full disk under the storage root: the run stops buying at once with the system's own message, and after
+the data is moved somewhere roomy the next run answers every prompt once (what the last flush could not store
+is bought again). A real filesystem that fills: a small tmpfs mounted for the test (root only; elsewhere the
+test says why it cannot run)."""
 
 from __future__ import annotations
 

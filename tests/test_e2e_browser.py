@@ -1,7 +1,8 @@
-"""The UI, end to end: headless Chromium (Debian's package, not a Playwright download) driven by Playwright opens
-the Dagster UI served by a real `dagster dev`, finds the asset graph, materialises partition B1 of `prompts` by
-clicking through the launch dialog, and waits until the run page says Success. The outcome is checked again
-through GraphQL and on disk. Screenshots are kept under artifacts/ (git-ignored), also when the test fails."""
+"""The UI, end to end: headless Chromium (Debian's package, not a Playwright download) driven by Playwright
+opens the Dagster UI served by a real `dagster dev`, finds the asset graph, materialises partition B1 of
+`prompts` by clicking through the launch dialog, and waits until the run page says Success. The outcome is
+checked again through GraphQL and on disk. Screenshots are kept under artifacts/ (git-ignored), also when the
+test fails."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ MATERIALIZATIONS_QUERY = """
 
 
 def graph_node(page: Page, name: str) -> Locator:
-    """An asset's node in the lineage graph: the graph is an SVG whose nodes are HTML inside <foreignObject>, so
-    this skips the same name in the sidebar's asset list."""
+    """An asset's node in the lineage graph: the graph is an SVG whose nodes are HTML inside <foreignObject>,
+    so this skips the same name in the sidebar's asset list."""
     return page.locator("foreignObject").get_by_text(name, exact=True)
 
 
@@ -161,7 +162,8 @@ def test_materialise_one_partition_from_the_ui(tmp_path):
             # Wide enough that the six-asset graph fits at a zoom where nodes show their partition status.
             context = browser.new_context(viewport={"width": 2200, "height": 1000})
             # The UI greets a new browser with a "Join the Dagster community" modal over everything; this
-            # localStorage key is what its "Skip" button sets. The handler is the fallback should it show anyway.
+            # localStorage key is what its "Skip" button sets. The handler is the fallback should it show
+            # anyway.
             context.add_init_script("window.localStorage.setItem('communityNux', '\"1\"')")
             context.set_default_timeout(60_000)
             context.set_default_navigation_timeout(120_000)

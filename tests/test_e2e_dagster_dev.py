@@ -1,5 +1,6 @@
-"""The real thing: `dagster dev` (webserver + daemon) on a loopback port, a partition backfill launched through the
-GraphQL API and executed by the daemon; once on the default SQLite instance, once on a real PostgreSQL server."""
+"""The real thing: `dagster dev` (webserver + daemon) on a loopback port, a partition backfill launched
+through the GraphQL API and executed by the daemon; once on the default SQLite instance, once on a real
+PostgreSQL server."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def backfill_and_verify(dev: DagsterDev, tmp_path) -> None:
     result = dev.wait_backfill(backfill)
     assert result["status"] in ("COMPLETED", "COMPLETED_SUCCESS"), (result, dev.log_tail())
     assert result["runs"] and all(r["status"] == "SUCCESS" for r in result["runs"])
-    # Generation for both datasets is one run (single-run backfill policy): one engine, one window for the key.
+    # Generation for both datasets is one run (single-run backfill policy): one engine, one window for the
+    # key.
     generating = [
         r for r in result["runs"] if ["responses"] in [a["path"] for a in r["assetSelection"] or []]
     ]

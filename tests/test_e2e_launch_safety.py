@@ -1,6 +1,6 @@
-"""A shared deployment is safe to launch from: through the GraphQL API of a running `dagster dev`, a launch cannot
-redirect the key or the endpoint, per-run knobs still work, and two backfills of one dataset never buy its answers
-twice."""
+"""A shared deployment is safe to launch from: through the GraphQL API of a running `dagster dev`, a launch
+cannot redirect the key or the endpoint, per-run knobs still work, and two backfills of one dataset never buy
+its answers twice."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def test_launches_cannot_redirect_the_key_and_one_run_per_dataset(tmp_path, monk
         )
         assert setup.returncode == 0, setup.stdout + setup.stderr
         with DagsterDev(config, home, env=env) as dev:
-            # 1. Overriding the inference resource at launch: refused before any step, naming the file to edit.
+            # 1. Overriding the inference resource at launch: refused before any step, naming the file to
+            #    edit.
             hostile = {
                 "resources": {
                     "inference": {
@@ -91,8 +92,8 @@ def test_launches_cannot_redirect_the_key_and_one_run_per_dataset(tmp_path, monk
             assert dev.wait_run(run_id)["status"] == "FAILURE"
             assert "above the ceiling" in dev.run_messages(run_id)
 
-            # 3. Two backfills of the same dataset launched together: the second run waits for the first (one run
-            # per partition), then finds everything answered. No prompt is bought twice.
+            # 3. Two backfills of the same dataset launched together: the second run waits for the first (one
+            #    run per partition), then finds everything answered. No prompt is bought twice.
             first = dev.launch_backfill(["prompts", "responses"], ["B1"], title="top-up 1")
             second = dev.launch_backfill(["prompts", "responses"], ["B1"], title="top-up 2")
             results = [dev.wait_backfill(b) for b in (first, second)]

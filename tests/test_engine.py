@@ -1,4 +1,5 @@
-"""The generation engine against real HTTP servers on loopback: faults per kind, cool-down, budget, preflight."""
+"""The generation engine against real HTTP servers on loopback: faults per kind, cool-down, budget,
+preflight."""
 
 from __future__ import annotations
 

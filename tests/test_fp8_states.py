@@ -1,7 +1,7 @@
-"""FP8 hidden-state storage (`hidden_states.storage_dtype: float8_e4m3fn`) on CPU with the embedded
-SmolLM2: the shards' layout and bytes, values as close to an fp32 forward as FP8 allows (measured against a plain
-per-token per-layer rounding of that forward), the checks on dequantized values, wrong scales and misplaced states
-failing, and the plan's size stated and refused before any forward when the disk is too small."""
+"""FP8 hidden-state storage (`hidden_states.storage_dtype: float8_e4m3fn`) on CPU with the embedded SmolLM2:
+the shards' layout and bytes, values as close to an fp32 forward as FP8 allows (measured against a plain
+per-token per-layer rounding of that forward), the checks on dequantized values, wrong scales and misplaced
+states failing, and the plan's size stated and refused before any forward when the disk is too small."""
 
 from __future__ import annotations
 
@@ -159,9 +159,9 @@ def test_a_scale_no_quantization_writes_fails_finite(fp8_extracted, wrong):
     "how", ["shifted_by_a_row", "first_two_tokens_swapped", "last_layer_mid_tokens_swapped"]
 )
 def test_scales_swapped_between_tokens_fail_the_spot_check(fp8_extracted, how):
-    """Wrong per-token scales leave every value finite, every shape right and every cosine intact: only the norm
-    rule of the spot check sees them (for the last layer, against the last decoder layer's own output: through the
-    final norm a token's scale is gone)."""
+    """Wrong per-token scales leave every value finite, every shape right and every cosine intact: only the
+    norm rule of the spot check sees them (for the last layer, against the last decoder layer's own output:
+    through the final norm a token's scale is gone)."""
     layout, s = fp8_extracted
 
     def swap(t, _meta):
@@ -201,7 +201,8 @@ def test_fp8_states_shifted_by_a_position_fail_the_spot_check(fp8_extracted):
 
 
 def test_fp8_states_off_by_a_layer_fail_the_spot_check(chat, tmp_path):
-    """Layers [2, 15, 27] stored under the name [1, 14, 26]: consistent on paper, wrong against the forward."""
+    """Layers [2, 15, 27] stored under the name [1, 14, 26]: consistent on paper, wrong against the
+    forward."""
     layout = write_tokens(chat, tmp_path, n=6)
     s = extraction_settings(storage_dtype=FP8)
     extract_dataset(layout, extraction_settings(storage_dtype=FP8, aux_layers=[2, 15, 27]), **QUIET)
@@ -300,8 +301,9 @@ def test_storage_dtype_config():
 
 
 def test_served_states_are_quantized_as_they_land(tmp_path):
-    """The vLLM path's shard buffer: each sample's states [t, 4, H] (the server's dtype) quantized into the shard's
-    rows as it lands; a sample refused as too long leaves the shard with its scales compacted alike."""
+    """The vLLM path's shard buffer: each sample's states [t, 4, H] (the server's dtype) quantized into the
+    shard's rows as it lands; a sample refused as too long leaves the shard with its scales compacted
+    alike."""
     import numpy as np
 
     from eagle3_assets.core.hidden_states.served import ShardBuffer, _write
@@ -339,9 +341,10 @@ def test_served_states_are_quantized_as_they_land(tmp_path):
 
 
 def test_exports_of_fp8_shards(fp8_extracted):
-    """speculators keeps FP8 (`hidden_states` float8 [S, 4, H] + `hidden_states_scales` [S, 4, 1], hs-connectors'
-    layout); SpecForge and Model-Optimizer read no FP8 and get the dequantized states in bf16; each manifest says
-    which. (Each framework reading them with its own code: test_trainers_read_exports, in side environments.)"""
+    """speculators keeps FP8 (`hidden_states` float8 [S, 4, H] + `hidden_states_scales` [S, 4, 1],
+    hs-connectors' layout); SpecForge and Model-Optimizer read no FP8 and get the dequantized states in bf16;
+    each manifest says which. (Each framework reading them with its own code: test_trainers_read_exports, in
+    side environments.)"""
     import datasets
     from safetensors.torch import load_file
 
@@ -396,8 +399,8 @@ def test_exports_of_fp8_shards(fp8_extracted):
 def test_half_precision_compute_stored_in_fp8_passes_its_rule_and_a_layer_off_still_fails(
     chat, tmp_path, reference_model, monkeypatch
 ):
-    """States computed in bf16 (as on a GPU or a bf16 server), stored in FP8: two roundings, held to the looser
-    every-token bars of half precision (cosine 0.99, norm 2^-3), which layers off by one still fail."""
+    """States computed in bf16 (as on a GPU or a bf16 server), stored in FP8: two roundings, held to the
+    looser every-token bars of half precision (cosine 0.99, norm 2^-3), which layers off by one still fail."""
     import copy
 
     from eagle3_assets.core.hidden_states import extraction
@@ -459,8 +462,8 @@ def test_through_dagster_fp8_shards_pass_every_check_and_say_their_dtype(chat, t
 
 
 def test_the_served_spot_check_reads_fp8_and_fails_rolled_scales(chat, fp8_extracted, smollm2_dir):
-    """From pieces of the checkpoint (a served target): the shallowest aux layer dequantized passes, its scales one
-    row off fail on magnitude."""
+    """From pieces of the checkpoint (a served target): the shallowest aux layer dequantized passes, its
+    scales one row off fail on magnitude."""
     from eagle3_assets.core.hidden_states.spot_pieces import AnswerDecoding, spot_check_pieces
     from eagle3_assets.core.target.pieces import CheckpointPieces
 
@@ -501,8 +504,8 @@ def test_a_shard_naming_another_model_is_not_deleted_but_fails_consistency(chat,
 
 
 def test_quantize_follows_the_contract():
-    """scale = absmax / 448 per (token, layer) block; dequantized = x.float().view(T, n, -1) * scales[..., None]; a
-    block of zeros gets scale 1 (a stored zero scale is always a fault)."""
+    """scale = absmax / 448 per (token, layer) block; dequantized = x.float().view(T, n, -1) * scales[...,
+    None]; a block of zeros gets scale 1 (a stored zero scale is always a fault)."""
     from eagle3_assets.core.hidden_states.fp8 import dequantize, quantize, scale_problems
 
     x = torch.randn(5, 3 * 8, generator=torch.Generator().manual_seed(0)) * torch.tensor(

@@ -1,6 +1,6 @@
-"""Each hidden_states check passes on good states and fails on the data that should fail it: a missing sample, ids
-that are not tokens.parquet's, a NaN, a shard from another extraction, states shifted by one position or belonging to
-other samples."""
+"""Each hidden_states check passes on good states and fails on the data that should fail it: a missing sample,
+ids that are not tokens.parquet's, a NaN, a shard from another extraction, states shifted by one position or
+belonging to other samples."""
 
 from __future__ import annotations
 

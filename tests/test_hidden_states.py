@@ -1,4 +1,5 @@
-"""hidden_states on CPU with the embedded SmolLM2 (L = 30, H = 576): values, layout, resume, fan-out, exports."""
+"""hidden_states on CPU with the embedded SmolLM2 (L = 30, H = 576): values, layout, resume, fan-out,
+exports."""
 
 from __future__ import annotations
 
@@ -185,8 +186,9 @@ def test_graph_asset_fans_out_one_step_per_shard(chat, tmp_path):
 
 
 def test_exports_hold_the_stored_states_of_every_sample(chat, tmp_path, reference_model):
-    """The values in each layout are the shards' (and the post-norm states are the target's). Whether each framework
-    reads, checks and trains on them is for its own code, in its own environment: test_trainers_read_exports."""
+    """The values in each layout are the shards' (and the post-norm states are the target's). Whether each
+    framework reads, checks and trains on them is for its own code, in its own environment:
+    test_trainers_read_exports."""
     import datasets
     from safetensors.torch import load_file
 
@@ -194,7 +196,8 @@ def test_exports_hold_the_stored_states_of_every_sample(chat, tmp_path, referenc
     extract_dataset(layout, extraction_settings(shard_bytes=PER_TOKEN * 150), log=lambda m: None)
     reader = HiddenStatesReader(layout.hidden_states_dir)
 
-    # speculators: load_from_disk (saved in torch format, as its loader needs) + hidden_states/hs_{i}.safetensors.
+    # speculators: load_from_disk (saved in torch format, as its loader needs) +
+    # hidden_states/hs_{i}.safetensors.
     out = tmp_path / "speculators"
     assert export(layout.hidden_states_dir, out, "speculators", log=lambda m: None) == 8
     ds = datasets.load_from_disk(str(out))
@@ -208,7 +211,8 @@ def test_exports_hold_the_stored_states_of_every_sample(chat, tmp_path, referenc
         assert torch.equal(hs["hidden_states"][:, -1], mine["last_hidden_state"])
         assert ds[i]["loss_mask"].tolist() == mine["loss_mask"].tolist()
 
-    # SpecForge: os.walk for *.ckpt, torch.load(..., mmap=True), then OfflineEagle3Dataset.process_data's lines.
+    # SpecForge: os.walk for *.ckpt, torch.load(..., mmap=True), then OfflineEagle3Dataset.process_data's
+    # lines.
     out = tmp_path / "specforge"
     export(layout.hidden_states_dir, out, "specforge", log=lambda m: None)
     paths = sorted(
@@ -239,8 +243,8 @@ def test_exports_hold_the_stored_states_of_every_sample(chat, tmp_path, referenc
 def test_configured_layers_are_output_hidden_states_plus_one_and_exports_say_so(
     chat, tmp_path, reference_model
 ):
-    """aux_layers counts decoder-layer outputs: layer i is output_hidden_states[i + 1]. Each export names the ids in
-    its framework's own key and convention."""
+    """aux_layers counts decoder-layer outputs: layer i is output_hidden_states[i + 1]. Each export names the
+    ids in its framework's own key and convention."""
     layout = write_tokens(chat, tmp_path, n=3)
     extract_dataset(layout, extraction_settings(aux_layers=[0, 5, 20]), log=lambda m: None)
     reader = HiddenStatesReader(layout.hidden_states_dir)
@@ -263,9 +267,9 @@ def test_configured_layers_are_output_hidden_states_plus_one_and_exports_say_so(
 def test_a_model_whose_attention_ignores_packing_is_extracted_unpacked(
     chat, tmp_path, reference_model, monkeypatch
 ):
-    """Simulated by taking away the packed-sequence detection transformers' masks rely on: a packed forward then lets
-    samples attend to each other. The self-test at load sees it and extraction falls back to one sample per forward,
-    whose values are right."""
+    """Simulated by taking away the packed-sequence detection transformers' masks rely on: a packed forward
+    then lets samples attend to each other. The self-test at load sees it and extraction falls back to one
+    sample per forward, whose values are right."""
     import transformers.masking_utils as masking
 
     from eagle3_assets.core.hidden_states import extraction

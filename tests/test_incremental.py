@@ -1,5 +1,5 @@
-"""A top-up costs what it adds: only new or changed conversations are tokenized again; the journal folds a run's own
-parts, not the whole table."""
+"""A top-up costs what it adds: only new or changed conversations are tokenized again; the journal folds a
+run's own parts, not the whole table."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     assert again.n_tokenized == 0 and again.n_rows == 20
     assert pl.read_parquet(layout.tokens).sort("id").equals(before)
 
-    # A top-up of 5 answers: 5 tokenized, 20 kept byte for byte (their pages copied, not decoded and re-encoded).
+    # A top-up of 5 answers: 5 tokenized, 20 kept byte for byte (their pages copied, not decoded and
+    # re-encoded).
     _, old_end = read_footer(layout.tokens)
     old_bytes = layout.tokens.read_bytes()[:old_end]
     answer(layout, tmp_path, chat, ids[20:25], "second")
@@ -64,8 +65,8 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     redo = build_tokens(layout, chat, log=lambda m: None)
     assert redo.n_tokenized == 1 and redo.n_rows == 25
 
-    # A compaction replaces the journal's files: every row is keyed again, none is redone, and the file records
-    # the new parts (so the next top-up reads only what is added after the compaction).
+    # A compaction replaces the journal's files: every row is keyed again, none is redone, and the file
+    # records the new parts (so the next top-up reads only what is added after the compaction).
     redone = pl.read_parquet(layout.tokens).sort("id")
     ResponseJournal(layout).compact()
     assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 0
@@ -99,7 +100,8 @@ def test_a_run_folds_its_own_parts_and_leaves_the_table_alone(tmp_path, chat):
 
 
 def test_eagle3_compact_folds_the_journal_into_one_file(tmp_path, chat):
-    """Compaction is a separate, occasional step: `eagle3 compact` leaves one file per table, every answer kept."""
+    """Compaction is a separate, occasional step: `eagle3 compact` leaves one file per table, every answer
+    kept."""
     from eagle3_assets.cli import main
 
     layout = partition(tmp_path, [f"q {i}" for i in range(9)])

@@ -135,8 +135,8 @@ def test_demo_sources_cover_all_formats_and_quarantine_their_bad_rows():
 
 
 def test_the_sources_own_answer_is_kept_beside_the_prompt(tmp_path):
-    """The trailing assistant turn is not sent to the target, but kept as source_answer (the acceptance gate trains
-    on it to show what regenerating answers buys); rows without one have null."""
+    """The trailing assistant turn is not sent to the target, but kept as source_answer (the acceptance gate
+    trains on it to show what regenerating answers buys); rows without one have null."""
     rows = {
         "messages": [
             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}]},
@@ -163,9 +163,9 @@ def test_the_sources_own_answer_is_kept_beside_the_prompt(tmp_path):
 
 
 def test_tool_turns_pass_through_as_the_source_has_them(tmp_path):
-    """An agent trace's tool results stay in the conversation as `tool` turns (OpenAI messages), and ShareGPT's
-    `observation` (LLaMA-Factory), `tool` and `function_response` speakers become them; the rules on how a
-    conversation ends are unchanged."""
+    """An agent trace's tool results stay in the conversation as `tool` turns (OpenAI messages), and
+    ShareGPT's `observation` (LLaMA-Factory), `tool` and `function_response` speakers become them; the rules
+    on how a conversation ends are unchanged."""
     messages = write_jsonl(
         tmp_path / "m.jsonl",
         [

@@ -1,4 +1,5 @@
-"""Golden cases on a Kimi K2.5-shaped tokenizer: slow, tiktoken-based, trust_remote_code, <think> reasoning."""
+"""Golden cases on a Kimi K2.5-shaped tokenizer: slow, tiktoken-based, trust_remote_code, <think>
+reasoning."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def kimi(kimi_tok):
 
 
 def ids(tok, *parts: str) -> list[int]:
-    """Expected ids built independently: control strings by lookup, text by the tokenizer's text-only encode."""
+    """Expected ids built independently: control strings by lookup, text by the tokenizer's text-only
+    encode."""
     out: list[int] = []
     for p in parts:
         if p.startswith("<") and p.endswith(">") and p in tok.get_vocab():
@@ -85,7 +87,8 @@ def test_multi_turn_history_is_blanked_and_trained_when_asked(kimi, kimi_tok):
     one = kimi.tokenize([(msgs, Answer("Two.", "r", True))])[0]
     every = kimi.tokenize([(msgs, Answer("Two.", "r", True))], train_all=True)[0]
     trained = every.input_ids[every.loss_mask == 1].tolist()
-    # The history turn, as the model writes it after the generation prompt's <think>: an empty thought, the answer.
+    # The history turn, as the model writes it after the generation prompt's <think>: an empty thought, the
+    # answer.
     assert trained == ids(kimi_tok, "</think>", "One.", "<|im_end|>", "r", "</think>", "Two.", "<|im_end|>")
     assert one.loss_mask.sum() == len(ids(kimi_tok, "r", "</think>", "Two.", "<|im_end|>"))
     history = ids(kimi_tok, "<|im_assistant|>", "assistant", "<|im_middle|>", "<think>", "</think>", "One.")

@@ -1,7 +1,8 @@
 """The core's stages import downward only, and nothing under core imports Dagster or the layers above it.
 
-Order (eagle3_assets/core/__init__.py): storage < target < prompts < generation < tokens < report < hidden_states
-< acceptance. A module may import its own stage, any stage before it, and `eagle3_assets.config`.
+Order (eagle3_assets/core/__init__.py): storage < target < prompts < generation < tokens < report <
+hidden_states < acceptance. A module may import its own stage, any stage before it, and
+`eagle3_assets.config`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Noise is not a limit: refusals whose share does not grow with the load (an upstream provider's own capacity behind
-a router, 5xx and resets beside them) leave the window near the ceiling, while a real in-flight cap and a real
-request-rate bucket still pull it to the limit.
+"""Noise is not a limit: refusals whose share does not grow with the load (an upstream provider's own capacity
+behind a router, 5xx and resets beside them) leave the window near the ceiling, while a real in-flight cap and
+a real request-rate bucket still pull it to the limit.
 
 The control law is driven on a fake clock by a small event simulation of the engine (due retries first, then
 new prompts, while the window has room) against a simulated provider; one test runs the real engine on the
@@ -23,8 +23,9 @@ from eagle3_assets.core.generation.limiter import AdaptiveLimit
 
 @dataclass
 class Provider:
-    """What the simulated provider enforces. `noise`: the share of attempts refused whatever the load; `script`:
-    per prompt, the faults of its first attempts ("429" a refusal, "5xx" a fault that tells nothing of capacity)."""
+    """What the simulated provider enforces. `noise`: the share of attempts refused whatever the load;
+    `script`: per prompt, the faults of its first attempts ("429" a refusal, "5xx" a fault that tells nothing
+    of capacity)."""
 
     cap: int | None = None
     rate: float | None = None
@@ -64,9 +65,9 @@ def simulate(
     refusal_s: float = 0.05,
     seed: int = 0,
 ) -> Run:
-    """The engine's dispatch loop against `provider` on a fake clock: answers take a log-normal time, refusals and
-    faults `refusal_s`; a refused prompt is sent again after 0.25-0.75 s (the engine's first refused delay), a
-    faulted one after 0.05-0.2 s; due retries go out before new prompts."""
+    """The engine's dispatch loop against `provider` on a fake clock: answers take a log-normal time, refusals
+    and faults `refusal_s`; a refused prompt is sent again after 0.25-0.75 s (the engine's first refused
+    delay), a faulted one after 0.05-0.2 s; due retries go out before new prompts."""
     rng = random.Random(seed)
     now = [0.0]
     lim = AdaptiveLimit(ceiling=ceiling, clock=lambda: now[0])
@@ -144,9 +145,9 @@ def simulate(
 
 
 def mixed_script(prompts: int, share: float, seed: int = 1) -> dict[int, list[str]]:
-    """A share of the prompts faulted on their first one to three attempts, a refusal or a fault at random (the
-    engine's first fault mix: 429s, 5xx, resets, errors in 200 bodies, malformed answers); a refused prompt's
-    retry is refused again as often as not, so refusals bunch where retries come due."""
+    """A share of the prompts faulted on their first one to three attempts, a refusal or a fault at random
+    (the engine's first fault mix: 429s, 5xx, resets, errors in 200 bodies, malformed answers); a refused
+    prompt's retry is refused again as often as not, so refusals bunch where retries come due."""
     rng = random.Random(seed)
     kinds = ["429", "429", "429", "5xx", "5xx", "5xx"]
     return {
@@ -156,14 +157,15 @@ def mixed_script(prompts: int, share: float, seed: int = 1) -> dict[int, list[st
     }
 
 
-# -- load-independent refusals --------------------------------------------------------------------------------------
+# -- load-independent refusals
+# --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name, provider, latency",
     [
-        # 12% of attempts refused whatever the load. Answers as fast as the refusals (0.1 s): 3,000 dispatches a
-        # second at a 300 ceiling, more than two blocks of the background in one refusal's round trip. Blocks
-        # closed a block later would read as nearly empty, and every refusal cluster as a storm (7 cuts, 47-72
-        # in flight).
+        # 12% of attempts refused whatever the load. Answers as fast as the refusals (0.1 s): 3,000 dispatches
+        # a second at a 300 ceiling, more than two blocks of the background in one refusal's round trip.
+        # Blocks closed a block later would read as nearly empty, and every refusal cluster as a storm (7
+        # cuts, 47-72 in flight).
         ("12% noise", Provider(noise=0.12), 0.1),
         # The mixed fault mix on the first attempts of 40% of the prompts (retries refused again, so refusals
         # bunch where retries come due). A background that loses each false alarm's refusals sinks until any
@@ -191,7 +193,8 @@ def test_refusals_that_do_not_grow_with_the_load_leave_the_window_near_the_ceili
     assert lim.stats.decreases <= 2, (name, list(lim.stats.limit_trace))
 
 
-# -- real limits are still ridden -----------------------------------------------------------------------------------
+# -- real limits are still ridden
+# -----------------------------------------------------------------------------------
 def test_an_in_flight_cap_still_pulls_the_window_to_it():
     cap = 200
     run = simulate(Provider(cap=cap), prompts=20_000, ceiling=2000)
@@ -219,7 +222,8 @@ def test_a_request_rate_bucket_still_pulls_the_window_to_it():
 
 
 def test_a_cap_behind_load_independent_noise_is_still_found():
-    """12% of attempts refused whatever the load, and an in-flight cap: the cap's storms stand out of the noise."""
+    """12% of attempts refused whatever the load, and an in-flight cap: the cap's storms stand out of the
+    noise."""
     cap = 200
     run = simulate(Provider(cap=cap, noise=0.12), prompts=20_000, ceiling=2000)
     assert run.answered == 20_000
@@ -233,7 +237,8 @@ def test_a_cap_behind_load_independent_noise_is_still_found():
     assert run.refused_share < 0.12 + 0.12, run.refused_share  # the noise, and the cap's storms beside it
 
 
-# -- through the engine -------------------------------------------------------------------------------------------
+# -- through the engine
+# -------------------------------------------------------------------------------------------
 def test_the_engine_keeps_its_window_against_a_provider_whose_refusals_do_not_depend_on_load():
     """Through the real engine: 40% of 3,000 prompts get one to three faults on their first attempts (429 with
     and without Retry-After, 503, 5xx, resets, errors in 200 bodies, malformed answers), answers take 0.1 s

@@ -310,8 +310,8 @@ def test_smoke_the_budget_holds_over_http(tmp_path, chat):
 
 
 def test_smoke_several_datasets_share_one_window_over_http(tmp_path, chat):
-    """Through `generate_datasets`, as a backfill runs: one engine, the key's cap shared, each dataset within its
-    own budget, side by side."""
+    """Through `generate_datasets`, as a backfill runs: one engine, the key's cap shared, each dataset within
+    its own budget, side by side."""
     cap, budget = 120, 60_000
     layouts = [dataset(tmp_path, [f"d{k} q{i}" for i in range(3000)], key=f"B{k}") for k in (1, 2, 3)]
     spec = ProviderSpec(
@@ -422,9 +422,10 @@ def test_the_key_is_redacted_in_every_form_a_server_echoes_it(tmp_path, chat):
 
 # -- the budget's reservation rule, on fake clocks -----------------------------------------------------------
 def _spend_after_one_window(learned: int, limit: int, trials: int, count_model_error: bool) -> list[float]:
-    """Learn answer lengths from `learned` answers (log-normal, σ 1), then fill the window until the budget blocks
-    and let everything in flight finish: the final spend per trial as a share of the limit (a seeded clockless
-    simulation of the rule alone, the harshest case: the whole window rides on what `learned` answers taught)."""
+    """Learn answer lengths from `learned` answers (log-normal, σ 1), then fill the window until the budget
+    blocks and let everything in flight finish: the final spend per trial as a share of the limit (a seeded
+    clockless simulation of the rule alone, the harshest case: the whole window rides on what `learned`
+    answers taught)."""
     import numpy as np
 
     from eagle3_assets.core.generation.budget import LengthHistory
@@ -453,10 +454,10 @@ def _spend_after_one_window(learned: int, limit: int, trials: int, count_model_e
 
 
 def test_the_budget_margin_counts_what_the_length_model_does_not_know():
-    """The expected lengths the reservation rests on are learned from the same run; with few answers learned, their
-    error is shared by every request in flight and does not average out. Counted in the margin, a window three times
-    the answers learned rarely overshoots; taken as exact, four times as often and far further. (A run of three
-    60k-token datasets at 40 in flight on a loaded machine bought 1.026x its budget before.)"""
+    """The expected lengths the reservation rests on are learned from the same run; with few answers learned,
+    their error is shared by every request in flight and does not average out. Counted in the margin, a window
+    three times the answers learned rarely overshoots; taken as exact, four times as often and far further. (A
+    run of three 60k-token datasets at 40 in flight on a loaded machine bought 1.026x its budget before.)"""
     ours = _spend_after_one_window(100, 300_000, 200, count_model_error=True)
     exact = _spend_after_one_window(100, 300_000, 200, count_model_error=False)
     share = lambda xs, above: sum(x > above for x in xs) / len(xs)  # noqa: E731
@@ -487,9 +488,10 @@ def _reserved_after_a_speed_up(monkeypatch, pace: bool) -> float:
 
 def test_a_provider_that_speeds_up_is_read_at_its_new_pace(monkeypatch):
     """The length model maps elapsed time to length at the pace it learned; once answers come faster (a local
-    server's batch shrinking as budgets close, a loaded machine easing), the requests in flight are longer than
-    that pace says. Read at the recent pace, the reservation covers them; at the learned pace it did not (three
-    60k-token datasets beside busy processes, whose answers came twice as fast at the end, bought up to 1.045x)."""
+    server's batch shrinking as budgets close, a loaded machine easing), the requests in flight are longer
+    than that pace says. Read at the recent pace, the reservation covers them; at the learned pace it did not
+    (three 60k-token datasets beside busy processes, whose answers came twice as fast at the end, bought up to
+    1.045x)."""
     assert _reserved_after_a_speed_up(monkeypatch, pace=True) >= 760
     assert _reserved_after_a_speed_up(monkeypatch, pace=False) < 760
 

@@ -1,4 +1,5 @@
-"""turns: all: every assistant turn is the target's own, answered in order as a chain, resumable mid-conversation."""
+"""turns: all: every assistant turn is the target's own, answered in order as a chain, resumable
+mid-conversation."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from .support.projects import REPO, make_project, materialize_in_process
 
 
 def sharegpt(cid: str, n_turns: int, trailing_user: bool = False) -> dict:
-    """A ShareGPT conversation with `n_turns` assistant turns (answered by 'source' texts the target must never see)."""
+    """A ShareGPT conversation with `n_turns` assistant turns (answered by 'source' texts the target must
+    never see)."""
     conv = [{"from": "system", "value": "You are terse."}]
     for k in range(1, n_turns + 1):
         conv.append({"from": "human", "value": f"{cid} question {k}"})
@@ -178,10 +180,15 @@ def test_a_kill_mid_conversation_resumes_each_conversation_after_its_last_stored
         after = server.hits[before:]
     final = pl.read_parquet(responses_dir / "*.parquet")
     assert final.height == 160 == final["id"].n_unique()
-    # The resumed run sent no stored turn again: turn k of a conversation is the request whose history holds k-1
-    # answers, so (conversation, k) identifies it.
-    resent = {(h.body["messages"][1]["content"].split()[0], sum(m["role"] == "assistant" for m in h.body["messages"]) + 1)
-              for h in after}  # fmt: skip
+    # The resumed run sent no stored turn again: turn k of a conversation is the request whose history holds
+    # k-1 answers, so (conversation, k) identifies it.
+    resent = {
+        (
+            h.body["messages"][1]["content"].split()[0],
+            sum(m["role"] == "assistant" for m in h.body["messages"]) + 1,
+        )
+        for h in after
+    }
     assert not resent & {split_turn_id(s) for s in stored}
     # and each cut conversation went on from its stored answers
     for h in after:
@@ -252,7 +259,8 @@ def test_templates_that_drop_earlier_reasoning_get_a_row_per_turn_equal_to_their
         msgs = turn_messages(source, k, answers[: k - 1])
         res = chat.tokenize([(msgs, Answer(answers[k - 1].content, answers[k - 1].reasoning, True))])[0]
         history = [
-            {"role": m["role"], "content": m["content"], **({"reasoning_content": m["reasoning"]} if m.get("reasoning") else {})}
+            {"role": m["role"], "content": m["content"],
+             **({"reasoning_content": m["reasoning"]} if m.get("reasoning") else {})}
             for m in msgs
         ]  # fmt: skip
         seen = chat.render(history, True)
@@ -268,8 +276,9 @@ def test_templates_that_drop_earlier_reasoning_get_a_row_per_turn_equal_to_their
 def test_a_template_that_keeps_the_history_verbatim_gives_one_row_per_conversation(
     tmp_path, monkeypatch, smol_tok
 ):
-    """ChatML (SmolLM2) renders every earlier turn in the final conversation as it was while being written: one row
-    per conversation, named by its last turn, equal to the template's own rendering, loss on every target turn."""
+    """ChatML (SmolLM2) renders every earlier turn in the final conversation as it was while being written:
+    one row per conversation, named by its last turn, equal to the template's own rendering, loss on every
+    target turn."""
     import numpy as np
 
     key = "k-" + secrets.token_hex(8)
@@ -301,8 +310,8 @@ def test_a_template_that_keeps_the_history_verbatim_gives_one_row_per_conversati
 
 
 def test_reasoning_the_history_does_not_show_gives_a_row_per_turn(tmp_path, monkeypatch):
-    """SmolLM2's template has no reasoning field: an earlier turn's reasoning is never shown to the model again, so
-    that turn as written is not in the final conversation, and each turn gets its own row."""
+    """SmolLM2's template has no reasoning field: an earlier turn's reasoning is never shown to the model
+    again, so that turn as written is not in the final conversation, and each turn gets its own row."""
     key = "k-" + secrets.token_hex(8)
     monkeypatch.setenv(KEY_ENV, key)
     with FakeOpenRouter(key=key) as server:  # answers with reasoning
@@ -315,7 +324,8 @@ def test_reasoning_the_history_does_not_show_gives_a_row_per_turn(tmp_path, monk
     )  # not sent: the template would not show it
 
 
-# -- turns the template refuses, the gate and the coverage check on turn rows --------------------------------------
+# -- turns the template refuses, the gate and the coverage check on turn rows
+# --------------------------------------
 
 ALTERNATING = (
     "{%- set ns = namespace(prev='') %}{%- for message in messages %}{%- if message['role'] != 'system' %}"
@@ -326,7 +336,8 @@ ALTERNATING = (
 
 
 def _alternating_tokenizer(smollm2_dir, folder):
-    """SmolLM2's tokenizer with a template that, like Mistral's and Gemma's, raises on roles that do not alternate."""
+    """SmolLM2's tokenizer with a template that, like Mistral's and Gemma's, raises on roles that do not
+    alternate."""
     import shutil
 
     folder.mkdir()
@@ -349,10 +360,10 @@ def _check_evaluations(result) -> dict:
 def test_a_turn_the_template_refuses_cuts_only_its_conversation_and_is_not_a_failed_request(
     tmp_path, smollm2_dir, smol_tok
 ):
-    """Bad input: a conversation whose later turns do not alternate as the template demands is regenerated up to
-    the turn the template refuses; that turn is recorded with the reason, naming the turn; every other conversation
-    goes on; and the blocking failure-share check passes (one conversation of four cut would be 25% > 5%): the
-    rest of a conversation that cannot be rendered is bad data, not a failed request."""
+    """Bad input: a conversation whose later turns do not alternate as the template demands is regenerated up
+    to the turn the template refuses; that turn is recorded with the reason, naming the turn; every other
+    conversation goes on; and the blocking failure-share check passes (one conversation of four cut would be
+    25% > 5%): the rest of a conversation that cannot be rendered is bad data, not a failed request."""
     from eagle3_assets.core.target.chat import ChatTokenizer
 
     from .support.fake_servers import FakeSGLang
@@ -400,8 +411,8 @@ def test_a_turn_the_template_refuses_cuts_only_its_conversation_and_is_not_a_fai
 
 
 def test_failures_that_count_toward_the_failure_share():
-    """A first turn the template refuses loses the whole prompt (counted, like a request that failed for good);
-    a later turn it refuses cuts a conversation answered up to it (reported, not counted)."""
+    """A first turn the template refuses loses the whole prompt (counted, like a request that failed for
+    good); a later turn it refuses cuts a conversation answered up to it (reported, not counted)."""
     from eagle3_assets.core.report.validation import counted_failures, failure_share
 
     failures = pl.DataFrame(
@@ -417,8 +428,8 @@ def test_failures_that_count_toward_the_failure_share():
 
 
 def _turns_partition(tmp_path, chat, reasoning: bool):
-    """A turns: all partition written directly (no server): conversation a answered in full, turn 1 of b cut by
-    max_tokens, c with reasoning in every answer (when `reasoning`); tokens built by the tokens stage."""
+    """A turns: all partition written directly (no server): conversation a answered in full, turn 1 of b cut
+    by max_tokens, c with reasoning in every answer (when `reasoning`); tokens built by the tokens stage."""
     from eagle3_assets.core.storage.layout import DatasetLayout
     from eagle3_assets.core.tokens.build import build_tokens
 
@@ -469,7 +480,8 @@ def _qwen3_chat():
 
 
 class _TokensReader:
-    """The hidden-states reader's `sample`, from tokens.parquet (the gate's sample loading without a model)."""
+    """The hidden-states reader's `sample`, from tokens.parquet (the gate's sample loading without a
+    model)."""
 
     def __init__(self, layout):
         self.rows = {r["id"]: r for r in pl.read_parquet(layout.tokens).iter_rows(named=True)}
@@ -483,10 +495,10 @@ class _TokensReader:
 
 @pytest.mark.parametrize("family", ["smollm2", "qwen3"])
 def test_the_acceptance_gate_loads_turn_rows_as_the_model_saw_each_turn(tmp_path, family, request):
-    """The gate's samples of a turns: all partition: each row's messages are the request of its (last) turn, with
-    the target's own earlier answers (their reasoning where the template has a field for it), its source answer
-    the source's own text for that turn; the template rendered afresh puts every answer span where the token rows
-    have it, for conversation rows (ChatML keeps the history) and per-turn rows alike."""
+    """The gate's samples of a turns: all partition: each row's messages are the request of its (last) turn,
+    with the target's own earlier answers (their reasoning where the template has a field for it), its source
+    answer the source's own text for that turn; the template rendered afresh puts every answer span where the
+    token rows have it, for conversation rows (ChatML keeps the history) and per-turn rows alike."""
     from eagle3_assets.core.acceptance.samples import boundary_problems, load_samples, rendered_prompts
 
     chat = request.getfixturevalue("chat") if family == "smollm2" else _qwen3_chat()

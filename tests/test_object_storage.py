@@ -1,6 +1,7 @@
 """An object-store root, against a real S3-compatible server the test starts on loopback (moto's server mode):
-every output lands in the bucket in the contract's layout, a fresh working copy resumes from what the store holds,
-a top-up moves what it adds, two writers cannot both win, and the dataset lease holds off a second generator."""
+every output lands in the bucket in the contract's layout, a fresh working copy resumes from what the store
+holds, a top-up moves what it adds, two writers cannot both win, and the dataset lease holds off a second
+generator."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ def write_stage(folder: Path, n: int = 24) -> None:
 
 
 def round_trip(url: str, tmp: Path, prefix: str, retry: dict | None = FAST) -> tuple[float, Path]:
-    """Push a partition, replace and delete some of it (a compaction), push again, pull it into a fresh copy and
-    compare; returns the seconds it took and the working copy's folder."""
+    """Push a partition, replace and delete some of it (a compaction), push again, pull it into a fresh copy
+    and compare; returns the seconds it took and the working copy's folder."""
     start = time.monotonic()
     a = root(url, tmp / "a", prefix, retry)
     folder = a.local("B1")
@@ -152,7 +152,8 @@ def test_a_put_whose_answer_was_lost_is_not_a_conflict(tmp_path, proxy, s3_serve
 
 
 def test_obstore_alone_does_not_retry_a_conditional_put_that_was_reset(proxy, aws_env):
-    """Why remote.py retries conditional PUTs itself: obstore gives up on a reset it cannot call idempotent."""
+    """Why remote.py retries conditional PUTs itself: obstore gives up on a reset it cannot call
+    idempotent."""
     store = root(proxy.url, Path("/tmp/unused"), "faults/raw").store
     proxy.rule("PUT", "raw-create", "drop_before")
     with pytest.raises(obs.exceptions.BaseError):
@@ -209,8 +210,8 @@ def test_a_push_that_outlasts_the_retries_leaves_the_old_state_and_the_next_push
     for p in parts:
         p.unlink()
 
-    # 1. A new shard's PUT fails for good: the index naming it is not published (it goes last), the old index and
-    # everything it names are still there.
+    # 1. A new shard's PUT fails for good: the index naming it is not published (it goes last), the old index
+    #    and everything it names are still there.
     proxy.rule("PUT", "shard-new-1", "slowdown", times=100)
     with pytest.raises(StoreUnavailable, match="Nothing is half-published"):
         a.push("B1", WRITES)
@@ -238,8 +239,8 @@ def test_a_push_that_outlasts_the_retries_leaves_the_old_state_and_the_next_push
         and len(list((folder / "responses").iterdir())) == 1
     )
 
-    # 2. Healthy for the index, failing for good on deleting the old shards: the new index is in, the old shards
-    # linger (named by nothing), the deletions stay pending.
+    # 2. Healthy for the index, failing for good on deleting the old shards: the new index is in, the old
+    #    shards linger (named by nothing), the deletions stay pending.
     proxy.healthy()
     proxy.rule("POST", "shard-00000", "slowdown", times=100)
     with pytest.raises(StoreUnavailable):

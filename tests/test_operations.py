@@ -1,4 +1,5 @@
-"""Operations wiring: pools applied from the config, pools and GPU tags on the steps, executors from the config."""
+"""Operations wiring: pools applied from the config, pools and GPU tags on the steps, executors from the
+config."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Appending row groups to a Parquet file without decoding it: the footer codec keeps every byte it does not change,
-and what comes out reads the same in every reader the platform and its users have (polars, pyarrow, duckdb)."""
+"""Appending row groups to a Parquet file without decoding it: the footer codec keeps every byte it does not
+change, and what comes out reads the same in every reader the platform and its users have (polars, pyarrow,
+duckdb)."""
 
 from __future__ import annotations
 

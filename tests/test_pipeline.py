@@ -112,8 +112,8 @@ def test_budget_stops_dispatch(tmp_path):
 
 
 def test_a_run_over_several_partitions_generates_them_together_and_reports_each(project, tmp_path):
-    """What a backfill of several datasets becomes (single-run backfill policy): one run, one engine, and still a
-    materialisation with its own metadata, and check results, for every partition."""
+    """What a backfill of several datasets becomes (single-run backfill policy): one run, one engine, and
+    still a materialisation with its own metadata, and check results, for every partition."""
     with dg.instance_for_test() as instance:
         for key in ("B3", "B4"):
             assert run_training_data_job(project, key, instance, selection=["prompts"]).success

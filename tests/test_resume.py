@@ -34,8 +34,8 @@ def openrouter_project(tmp_path: Path, base_url: str, texts: list[str], concurre
                 "max_retries": 2,
             }
         },
-        # The key-leak test answers one prompt of three with an error on purpose; the failure-share check blocks
-        # above this share, and the run must reach every stage.
+        # The key-leak test answers one prompt of three with an error on purpose; the failure-share check
+        # blocks above this share, and the run must reach every stage.
         checks={"max_failure_share": 0.5},
     )
 

@@ -1,5 +1,5 @@
-"""Failure paths found in review: journal write errors, shard writer errors, configuration-wide errors, templates
-that render history differently, budgets without cost reports, top-ups after a budget stop."""
+"""Failure paths found in review: journal write errors, shard writer errors, configuration-wide errors,
+templates that render history differently, budgets without cost reports, top-ups after a budget stop."""
 
 from __future__ import annotations
 

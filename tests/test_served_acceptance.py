@@ -1,6 +1,6 @@
-"""The served gate's pieces that need no real vLLM: the engine's counters read from its Prometheus page and turned
-into the report's figures, the server command for a draft, and failures that name the server's log (a server that
-does not start, one that dies mid-part). The real engine runs in tests/test_served_chain.py."""
+"""The served gate's pieces that need no real vLLM: the engine's counters read from its Prometheus page and
+turned into the report's figures, the server command for a draft, and failures that name the server's log (a
+server that does not start, one that dies mid-part). The real engine runs in tests/test_served_chain.py."""
 
 from __future__ import annotations
 
@@ -137,7 +137,8 @@ HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def fake_server(on_measured: str) -> str:
-    """A stand-in vLLM server that answers the warm-up and runs `on_measured` (one line) on a measured request."""
+    """A stand-in vLLM server that answers the warm-up and runs `on_measured` (one line) on a measured
+    request."""
     return FAKE_SERVER.replace("ON_MEASURED", on_measured)
 
 
@@ -155,7 +156,8 @@ def test_a_server_that_dies_mid_part_names_its_log_and_is_stopped(tmp_path):
 
 
 def test_terminate_mid_part_stops_the_server_the_step_started(tmp_path):
-    """Dagster's Terminate is a SIGINT in the step's process: the server (its whole process group) goes with it."""
+    """Dagster's Terminate is a SIGINT in the step's process: the server (its whole process group) goes with
+    it."""
     pid_file = tmp_path / "server.pid"
     # A measured request is a thinking target's answer, minutes long.
     server = fake_server(f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)")

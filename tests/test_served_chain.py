@@ -1,7 +1,8 @@
 """The chain past generation for a target that never enters the process: the shipped defaults plus
-`hidden_states.engine: vllm` (the session's real vLLM server, CPU build) and `acceptance.engine: vllm` (the step
-starts vLLM itself with each draft as EAGLE-3). A guard fails the test when hidden_states or acceptance loads the
-whole target or runs a forward of it here; only pieces of the checkpoint (the embedding, the first layers) may be.
+`hidden_states.engine: vllm` (the session's real vLLM server, CPU build) and `acceptance.engine: vllm` (the
+step starts vLLM itself with each draft as EAGLE-3). A guard fails the test when hidden_states or acceptance
+loads the whole target or runs a forward of it here; only pieces of the checkpoint (the embedding, the first
+layers) may be.
 """
 
 from __future__ import annotations

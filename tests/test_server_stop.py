@@ -1,8 +1,9 @@
-"""A server this process started is stopped with every process it started: vLLM's API server starts an engine core
-and workers, and terminating the API server alone once left `VLLM::Worker` processes running after the tests.
+"""A server this process started is stopped with every process it started: vLLM's API server starts an engine
+core and workers, and terminating the API server alone once left `VLLM::Worker` processes running after the
+tests.
 
-A real process tree stands in for the server (no vLLM here: what is tested is the stop, not the server): a leader
-in its own session, as `launch` starts it, with a worker that ignores SIGTERM.
+A real process tree stands in for the server (no vLLM here: what is tested is the stop, not the server): a
+leader in its own session, as `launch` starts it, with a worker that ignores SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from pathlib import Path
 
 from resources.vllm.server import RunningServer, ServeSpec
 
-WORKER = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"
+WORKER = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+    "time.sleep(600)"
+)
 LEADER = f"""
 import subprocess, sys, time
 worker = subprocess.Popen([sys.executable, "-c", {WORKER!r}], stdout=subprocess.PIPE, text=True)
@@ -58,7 +62,8 @@ def test_stopping_a_server_stops_the_workers_it_started(tmp_path):
 
 
 def test_a_stand_in_outside_its_own_session_is_stopped_too(tmp_path):
-    """The tests' stand-in for a server started by hand (`EAGLE3_TEST_VLLM_*`) is a plain child of this process."""
+    """The tests' stand-in for a server started by hand (`EAGLE3_TEST_VLLM_*`) is a plain child of this
+    process."""
     idle = subprocess.Popen(["sleep", "600"])
     spec = ServeSpec(model="", aux_layers=[1], num_layers=30, storage_path=str(tmp_path))
     RunningServer("http://127.0.0.1:9/v1", tmp_path, spec, idle, Path("/dev/null")).stop()

@@ -1,7 +1,7 @@
-"""The shipped eagle3.yaml, unchanged, materialises every asset of a partition (hidden_states and the acceptance
-gate included, on CPU for the embedded model) with every check green, and the result exports. A default that no
-test runs is broken. (The run itself is the session fixture `shipped_b3`, which the training frameworks' tests read
-too.)"""
+"""The shipped eagle3.yaml, unchanged, materialises every asset of a partition (hidden_states and the
+acceptance gate included, on CPU for the embedded model) with every check green, and the result exports. A
+default that no test runs is broken. (The run itself is the session fixture `shipped_b3`, which the training
+frameworks' tests read too.)"""
 
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""The hidden-states spot check of a served target (`hidden_states.engine: vllm`), from pieces of the checkpoint only:
-the shallowest aux layer recomputed from the embedding and the first decoder layers, and the head's argmax over the
-stored last states against the greedy answer's next tokens. Right states pass; an aux layer off by one, states
-shifted by a position and a checkpoint that is not on this machine fail; the whole target never enters the process.
+"""The hidden-states spot check of a served target (`hidden_states.engine: vllm`), from pieces of the
+checkpoint only: the shallowest aux layer recomputed from the embedding and the first decoder layers, and the
+head's argmax over the stored last states against the greedy answer's next tokens. Right states pass; an aux
+layer off by one, states shifted by a position and a checkpoint that is not on this machine fail; the whole
+target never enters the process.
 
-The first tests build their states with the embedded SmolLM2 in process (answers decoded greedily by the same model);
-the last ones (marked `vllm`) take them from real vLLM servers: the session's fp32 and bf16 servers, and one more
-started with the aux layer ids off by one (this project's decoder-layer ids passed to vLLM unshifted).
+The first tests build their states with the embedded SmolLM2 in process (answers decoded greedily by the same
+model); the last ones (marked `vllm`) take them from real vLLM servers: the session's fp32 and bf16 servers,
+and one more started with the aux layer ids off by one (this project's decoder-layer ids passed to vLLM
+unshifted).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def in_process_greedy(reference_model, smol_tok) -> Generate:
 
 @pytest.fixture(scope="module")
 def right_states(tmp_path_factory, chat, in_process_greedy) -> Path:
-    """Greedy answers and their states from an in-process extraction (fp32 compute, bf16 storage): the data root."""
+    """Greedy answers and their states from an in-process extraction (fp32 compute, bf16 storage): the data
+    root."""
     root = tmp_path_factory.mktemp("right") / "data"
     layout = write_greedy_tokens(chat, root, in_process_greedy)
     extract_dataset(layout, extraction_settings(), log=lambda m: None)
@@ -122,7 +125,8 @@ def check(folder: Path, pieces: CheckpointPieces, decoding=None) -> Verdict:
     return spot_check_pieces(folder, pieces, ids, decoding or AnswerDecoding.of(0.0))
 
 
-# -- from pieces, with states made in process ------------------------------------------------------------------
+# -- from pieces, with states made in process
+# ------------------------------------------------------------------
 def test_right_states_pass_from_pieces_with_no_whole_target_in_the_process(right_states, pieces, monkeypatch):
     folder = DatasetLayout(right_states, "B1").hidden_states_dir
     guard = FullTargetGuard(monkeypatch)
@@ -246,8 +250,8 @@ def test_a_checkpoint_not_on_this_machine_fails_the_check_and_names_the_fix(
 
 
 def test_through_dagster_engine_vllm_checks_from_pieces_only(right_states, tmp_path, monkeypatch):
-    """The asset check with `hidden_states.engine: vllm` (states already extracted: the plan finds nothing to do,
-    so no server is needed): the pieces path, whatever fits this machine."""
+    """The asset check with `hidden_states.engine: vllm` (states already extracted: the plan finds nothing to
+    do, so no server is needed): the pieces path, whatever fits this machine."""
     import dagster as dg
 
     from eagle3_assets.config import load_config
@@ -273,7 +277,8 @@ def test_through_dagster_engine_vllm_checks_from_pieces_only(right_states, tmp_p
     assert guard.depths and max(guard.depths) < L
 
 
-# -- through real vLLM servers ---------------------------------------------------------------------------------
+# -- through real vLLM servers
+# ---------------------------------------------------------------------------------
 def served_greedy(base_url: str) -> Generate:
     """Greedy answers decoded by the server itself, as token ids."""
 
@@ -313,8 +318,9 @@ def served_tokens(tmp_path_factory, chat) -> Path:
 
 @pytest.fixture(scope="module")
 def off_by_one_server():
-    """A server started with this project's aux layer ids passed to vLLM unshifted (vLLM ids [1, 14, 26, 30]: the
-    outputs of decoder layers 0, 13 and 25 where the shards will say 1, 14 and 26; the last one is right)."""
+    """A server started with this project's aux layer ids passed to vLLM unshifted (vLLM ids [1, 14, 26,
+    30]: the outputs of decoder layers 0, 13 and 25 where the shards will say 1, 14 and 26; the last one is
+    right)."""
     import tempfile
 
     from eagle3_assets.core.target.loading import builtin_dir

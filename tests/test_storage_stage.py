@@ -1,6 +1,7 @@
-"""A stage's storage: what it reads and writes is checked out before it runs and published after it succeeded;
-after an error nothing is published (a half-written stage never replaces the stored outputs), except for the
-append-only journal, whose whole part files hold answers that were paid for. Every path comes from the layout."""
+"""A stage's storage: what it reads and writes is checked out before it runs and published after it
+succeeded; after an error nothing is published (a half-written stage never replaces the stored outputs),
+except for the append-only journal, whose whole part files hold answers that were paid for. Every path
+comes from the layout."""
 
 from __future__ import annotations
 

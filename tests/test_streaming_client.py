@@ -1,6 +1,7 @@
-"""The stream client (resources/inference/streaming.py) against real servers on loopback that send exact bytes:
-chunked framing split anywhere, events split across chunks, keep-alive reuse and a connection the server dropped
-while idle, error statuses with their bodies, a cut, a malformed event, silence, an unframed body, TLS, redaction.
+"""The stream client (resources/inference/streaming.py) against real servers on loopback that send exact
+bytes: chunked framing split anywhere, events split across chunks, keep-alive reuse and a connection the
+server dropped while idle, error statuses with their bodies, a cut, a malformed event, silence, an unframed
+body, TLS, redaction.
 
 TCP decides where a stream's bytes are cut into reads, so the splits themselves are tested on the client's
 decoding with cuts the test chooses (`decode_in_pieces`); the loopback tests assert what holds for any cut.
@@ -307,10 +308,10 @@ def test_tls():
 
 
 def test_every_event_form_reaches_the_caller_in_order_and_the_key_never_does():
-    """Providers' common form (`data: <json>` and a blank line) is decoded a batch at a time; everything else a
-    server may send takes the line-by-line path with the same result: comments, other fields, `\\r\\n` line ends,
-    an event that is not an object, a content that says `[DONE]`, an event split across packets; a key echoed
-    back is redacted before anything is parsed."""
+    """Providers' common form (`data: <json>` and a blank line) is decoded a batch at a time; everything else
+    a server may send takes the line-by-line path with the same result: comments, other fields, `\\r\\n` line
+    ends, an event that is not an object, a content that says `[DONE]`, an event split across packets; a key
+    echoed back is redacted before anything is parsed."""
     ev = [{"choices": [{"delta": {"content": f"c{i}"}}]} for i in range(8)]
     said_done = {"choices": [{"delta": {"content": "data: [DONE] is how streams end"}}]}
     echoed = {"choices": [{"delta": {"content": "your key is secret-key-123"}}]}
@@ -374,7 +375,8 @@ def test_broken_http_is_classified_as_malformed():
 
 
 def test_token_ids_streamed_with_each_event_are_joined_in_order():
-    """vLLM (`return_token_ids`) sends each event's ids: the answer keeps them all, in order, across batches."""
+    """vLLM (`return_token_ids`) sends each event's ids: the answer keeps them all, in order, across
+    batches."""
     from eagle3_assets.core.generation.protocol import CompletionRequest
     from resources.inference.openrouter import StreamedAnswer
 

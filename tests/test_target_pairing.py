@@ -1,5 +1,5 @@
-"""Preflight: target.tokenizer and target.model belong together (the model's config files against the tokenizer,
-and every hidden-states vLLM server's /tokenize against ours), and the shipped Kimi-K2.5 recipe."""
+"""Preflight: target.tokenizer and target.model belong together (the model's config files against the
+tokenizer, and every hidden-states vLLM server's /tokenize against ours), and the shipped Kimi-K2.5 recipe."""
 
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ def test_the_kimi_standin_tokenizer_on_the_smollm2_model_is_refused_naming_sizes
 def test_a_kimi_shaped_config_passes_with_its_tokenizer_eos_list_and_text_config_included(
     tmp_path, kimi_dir, kimi_tok
 ):
-    """Kimi's config ends sequences with [EOS] while its template ends a turn with <|im_end|>: both are control
-    tokens of the tokenizer, so both pass; the ids are read from text_config."""
+    """Kimi's config ends sequences with [EOS] while its template ends a turn with <|im_end|>: both are
+    control tokens of the tokenizer, so both pass; the ids are read from text_config."""
     model = kimi_shaped_checkpoint(tmp_path / "kimi-model", kimi_tok)
     target = TargetConfig(tokenizer=str(kimi_dir), model=str(model), trust_remote_code=True)
     assert model_pairing(target, tmp_path).problems == []
@@ -168,7 +168,8 @@ def test_a_remembered_pass_is_keyed_by_the_models_config_so_an_edit_is_judged_ag
     assert "32000 embedding rows" in problem
 
 
-# -- vLLM servers ---------------------------------------------------------------------------------------------
+# -- vLLM servers
+# ---------------------------------------------------------------------------------------------
 class FakeTokenize:
     """A vLLM-shaped /tokenize on 127.0.0.1: `answer(body)` gives the ids; every request is kept."""
 

@@ -1,9 +1,9 @@
-"""Stop means stop: a terminated run sends nothing more within seconds, stores what arrived, settles its ledger, and
-the next run pays again at most what was in flight.
+"""Stop means stop: a terminated run sends nothing more within seconds, stores what arrived, settles its
+ledger, and the next run pays again at most what was in flight.
 
-In process (a signal to this process, as Dagster's Terminate sends one to the step's process) and through the real
-thing: `dagster dev`, the GraphQL mutations the UI's Terminate button and a backfill's Cancel call, against a
-provider whose answers take seconds.
+In process (a signal to this process, as Dagster's Terminate sends one to the step's process) and through the
+real thing: `dagster dev`, the GraphQL mutations the UI's Terminate button and a backfill's Cancel call,
+against a provider whose answers take seconds.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def test_sigint_stops_sending_stores_what_arrived_and_the_next_run_pays_only_the
         journal = ResponseJournal(layout)
         stored = journal.done_ids()
         assert 0 < len(stored) < len(texts)  # what arrived is in the table
-        # The requests cut off in flight were settled from the ledger: charged to the budget as probably billed.
+        # The requests cut off in flight were settled from the ledger: charged to the budget as probably
+        # billed.
         lost = journal.prior_usage().lost_requests
         assert 0 < lost <= concurrency
         summary = _generate(tmp_path, server, layout, chat, concurrency)
@@ -119,7 +120,8 @@ def test_sigint_stops_sending_stores_what_arrived_and_the_next_run_pays_only_the
     assert paid_twice == lost == n_before - len(stored)
 
 
-# -- through dagster dev and GraphQL ---------------------------------------------------------------------------
+# -- through dagster dev and GraphQL
+# ---------------------------------------------------------------------------
 
 TERMINATE = """
 mutation($ids: [String!]!) { terminateRuns(runIds: $ids, terminatePolicy: SAFE_TERMINATE) {

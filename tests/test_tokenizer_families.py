@@ -1,6 +1,7 @@
-"""Exact ids across tokenizer families: for every family the rebuilt ids equal the tokenizer's own encoding of the
-rendered conversation; what a family cannot rebuild is a per-row error (independent of row order) or a preflight
-finding, never silently wrong ids. The Kimi K2.5 stand-in has its own file (test_kimi_template.py)."""
+"""Exact ids across tokenizer families: for every family the rebuilt ids equal the tokenizer's own encoding
+of the rendered conversation; what a family cannot rebuild is a per-row error (independent of row order) or
+a preflight finding, never silently wrong ids. The Kimi K2.5 stand-in has its own file
+(test_kimi_template.py)."""
 
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ def test_the_families_are_what_they_claim():
 
 
 def test_a_trimming_template_rebuilds_the_padded_rows_whatever_their_order():
-    """Llama-3 trims every message: a padded row is rebuilt as the model saw it (the template's rendering of the
-    prompt) with the answer as the model wrote it, never refused; the same whatever the batch's order."""
+    """Llama-3 trims every message: a padded row is rebuilt as the model saw it (the template's rendering of
+    the prompt) with the answer as the model wrote it, never refused; the same whatever the batch's order."""
     tok = FAMILIES["llama3"]()
     chat = ChatTokenizer(tok)
     clean = ([{"role": "user", "content": "Hello there"}], Answer("Hi.", None, True))
@@ -161,8 +162,8 @@ def test_a_template_that_rewrites_all_text_is_refused_before_any_request():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_verification_renders_what_apply_chat_template_renders(family):
-    """The per-row verification renders plain conversations through transformers' second step directly; it must
-    give apply_chat_template's text for every family (reasoning fields and template options included)."""
+    """The per-row verification renders plain conversations through transformers' second step directly; it
+    must give apply_chat_template's text for every family (reasoning fields and template options included)."""
     chat = chat_for(family)
     with_reasoning = [
         {"role": "user", "content": "Why?"},

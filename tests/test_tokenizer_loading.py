@@ -30,7 +30,10 @@ from eagle3_assets.core.target.chat import ChatTokenizer
 from eagle3_assets.core.target.loading import load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 chat = ChatTokenizer(tok)
-msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: 1 2 3\n\n  <|im_end|> x"}]
+msgs = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Count: 1 2 3\n\n  <|im_end|> x"},
+]
 print(json.dumps({
     "torch_imported": "torch" in sys.modules,
     "class": f"{type(tok).__module__}:{type(tok).__qualname__}",
@@ -139,7 +142,8 @@ def test_a_passed_preflight_is_remembered_until_the_files_or_settings_change(tok
     def project(**target) -> Path:
         root = tmp_path / f"p{len(list(tmp_path.glob('p*')))}"
         return make_project(root, {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
-                            target={"tokenizer": str(tokenizer_folder), "model": str(tokenizer_folder), **target})  # fmt: skip
+                            target={"tokenizer": str(tokenizer_folder), "model": str(tokenizer_folder),
+                                    **target})  # fmt: skip
 
     config = project()
     assert _run_probe(PREFLIGHT, config) == {"problems": [], "loaded": True}
@@ -188,8 +192,8 @@ print(json.dumps({
 def test_a_step_that_sends_text_loads_the_tokenizer_only_for_an_answer_without_usage(
     tokenizer_folder, tmp_path
 ):
-    """The responses step's tokenizer is deferred: OpenRouter answers with usage need none (a second less before
-    the first request); an answer without usage is still counted with it, never as 0."""
+    """The responses step's tokenizer is deferred: OpenRouter answers with usage need none (a second less
+    before the first request); an answer without usage is still counted with it, never as 0."""
     with FakeOpenRouter(key=KEY) as server:
         plain = _run_probe(GENERATE, tokenizer_folder, server.base_url, tmp_path / "a", "hello", "world")
         counted = _run_probe(

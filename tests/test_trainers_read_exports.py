@@ -1,11 +1,11 @@
-"""Every export is read, checked and trained on by the framework it is for: speculators 0.9.0, SpecForge 0.2.0 and
-Model-Optimizer 0.47.0, each its own code in its own environment (tests/support/consumers), on the shipped
+"""Every export is read, checked and trained on by the framework it is for: speculators 0.9.0, SpecForge 0.2.0
+and Model-Optimizer 0.47.0, each its own code in its own environment (tests/support/consumers), on the shipped
 defaults' B3.
 
-An imitation of a consumer passed where the consumer failed (speculators' loader rejected an export whose test had
-converted the ids itself), so nothing here reimplements a loader: the drivers call the frameworks' own functions and
-report what they saw. Bad input (no samples, too few, samples longer than a consumer keeps, a re-export over an
-earlier one) gets a clear error from the export or a file the consumer handles.
+An imitation of a consumer passed where the consumer failed (speculators' loader rejected an export whose test
+had converted the ids itself), so nothing here reimplements a loader: the drivers call the frameworks' own
+functions and report what they saw. Bad input (no samples, too few, samples longer than a consumer keeps, a
+re-export over an earlier one) gets a clear error from the export or a file the consumer handles.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ from eagle3_assets.core.storage.layout import DatasetLayout
 from .support.consumers import environments
 
 HERE = Path(environments.__file__).resolve().parent
-# A test that meets a consumer first builds its environment (minutes of pip, once per machine) before its run: on a
-# fresh, slow machine Model-Optimizer's build and first run took over the suite's 900 s.
+# A test that meets a consumer first builds its environment (minutes of pip, once per machine) before its run:
+# on a fresh, slow machine Model-Optimizer's build and first run took over the suite's 900 s.
 pytestmark = [pytest.mark.slow, pytest.mark.consumers(*environments.CONSUMERS), pytest.mark.timeout(2400)]
 N = 6  # the shipped-defaults run answers six prompts
 
 
 def consume(name: str, *args: str | Path, cwd: Path) -> dict:
-    """Run `read_<name>.py` in the framework's environment; its one JSON line, or the failure with its output."""
+    """Run `read_<name>.py` in the framework's environment; its one JSON line, or the failure with its
+    output."""
     python = environments.python(name)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     done = subprocess.run(
@@ -106,8 +107,8 @@ def test_speculators_loads_checks_and_trains_on_its_export(exports, smollm2_dir,
 
 
 def test_speculators_refuses_an_export_without_the_torch_format(exports, smollm2_dir, tmp_path):
-    """The defect this suite was built to catch, fed to the real loader: a dataset saved without the torch format
-    fails at its first sample."""
+    """The defect this suite was built to catch, fed to the real loader: a dataset saved without the torch
+    format fails at its first sample."""
     import datasets
 
     bad = tmp_path / "no-torch-format"
@@ -122,7 +123,8 @@ def test_speculators_refuses_an_export_without_the_torch_format(exports, smollm2
 
 @pytest.fixture(scope="module")
 def fp8_export(shipped_b3, tmp_path_factory) -> Path:
-    """The shipped B3's tokens extracted again with `storage_dtype: float8_e4m3fn`, exported for speculators."""
+    """The shipped B3's tokens extracted again with `storage_dtype: float8_e4m3fn`, exported for
+    speculators."""
     root = tmp_path_factory.mktemp("fp8")
     layout = DatasetLayout(root, "B3").ensure()
     shutil.copy(shipped_b3.layout.tokens, layout.tokens)
@@ -134,13 +136,15 @@ def fp8_export(shipped_b3, tmp_path_factory) -> Path:
 
 
 def test_speculators_reads_fp8_states_through_fp8transfer_and_trains(fp8_export, smollm2_dir, tmp_path):
-    """FP8 shards stay FP8 in the speculators export; hs-connectors' own FP8Transfer (`--hidden-states-backend fp8`)
-    dequantizes them to what our reader gives, speculators' checks and loader accept them, and its draft trains."""
+    """FP8 shards stay FP8 in the speculators export; hs-connectors' own FP8Transfer (`--hidden-states-backend
+    fp8`) dequantizes them to what our reader gives, speculators' checks and loader accept them, and its draft
+    trains."""
     m = manifest(fp8_export)
     assert m["dtype"] == "float8_e4m3fn" and m["dequantized"] is False
     assert m["train_command"].endswith("--hidden-states-backend fp8")
     r = consume(
-        "speculators", fp8_export, smollm2_dir, "--target-layer-ids", "2", "15", "27", "--draft-vocab-size", "64",
+        "speculators", fp8_export, smollm2_dir, "--target-layer-ids", "2", "15", "27",
+        "--draft-vocab-size", "64",
         "--hidden-states-backend", "fp8", cwd=tmp_path,
     )  # fmt: skip
     assert r["transfer"] == "FP8Transfer"
@@ -223,8 +227,9 @@ def test_samples_longer_than_max_len_are_cut_and_every_consumer_reads_them(shipp
 def test_an_uncut_export_longer_than_each_consumers_limit_trains_in_each(
     exports, shipped_b3, smollm2_dir, tmp_path
 ):
-    """No --max-len: each consumer meets samples longer than its own limit (speculators' total_seq_len, SpecForge's
-    max_length, Model-Optimizer's training_seq_len) and cuts them itself, reading every sample and training."""
+    """No --max-len: each consumer meets samples longer than its own limit (speculators' total_seq_len,
+    SpecForge's max_length, Model-Optimizer's training_seq_len) and cuts them itself, reading every sample and
+    training."""
     longest = manifest(exports["modelopt"])["longest_sample"]
     limit = longest - 40
     assert all(
@@ -240,12 +245,14 @@ def test_an_uncut_export_longer_than_each_consumers_limit_trains_in_each(
         "specforge", exports["specforge"], shipped_b3.layout.acceptance_dir / "draft", "--max-length", limit,
         "--steps", "2", cwd=tmp_path,
     )  # fmt: skip
-    # SpecForge cut the samples longer than `limit`; the ids and masks in its batches are compared up to the cut.
+    # SpecForge cut the samples longer than `limit`; the ids and masks in its batches are compared up to the
+    # cut.
     assert f["max_length"] == limit and f["n_samples"] == N and f["ids_and_masks_equal"]
     assert f["train"].get("rc") == 0, f["train"]
     assert len(f["losses"]) == 2 and f["losses_finite"] and f["losses"][0] > 0, f["losses"]
     o = consume(
-        "modelopt", exports["modelopt"], smollm2_dir, "--aux", "1", "14", "26", "--train-len", limit, "--steps", "2",
+        "modelopt", exports["modelopt"], smollm2_dir, "--aux", "1", "14", "26", "--train-len", limit,
+        "--steps", "2",
         cwd=tmp_path,
     )  # fmt: skip
     # Model-Optimizer's dataset reads whole samples; its collator cuts them to `limit`.
@@ -256,14 +263,15 @@ def test_an_uncut_export_longer_than_each_consumers_limit_trains_in_each(
 def test_a_cut_that_leaves_no_trained_token_is_refused_and_samples_it_empties_are_left_out(
     shipped_b3, smollm2_dir, tmp_path
 ):
-    """A --max-len shorter than every prompt once exported 28 samples with no trained token, and speculators trained
-    on them at loss 0.0. Now such a cut is refused with the max_len that keeps some, and a cut that empties only
-    some samples leaves those out (counted in the manifest): every exported sample trains."""
+    """A --max-len shorter than every prompt once exported 28 samples with no trained token, and speculators
+    trained on them at loss 0.0. Now such a cut is refused with the max_len that keeps some, and a cut that
+    empties only some samples leaves those out (counted in the manifest): every exported sample trains."""
     import torch
 
     folder = shipped_b3.layout.hidden_states_dir
     reader = HiddenStatesReader(folder)
-    # The shortest cut that keeps a trained token before a sample's last position (SpecForge never trains the last).
+    # The shortest cut that keeps a trained token before a sample's last position (SpecForge never trains the
+    # last).
     need = sorted(int(reader.sample(sid)["loss_mask"][:-1].nonzero()[0, 0]) + 2 for sid in reader.ids())
     assert len(need) == N and need[0] < need[1] < need[-1]  # prompts of different lengths: cuts fall between
     for fmt in FORMATS:
@@ -297,7 +305,8 @@ def test_a_cut_that_leaves_no_trained_token_is_refused_and_samples_it_empties_ar
     assert s["losses_finite"] and s["losses"][0] > 0, s["losses"]
 
 
-# -- bad input: a clear error from the export, never a file a consumer crashes on -----------------------------
+# -- bad input: a clear error from the export, never a file a consumer crashes on
+# -----------------------------
 def test_a_partition_without_samples_is_refused_with_the_fix(shipped_b3, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -1,6 +1,6 @@
-"""The OpenAI-compatible backend against a real server: `transformers serve` on loopback with the embedded model,
-streamed and not. Greedy decoding on one server must give the same answers both ways, so the streamed answer is
-reassembled exactly."""
+"""The OpenAI-compatible backend against a real server: `transformers serve` on loopback with the embedded
+model, streamed and not. Greedy decoding on one server must give the same answers both ways, so the streamed
+answer is reassembled exactly."""
 
 from __future__ import annotations
 

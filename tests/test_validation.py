@@ -1,4 +1,5 @@
-"""The validation report and the rules behind the checks; a failing blocking check stops the flow in Dagster."""
+"""The validation report and the rules behind the checks; a failing blocking check stops the flow in
+Dagster."""
 
 from __future__ import annotations
 

@@ -30,9 +30,8 @@ PROVEN = {
     )
     + "{% for m in messages[1:] %}{{ m.content }}{% endfor %}",
     "roles may be used in any way": loop(
-        "{% if message.role|upper == 'USER' %}{{ message.role.title() }}{% endif %}"
-        "{% if message['role'] not in ['user', 'system'] %}{{ raise_exception('roles alternate') }}{% endif %}"
-        "{{ message.content }}"
+        "{% if message.role|upper == 'USER' %}{{ message.role.title() }}{% endif %}{% if message['role'] not "
+        "in ['user', 'system'] %}{{ raise_exception('roles alternate') }}{% endif %}{{ message.content }}"
     ),
     "namespaces of positions": "{% set ns = namespace(last=-1) %}"
     + loop("{% if message.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}")
@@ -163,7 +162,8 @@ def _conversations():
             )
         )
     convs.append(([{"role": "user", "content": None}], Answer("not a string")))  # no proof covers this row
-    # A role that looks like a sentinel: its row is still rendered (and the plan's text differs from the render).
+    # A role that looks like a sentinel: its row is still rendered (and the plan's text differs from the
+    # render).
     convs.append(([{"role": "\ue0000c\ue001", "content": "hi"}], Answer("there")))
     return convs
 
@@ -186,19 +186,19 @@ def test_skipping_the_render_changes_no_id_mask_or_error(family, smol_tok):
             else:
                 assert x.input_ids.tolist() == y.input_ids.tolist()
                 assert x.loss_mask.tolist() == y.loss_mask.tolist() and x.answer_start == y.answer_start
-    # The row with no string text was still rendered, and failed; so did the row with a sentinel role where the
-    # template writes roles (its plan misreads the role as a text).
+    # The row with no string text was still rendered, and failed; so did the row with a sentinel role where
+    # the template writes roles (its plan misreads the role as a text).
     assert isinstance(a[-2], TemplateError)
     assert isinstance(a[-1], TemplateError) is (family in ("smollm2", "phi3"))
     assert sum(isinstance(x, TemplateError) for x in a[:-2]) == 0
 
 
 def test_a_trimming_template_rebuilds_the_rows_it_rewrites_as_the_model_saw_them():
-    """Llama-3 trims every message: the prompt side is what the template renders (what the model saw), the answer
-    what the model wrote, ending where the template ends a turn. Its template has no reasoning field, so an
-    answer's reasoning is written as the model produced it (`<think>…</think>` before the content), exactly as a
-    template that writes texts verbatim writes it: every one of these rows is rebuilt (9 of them were refused at
-    first, then the 3 whose answer carries reasoning)."""
+    """Llama-3 trims every message: the prompt side is what the template renders (what the model saw), the
+    answer what the model wrote, ending where the template ends a turn. Its template has no reasoning field,
+    so an answer's reasoning is written as the model produced it (`<think>…</think>` before the content),
+    exactly as a template that writes texts verbatim writes it: every one of these rows is rebuilt (9 of them
+    were refused at first, then the 3 whose answer carries reasoning)."""
     from .support.tokenizer_families import LLAMA3_TEMPLATE
 
     tok = FAMILIES["llama3"]()
@@ -245,9 +245,9 @@ def test_a_trimming_template_rebuilds_the_rows_it_rewrites_as_the_model_saw_them
 
 
 def test_a_rewriting_template_with_a_reasoning_field_refuses_answers_with_reasoning_naming_why():
-    """Qwen3 writes the answer's reasoning in its own field and strips its newlines: where the model's thinking
-    ended cannot be told, so that row alone is refused, and the reason says so (not merely that text is trimmed);
-    the same answer without reasoning, and a padded prompt, are rebuilt."""
+    """Qwen3 writes the answer's reasoning in its own field and strips its newlines: where the model's
+    thinking ended cannot be told, so that row alone is refused, and the reason says so (not merely that text
+    is trimmed); the same answer without reasoning, and a padded prompt, are rebuilt."""
     chat = ChatTokenizer(FAMILIES["qwen3"]())
     assert chat.verbatim_problem is not None and chat.template_has_reasoning
     prompt = [{"role": "user", "content": "  What is 2+2? \n"}]

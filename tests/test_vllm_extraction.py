@@ -107,7 +107,8 @@ def _project(root: Path, server, **hidden) -> Path:
     path = make_project(
         root,
         {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
-        # The answers are canned, not the target's greedy ones: the spot check's head rule reads them as sampled.
+        # The answers are canned, not the target's greedy ones: the spot check's head rule reads them as
+        # sampled.
         sampling={"temperature": 0.7},
         hidden_states={
             "engine": "vllm",
@@ -161,9 +162,9 @@ def test_a_killed_extraction_resumes_per_shard_with_nothing_lost_and_no_files_le
 
 
 class FlakyProxy:
-    """A reverse proxy in front of the real server that misbehaves as servers and volumes do: it dies (drops every
-    connection and refuses new ones for a while) after `die_after` answers, and spoils the connector files of the
-    answers it is told to (removed, cut in half, or rewritten with other token ids)."""
+    """A reverse proxy in front of the real server that misbehaves as servers and volumes do: it dies (drops
+    every connection and refuses new ones for a while) after `die_after` answers, and spoils the connector
+    files of the answers it is told to (removed, cut in half, or rewritten with other token ids)."""
 
     def __init__(self, upstream: str, die_after: int | None = None, spoil: list[str] | None = None):
         self.upstream = upstream.rstrip("/")
@@ -262,9 +263,10 @@ def test_a_server_that_dies_mid_shard_and_spoiled_files_are_retried_faults(
     layout = write_tokens(chat, tmp_path, repeat=2)
     proxy = FlakyProxy(server.base_url, die_after=5, spoil=["missing", "cut", "other_ids"])
     try:
-        # One sample may meet every fault of this scenario: cut by the death, refused while the proxy is down (its
-        # backoffs of at least 0.25, 0.5 and 1 s fit three attempts into the down time of at most 2 s), then all
-        # three spoiled files: seven faults, so the allowance is eight (the engine's default for generation).
+        # One sample may meet every fault of this scenario: cut by the death, refused while the proxy is down
+        # (its backoffs of at least 0.25, 0.5 and 1 s fit three attempts into the down time of at most 2 s),
+        # then all three spoiled files: seven faults, so the allowance is eight (the engine's default for
+        # generation).
         settings = served_settings(
             proxy.base_url, server.storage, storage_dtype="float32", file_timeout_s=2.0, max_retries=8
         )
@@ -366,7 +368,8 @@ def test_a_bf16_server_passes_the_spot_check_and_a_layer_off_by_one_fails_it(
     assert spot.metadata["compute_dtype"] == "bfloat16"
     assert rules.consistent(folder, expected_metadata(settings)).passed
 
-    # A server started with this project's layer ids unshifted stores each aux layer one below what the shard says.
+    # A server started with this project's layer ids unshifted stores each aux layer one below what the shard
+    # says.
     for shard in folder.glob("shard-*.safetensors"):
         with safe_open(str(shard), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
@@ -412,7 +415,8 @@ def test_vllm_serve_prints_the_server_command_for_the_configured_target(tmp_path
     path = make_project(
         tmp_path,
         {"B1": {"rows": [{"messages": [{"role": "user", "content": "hi"}]}]}},
-        # The answers are canned, not the target's greedy ones: the spot check's head rule reads them as sampled.
+        # The answers are canned, not the target's greedy ones: the spot check's head rule reads them as
+        # sampled.
         sampling={"temperature": 0.7},
         hidden_states={"engine": "vllm", "vllm": {"storage_path": "/shared/hs", "model": "t"}},
     )
@@ -518,8 +522,8 @@ def test_data_parallel_replicas_share_the_samples(server, chat, tmp_path):
 
 
 def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(server, chat, tmp_path):
-    """Dagster's Terminate is a SIGINT in the step's process: no request leaves after it, the shards completed are
-    kept, and the next extraction sends only the samples of the shards that were not finished."""
+    """Dagster's Terminate is a SIGINT in the step's process: no request leaves after it, the shards completed
+    are kept, and the next extraction sends only the samples of the shards that were not finished."""
     from eagle3_assets.core.generation.stopping import RunTerminated
 
     layout = write_tokens(chat, tmp_path, repeat=4)  # 32 samples
@@ -561,9 +565,9 @@ def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(se
 def test_fp8_storage_through_vllm_is_quantized_as_the_states_land_and_passes_every_check(
     server, chat, tmp_path, reference_model
 ):
-    """hidden_states.storage_dtype: float8_e4m3fn on the served path: each sample's states are quantized as they
-    arrive (per token and layer), the shards hold float8 with their scales, read dequantized they agree with the
-    in-process FP8 path, and every check passes under the FP8 rule."""
+    """hidden_states.storage_dtype: float8_e4m3fn on the served path: each sample's states are quantized as
+    they arrive (per token and layer), the shards hold float8 with their scales, read dequantized they agree
+    with the in-process FP8 path, and every check passes under the FP8 rule."""
     from eagle3_assets.core.hidden_states.shards import bytes_per_token, finished_shards
 
     fp8 = "float8_e4m3fn"
@@ -614,10 +618,10 @@ def fp8_server():
 def test_a_server_started_for_fp8_writes_fp8_files_and_the_shards_keep_their_bytes(
     fp8_server, chat, tmp_path, reference_model
 ):
-    """`eagle3 vllm-serve` for a project storing FP8 sets the connector's storage_dtype: the server quantizes before
-    it writes (a byte a value plus a scale per token and layer, against 4 bytes in fp32), the extraction stores those
-    bytes and scales, the shards name the server's compute dtype, and every check passes; a bf16 project reading
-    such a server dequantizes."""
+    """`eagle3 vllm-serve` for a project storing FP8 sets the connector's storage_dtype: the server quantizes
+    before it writes (a byte a value plus a scale per token and layer, against 4 bytes in fp32), the
+    extraction stores those bytes and scales, the shards name the server's compute dtype, and every check
+    passes; a bf16 project reading such a server dequantizes."""
     fp8 = "float8_e4m3fn"
     assert fp8_server.spec.kv_transfer_config()["kv_connector_extra_config"]["storage_dtype"] == fp8
     layouts = {k: write_tokens(chat, tmp_path / k) for k in ("fp8", "bf16", "local")}

@@ -1,6 +1,6 @@
 """acceptance (GPU pool; CPU for the embedded target): a small EAGLE-3 draft trained on the partition's hidden
-states and measured against the target; and its blocking check `acceptance_gate`, which reports the verdict the gate
-computed (once, in `core.acceptance.gate.run_gate`, stored in report.json)."""
+states and measured against the target; and its blocking check `acceptance_gate`, which reports the verdict
+the gate computed (once, in `core.acceptance.gate.run_gate`, stored in report.json)."""
 
 from collections.abc import Callable
 from dataclasses import asdict
@@ -25,9 +25,9 @@ from .hidden_states import GPU_STEP_TAGS
 def gate_engines(
     cfg: ProjectConfig, layout: DatasetLayout, chat: ChatTokenizer, log: Callable[[str], None]
 ) -> GateEngines:
-    """The draft's pieces of the target (config and embedding, read by tensor name), and the engine that measures
-    it: the target in this process (`acceptance.engine: transformers`) or vLLM started by the step (`vllm`). The
-    source-answers arm's states come from the engine that extracted the partition's own."""
+    """The draft's pieces of the target (config and embedding, read by tensor name), and the engine that
+    measures it: the target in this process (`acceptance.engine: transformers`) or vLLM started by the step
+    (`vllm`). The source-answers arm's states come from the engine that extracted the partition's own."""
     from ..core.acceptance.decoding import InProcessFeatures, InProcessMeasurer, SpeculativeDecoder
     from ..core.target.loading import pick_device
 
@@ -102,10 +102,10 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         op_tags=GPU_STEP_TAGS,
         kinds={"pytorch"},
         code_version="1",
-        description="Trains a small EAGLE-3 draft on the partition's hidden states and measures it against the "
-        "target with greedy speculative decoding (acceptance/report.json, the draft in SGLang/SpecForge layout "
-        "beside it). Check acceptance_gate: the draft fits its training prompts and beats an untrained one "
-        "on heldout prompts.",
+        description="Trains a small EAGLE-3 draft on the partition's hidden states and measures it against "
+        "the target with greedy speculative decoding (acceptance/report.json, the draft in SGLang/SpecForge "
+        "layout beside it). Check acceptance_gate: the draft fits its training prompts and beats an "
+        "untrained one on heldout prompts.",
     )
     def acceptance(
         context: dg.AssetExecutionContext,
@@ -136,8 +136,8 @@ def build_acceptance_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asse
         blocking=True,
         partitions_def=partitions,
         description="The draft trained on this partition fits its own training prompts (acceptance length ≥ "
-        "acceptance.min_train_share × (k + 1)) and beats an untrained draft on heldout prompts; every answer's "
-        "loss mask sits where the target's template puts it.",
+        "acceptance.min_train_share × (k + 1)) and beats an untrained draft on heldout prompts; every "
+        "answer's loss mask sits where the target's template puts it.",
     )
     def acceptance_gate(
         context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]

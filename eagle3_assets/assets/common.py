@@ -33,7 +33,8 @@ def check_result(v: Verdict, warn: bool = False) -> dg.AssetCheckResult:
 
 
 def scan_tokens(storage: Storage, key: str, columns: list[str]) -> pl.LazyFrame | None:
-    """The partition's token rows, lazily: each check reduces them to what it needs (streaming, bounded memory)."""
+    """The partition's token rows, lazily: each check reduces them to what it needs (streaming, bounded
+    memory)."""
     path = storage.checkout(key, "tokens").tokens
     return pl.scan_parquet(path).select(columns) if path.exists() else None
 
@@ -44,8 +45,8 @@ def check_each_partition(
     """A partitioned check, in a run of one partition or of a range (the single-run backfill of `responses`).
 
     Dagster gives a check in a range run no partition of its own, so each partition's result is logged as that
-    partition's evaluation (what the UI and automation read per partition), and the step's own result summarises
-    them."""
+    partition's evaluation (what the UI and automation read per partition), and the step's own result
+    summarises them."""
     keys = list(context.partition_keys)
     if len(keys) == 1:
         return evaluate(keys[0])
@@ -55,7 +56,8 @@ def check_each_partition(
         r = evaluate(key)
         if not r.passed:
             failed.append(key)
-        # log_event records check evaluations too (one per partition here); its annotation lists only the others.
+        # log_event records check evaluations too (one per partition here); its annotation lists only the
+        # others.
         context.op_execution_context.log_event(
             dg.AssetCheckEvaluation(  # type: ignore[arg-type]
                 asset_key=spec.asset_key,
@@ -77,9 +79,9 @@ def check_each_partition(
 
 def operator_stop(context: dg.OpExecutionContext | dg.AssetExecutionContext) -> StopProbe:
     """Whether the operator stopped this run where no signal has come yet: the run is being terminated, or the
-    backfill it belongs to was cancelled (which the backfill daemon passes on to its runs only at its next pass,
-    up to 30 s later). On a cancelled backfill this run asks to be terminated itself, as the daemon would, so that
-    it ends CANCELED."""
+    backfill it belongs to was cancelled (which the backfill daemon passes on to its runs only at its next
+    pass, up to 30 s later). On a cancelled backfill this run asks to be terminated itself, as the daemon
+    would, so that it ends CANCELED."""
     instance, run_id = context.instance, context.run.run_id
     backfill_id = context.run.tags.get(BACKFILL_ID_TAG)
     asked: list[str] = []

@@ -1,10 +1,10 @@
-"""hidden_states (GPU): a graph-backed asset that fans a dataset's shards out over as many GPU steps as exist; and
-its five blocking checks.
+"""hidden_states (GPU): a graph-backed asset that fans a dataset's shards out over as many GPU steps as exist;
+and its five blocking checks.
 
-plan (one step) -> extract shard (one step per shard: pool "gpu", a GPU requested under k8s_job_executor) -> index.
-With the in-process executor (a laptop, a single GPU box) the shards run in turn in one process and the model is
-loaded once; under Kubernetes every shard step is its own pod. With `hidden_states.engine: vllm` the servers hold
-the GPUs: one step (no GPU of its own) sends every planned shard's samples to them.
+plan (one step) -> extract shard (one step per shard: pool "gpu", a GPU requested under k8s_job_executor) ->
+index. With the in-process executor (a laptop, a single GPU box) the shards run in turn in one process and the
+model is loaded once; under Kubernetes every shard step is its own pod. With `hidden_states.engine: vllm` the
+servers hold the GPUs: one step (no GPU of its own) sends every planned shard's samples to them.
 """
 
 import re
@@ -60,13 +60,14 @@ def _mapping_key(name: str) -> str:
 @dg.op(
     ins={"tokens": dg.In(dg.Nothing)},
     out=dg.DynamicOut(str, io_manager_key=IO),
-    description="Plan the shards still to extract (finished shards are never recomputed), state the bytes they "
-    "will write and, on a local storage root, refuse a plan larger than the free space.",
+    description="Plan the shards still to extract (finished shards are never recomputed), state the bytes "
+    "they will write and, on a local storage root, refuse a plan larger than the free space.",
 )
 def plan_hidden_state_shards(
     context: dg.OpExecutionContext, project: dg.ResourceParam[Project], storage: dg.ResourceParam[Storage]
 ):
-    # A remote root stages only what each step writes on the step's own disk: the whole plan is no measure there.
+    # A remote root stages only what each step writes on the step's own disk: the whole plan is no measure
+    # there.
     local = storage.remote is None
     with storage.stage(context.partition_key, "hidden_states") as layout:
         settings = ExtractionSettings.from_config(project.cfg)
@@ -119,8 +120,8 @@ def extract_hidden_state_shard(
 
 @dg.op(
     out=dg.Out(dict, io_manager_key=IO),
-    description="Send every planned sample to the vLLM servers (they hold the GPUs) and write each shard as it "
-    "completes.",
+    description="Send every planned sample to the vLLM servers (they hold the GPUs) and write each shard as "
+    "it completes.",
 )
 def extract_hidden_states_served(
     context: dg.OpExecutionContext,
@@ -177,8 +178,9 @@ def build_hidden_states_asset(
         automation_condition=automation_condition,
         group_name=GROUP,
         kinds={"pytorch", "safetensors"},
-        description="Auxiliary hidden states of the target (3 aux layers + the last layer before the final norm) "
-        "over every token sequence, in packed safetensors shards with index.parquet; one GPU step per shard.",
+        description="Auxiliary hidden states of the target (3 aux layers + the last layer before the final "
+        "norm) over every token sequence, in packed safetensors shards with index.parquet; one GPU step per "
+        "shard.",
     )
     def hidden_states(tokens):
         shards = plan_hidden_state_shards(tokens)
@@ -190,8 +192,8 @@ def build_hidden_states_asset(
 def _spot_check_with_pieces(
     folder: Path, ids: list[str], cfg: ProjectConfig, key: str
 ) -> dg.AssetCheckResult:
-    """The spot check from pieces of the checkpoint (embedding, first layers, final norm, head); a checkpoint that
-    is not on this machine fails the check, naming the fix: states nobody recomputed never pass."""
+    """The spot check from pieces of the checkpoint (embedding, first layers, final norm, head); a checkpoint
+    that is not on this machine fails the check, naming the fix: states nobody recomputed never pass."""
     from ..core.target.pieces import CheckpointError, CheckpointPieces
 
     settings = ExtractionSettings.from_config(cfg)
@@ -209,7 +211,8 @@ def _spot_check_with_pieces(
                 "recomputed": False,
                 "reason": str(e),
                 "fix": "put the target's safetensors checkpoint on the machine that runs this check (only "
-                "the embedding, the first decoder layers, the final norm and the head are read), then re-run it",
+                "the embedding, the first decoder layers, the final norm and the head are read), then re-run "
+                "it",
                 "samples": len(ids),
             },
         )
@@ -302,19 +305,20 @@ HIDDEN_STATES_CHECKS = (
     HiddenStatesCheck("hidden_states_finite", "No NaN or Inf in any stored state.", _finite),
     HiddenStatesCheck(
         "hidden_states_consistent",
-        "Every shard names the configured model, revision, tokenizer, layers and dtype, with tensor shapes that "
-        "agree with its samples.",
+        "Every shard names the configured model, revision, tokenizer, layers and dtype, with tensor shapes "
+        "that agree with its samples.",
         _consistent,
         needs_project=True,
     ),
     HiddenStatesCheck(
         "hidden_states_spot_check",
-        "A few samples recomputed by an independent fp32 forward (output_hidden_states, one sample per forward, "
-        "no extraction hooks, packing or server) agree with the stored states: every token ≥ 0.999 cosine for "
-        "fp32 compute; for half-precision compute the median token ≥ 0.999 and every token ≥ 0.99. With "
-        "hidden_states.engine vllm (or a target too big for this machine) from pieces of the checkpoint only: the "
-        "shallowest aux layer recomputed from the first decoder layers, and the head's argmax over the stored last "
-        "states equal to the greedy answer's next tokens. Fails, saying why, where the checkpoint is not here.",
+        "A few samples recomputed by an independent fp32 forward (output_hidden_states, one sample per "
+        "forward, no extraction hooks, packing or server) agree with the stored states: every token ≥ 0.999 "
+        "cosine for fp32 compute; for half-precision compute the median token ≥ 0.999 and every token ≥ "
+        "0.99. With hidden_states.engine vllm (or a target too big for this machine) from pieces of the "
+        "checkpoint only: the shallowest aux layer recomputed from the first decoder layers, and the head's "
+        "argmax over the stored last states equal to the greedy answer's next tokens. Fails, saying why, "
+        "where the checkpoint is not here.",
         _spot_check,
         needs_project=True,
         gpu=True,

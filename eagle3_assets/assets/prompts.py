@@ -19,8 +19,9 @@ def build_prompts_asset(
         group_name=GROUP,
         kinds={"python", "parquet"},
         code_version="2",
-        description="Source rows (ShareGPT, OpenAI messages or instruction format) as chat messages ending in a "
-        "user turn, one row per prompt with a stable id; unusable rows go to quarantine.parquet with the reason.",
+        description="Source rows (ShareGPT, OpenAI messages or instruction format) as chat messages ending "
+        "in a user turn, one row per prompt with a stable id; unusable rows go to quarantine.parquet with "
+        "the reason.",
     )
     def prompts(
         context: dg.AssetExecutionContext,

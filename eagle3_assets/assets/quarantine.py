@@ -1,4 +1,5 @@
-"""The `quarantined_files` check of each stage that sets damaged files aside (a warning: the stage went on)."""
+"""The `quarantined_files` check of each stage that sets damaged files aside (a warning: the stage went
+on)."""
 
 import dagster as dg
 
@@ -20,10 +21,10 @@ def _check(stage: str, partitions: dg.PartitionsDefinition) -> dg.AssetChecksDef
         name="quarantined_files",
         blocking=False,
         partitions_def=partitions,
-        description=f"No file of the {stage} stage was found damaged (cut short, not Parquet or safetensors, wrong "
-        f"schema). Warns, listing each file set aside under quarantine/{stage}/ with its reason; the stage went on "
-        "without it (its answers asked again, its table rebuilt, its shard recomputed). Restore or delete the "
-        "files there to clear the warning.",
+        description=f"No file of the {stage} stage was found damaged (cut short, not Parquet or safetensors, "
+        f"wrong schema). Warns, listing each file set aside under quarantine/{stage}/ with its reason; the "
+        "stage went on without it (its answers asked again, its table rebuilt, its shard recomputed). "
+        "Restore or delete the files there to clear the warning.",
     )
     def quarantined_files(
         context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]

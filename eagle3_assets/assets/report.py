@@ -24,8 +24,8 @@ def build_report_asset(
         group_name=GROUP,
         kinds={"python", "json"},
         code_version="1",
-        description="Counts, budget use, cost, finish reasons, degenerate answers, token-length distribution and "
-        "reference-match rate of one dataset (report.json and a readable report.md).",
+        description="Counts, budget use, cost, finish reasons, degenerate answers, token-length distribution "
+        "and reference-match rate of one dataset (report.json and a readable report.md).",
     )
     def validation_report(
         context: dg.AssetExecutionContext,

@@ -1,10 +1,11 @@
 """responses: the target model's answers, through whichever inference resource is configured; and its checks.
 
-A backfill of several datasets is one run (`BackfillPolicy.single_run()`): one engine generates all of them at once
-inside the key's adaptive window, each within its own budget and journal (core.generation.run.generate_datasets;
-the engine module says why one engine and not one run per dataset). Each partition still gets its own
-materialisation and metadata (`add_asset_metadata(partition_key=...)`) and its own check results. Runs of one
-partition at a time are unchanged; the pool `llm_api` keeps generation to one step per key.
+A backfill of several datasets is one run (`BackfillPolicy.single_run()`): one engine generates all of them at
+once inside the key's adaptive window, each within its own budget and journal
+(core.generation.run.generate_datasets; the engine module says why one engine and not one run per dataset).
+Each partition still gets its own materialisation and metadata (`add_asset_metadata(partition_key=...)`) and
+its own check results. Runs of one partition at a time are unchanged; the pool `llm_api` keeps generation to
+one step per key.
 """
 
 import time
@@ -29,8 +30,8 @@ from .common import GROUP, check_each_partition, check_result, counts_table, ope
 
 
 class ResponsesRunConfig(dg.Config):
-    """What a launch may choose (the launchpad, a backfill's config). Everything else — endpoints, key variables,
-    models, budgets — comes from eagle3.yaml only."""
+    """What a launch may choose (the launchpad, a backfill's config). Everything else — endpoints, key
+    variables, models, budgets — comes from eagle3.yaml only."""
 
     limit: int | None = None  # answer at most this many new prompts in this run
     retry_permanent_failures: bool = False  # send prompts again that failed with a permanent error
@@ -99,9 +100,9 @@ def startup_timeline(
     context: dg.AssetExecutionContext, step_started: float, first_request: float | None
 ) -> dict:
     """Seconds from the launch to the first request, by phase: the backfill daemon's pickup (when the run came
-    from a backfill), the run's start, the step's start, and the step's own preparation (journals, the target's and
-    the backend's preflight, the tokenizer where the backend needs one). Wall-clock stamps from the instance and this
-    process."""
+    from a backfill), the run's start, the step's start, and the step's own preparation (journals, the
+    target's and the backend's preflight, the tokenizer where the backend needs one). Wall-clock stamps from
+    the instance and this process."""
     record = context.instance.get_run_record_by_id(context.run.run_id)
     phases: dict[str, float] = {}
     created = record.create_timestamp.timestamp() if record else None
@@ -120,8 +121,8 @@ def startup_timeline(
 
 
 def _preflight(cfg: ProjectConfig, target: Target, warn: Callable[[str], None]) -> list[str]:
-    """What stops the run before a request is sent: the target's files, then whether tokenizer and model belong
-    together (a passed comparison is remembered)."""
+    """What stops the run before a request is sent: the target's files, then whether tokenizer and model
+    belong together (a passed comparison is remembered)."""
     problems = list(target.problems())
     if not problems:
         pairing = pairing_preflight(cfg)
@@ -134,8 +135,8 @@ def _preflight(cfg: ProjectConfig, target: Target, warn: Callable[[str], None]) 
 def _repair_prompts(
     cfg: ProjectConfig, storage: Storage, keys: list[str], warn: Callable[[str], None]
 ) -> None:
-    """A damaged prompts.parquet is written again from the source, as the prompts stage would: the engine reads
-    the prompts of every dataset it answers."""
+    """A damaged prompts.parquet is written again from the source, as the prompts stage would: the engine
+    reads the prompts of every dataset it answers."""
     for k in keys:
         ds = cfg.dataset(k)
         with storage.stage(k, "prompts") as prompts_layout:
@@ -172,10 +173,10 @@ def build_responses_asset(
         pool="llm_api",
         op_tags=op_tags,
         code_version="2",
-        description="The target model's answer to every prompt (text, reasoning, finish reason, usage, cost and "
-        "output token ids where the backend returns them). Resumable: an answered prompt is never sent again; "
-        "stops at the dataset's token/dollar budget. A backfill of several datasets is one run that generates "
-        "them all at once within the key's limit.",
+        description="The target model's answer to every prompt (text, reasoning, finish reason, usage, cost "
+        "and output token ids where the backend returns them). Resumable: an answered prompt is never sent "
+        "again; stops at the dataset's token/dollar budget. A backfill of several datasets is one run that "
+        "generates them all at once within the key's limit.",
     )
     def responses(
         context: dg.AssetExecutionContext,
@@ -188,8 +189,8 @@ def build_responses_asset(
         step_started = time.time()
         cfg = project.cfg
         keys = list(context.partition_keys)
-        # Loaded at its first use: a backend that sends text (OpenRouter) may never need it in this step, and a
-        # preflight that passed before for these files is remembered (Target.problems).
+        # Loaded at its first use: a backend that sends text (OpenRouter) may never need it in this step, and
+        # a preflight that passed before for these files is remembered (Target.problems).
         chat = target.deferred_chat_tokenizer()
         settings = inference.engine_settings(config.max_concurrency)
         preflight = _preflight(cfg, target, context.log.warning)
@@ -220,8 +221,8 @@ def build_responses_asset(
             if len(keys) > 1:
                 md["datasets_in_this_run"] = ", ".join(keys)
             context.add_asset_metadata(md, partition_key=k)
-        # One data version per materialisation: a range run's covers all its partitions, so it changes when any
-        # of them changed (the tokens stage re-reads only what is new in each).
+        # One data version per materialisation: a range run's covers all its partitions, so it changes when
+        # any of them changed (the tokens stage re-reads only what is new in each).
         version = versions[keys[0]] if len(keys) == 1 else content_version(versions)
         return dg.MaterializeResult(data_version=dg.DataVersion(version))
 
@@ -249,8 +250,8 @@ def build_responses_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asset
         blocking=True,
         partitions_def=partitions,
         description="Share of prompts whose last attempt failed stays under checks.max_failure_share. A "
-        "conversation of turns: all cut at a later turn its chat template refuses is answered up to that turn: "
-        "reported (conversations_cut_by_template), not counted.",
+        "conversation of turns: all cut at a later turn its chat template refuses is answered up to that "
+        "turn: reported (conversations_cut_by_template), not counted.",
     )
     def responses_failure_share(
         context: dg.AssetCheckExecutionContext,

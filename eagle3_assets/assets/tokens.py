@@ -25,8 +25,9 @@ def build_tokens_asset(
         group_name=GROUP,
         kinds={"python", "parquet"},
         code_version="3",
-        description="Prompt + answer rendered with the target's chat template and tokenized: input_ids, loss_mask "
-        "(1 on the generated tokens incl. end-of-turn), and reference_match against the ids the model produced.",
+        description="Prompt + answer rendered with the target's chat template and tokenized: input_ids, "
+        "loss_mask (1 on the generated tokens incl. end-of-turn), and reference_match against the ids the "
+        "model produced.",
     )
     def tokens(
         context: dg.AssetExecutionContext,
@@ -42,8 +43,8 @@ def build_tokens_asset(
             "proven verbatim once" if chat.verbatim_problem is None else f"every row: {chat.verbatim_problem}"
         )
         context.log.info(f"{key}: template text check: {template_check}")
-        # A damaged prompts.parquet (the prompts stage has not run since) is set aside and written again from the
-        # source, as the prompts stage would, rather than failing this stage.
+        # A damaged prompts.parquet (the prompts stage has not run since) is set aside and written again from
+        # the source, as the prompts stage would, rather than failing this stage.
         ds = cfg.dataset(key)
         with storage.stage(key, "prompts") as prompts_layout:
             for q in ensure_prompts(cfg.resolve_path(ds.source), prompts_layout, ds):
@@ -52,8 +53,8 @@ def build_tokens_asset(
             s = build_tokens(layout, chat, cfg.tokens, log=context.log.info)
         rate = s.match_rate
         context.log.info(
-            f"{key}: {s.n_rows} conversations ({s.n_tokenized:,} new or changed tokenized), {s.n_tokens:,} tokens; "
-            "reference match "
+            f"{key}: {s.n_rows} conversations ({s.n_tokenized:,} new or changed tokenized), {s.n_tokens:,} "
+            "tokens; reference match "
             + (f"{100 * rate:.2f}% of {s.n_reference}" if rate is not None else "n/a (no reference ids)")
         )
         return dg.MaterializeResult(
@@ -128,8 +129,8 @@ def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChe
             return dg.AssetCheckResult(
                 passed=True,
                 metadata=v.metadata,
-                description="UNVERIFIED: the backend returned no token ids (text only), so the rebuilt ids could "
-                "not be compared with what the model produced",
+                description="UNVERIFIED: the backend returned no token ids (text only), so the rebuilt ids "
+                "could not be compared with what the model produced",
             )
         return check_result(v)
 
@@ -137,8 +138,8 @@ def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChe
         asset="tokens",
         blocking=True,
         partitions_def=partitions,
-        description="Every answered prompt has a token row or a recorded reason (tokens_errors.parquet), and the "
-        "errors stay under checks.max_token_error_share; responses with no token rows at all fail.",
+        description="Every answered prompt has a token row or a recorded reason (tokens_errors.parquet), and "
+        "the errors stay under checks.max_token_error_share; responses with no token rows at all fail.",
     )
     def tokens_coverage(
         context: dg.AssetCheckExecutionContext,

@@ -1,4 +1,5 @@
-"""The plain-Python core of the pipeline, one package per stage; no Dagster import anywhere below this package.
+"""The plain-Python core of the pipeline, one package per stage; no Dagster import anywhere below this
+package.
 
 Stages, in the order data flows, each importing only the ones listed before it (and `eagle3_assets.config`):
 

@@ -1,4 +1,5 @@
-"""Inference: the configured backend (`backend:` and its `backends.<name>` section), all driven by one engine."""
+"""Inference: the configured backend (`backend:` and its `backends.<name>` section), all driven by one
+engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from .sglang import SGLangBackend
 
 
 class Inference:
-    """Builds the backend of one run from the config; the engine's concurrency ceiling and retries come with it."""
+    """Builds the backend of one run from the config; the engine's concurrency ceiling and retries come with
+    it."""
 
     def __init__(self, cfg: ProjectConfig):
         self.name = cfg.backend
@@ -31,8 +33,8 @@ class Inference:
         ceiling = self.max_concurrency
         if max_concurrency is not None and max_concurrency > ceiling:
             raise ValueError(
-                f"max_concurrency {max_concurrency} is above the ceiling of backends.{self.name} ({ceiling}); "
-                f"raise it in the config file ({README_CONFIG}) or launch with a lower value"
+                f"max_concurrency {max_concurrency} is above the ceiling of backends.{self.name} "
+                f"({ceiling}); raise it in the config file ({README_CONFIG}) or launch with a lower value"
             )
         return EngineSettings(
             max_concurrency=max_concurrency or ceiling, max_retries=self.section.max_retries

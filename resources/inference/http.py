@@ -1,7 +1,7 @@
 """HTTP plumbing shared by the server backends: one aiohttp session, error classification, Retry-After.
 
-One `ClientSession` per run with an unlimited connector: the engine's worker count is the concurrency limit, and
-aiohttp's own pool limit (100 by default) would silently cap 2000 workers at 100 requests in flight.
+One `ClientSession` per run with an unlimited connector: the engine's worker count is the concurrency limit,
+and aiohttp's own pool limit (100 by default) would silently cap 2000 workers at 100 requests in flight.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import orjson
 
 from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError, describe
 
-# orjson parses a response body 2-4x faster than json: at thousands of answers a second it is the client's cost.
+# orjson parses a response body 2-4x faster than json: at thousands of answers a second it is the client's
+# cost.
 loads = orjson.loads
 dumps = orjson.dumps
 
@@ -99,7 +100,8 @@ def _error_fields(body: Any) -> tuple[int | None, str, dict]:
 
 
 def classify(status: int, body: Any, headers: Mapping[str, str] | None = None) -> InferenceError:
-    """Map an HTTP status (or the code of an error object inside a 200 body or a stream) to what the engine does."""
+    """Map an HTTP status (or the code of an error object inside a 200 body or a stream) to what the engine
+    does."""
     headers = headers or {}
     code, message, meta = _error_fields(body)
     status = code or status
@@ -129,7 +131,8 @@ def classify(status: int, body: Any, headers: Mapping[str, str] | None = None) -
 
 
 def secret_forms(key: str | None) -> tuple[bytes, ...]:
-    """The key as it may come back in a body: raw, URL-encoded, and JSON-escaped (`/` as `\\/`, unicode escapes)."""
+    """The key as it may come back in a body: raw, URL-encoded, and JSON-escaped (`/` as `\\/`, unicode
+    escapes)."""
     if not key:
         return ()
     forms = {key, quote(key, safe=""), quote_plus(key), key.replace("/", "\\/")}
@@ -179,8 +182,9 @@ async def post_json(
 ) -> dict:
     """POST and return the decoded JSON body of a 200, or raise a classified InferenceError.
 
-    `secrets` (the API key in the forms `secret_forms` lists) are cut out of the body before anything reads it: a
-    server that echoes the request's headers into an error must not put the key into failures.parquet or the logs.
+    `secrets` (the API key in the forms `secret_forms` lists) are cut out of the body before anything reads
+    it: a server that echoes the request's headers into an error must not put the key into failures.parquet or
+    the logs.
     """
     try:
         async with session.post(url, data=dumps(payload)) as resp:

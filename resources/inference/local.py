@@ -1,4 +1,5 @@
-"""The embedded backend: the target model in this process (SmolLM2 by default), batched generation with transformers.
+"""The embedded backend: the target model in this process (SmolLM2 by default), batched generation with
+transformers.
 
 The engine calls `complete()` concurrently as it would call a server; a batcher collects waiting requests into
 batches of `batch_size` and runs `generate` on a worker thread, so the engine need not know it is local.

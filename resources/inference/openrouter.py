@@ -1,7 +1,9 @@
-"""OpenRouter (and any OpenAI-compatible chat-completions endpoint: vLLM, SGLang's OpenAI API, `transformers serve`).
+"""OpenRouter (and any OpenAI-compatible chat-completions endpoint: vLLM, SGLang's OpenAI API, `transformers
+serve`).
 
-Built from `backends.openrouter` of eagle3.yaml. The API key is read from the environment variable the config names,
-at run time, and lives only in the session's headers: it never reaches run config, logs, metadata or files.
+Built from `backends.openrouter` of eagle3.yaml. The API key is read from the environment variable the config
+names, at run time, and lives only in the session's headers: it never reaches run config, logs, metadata or
+files.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ TokenCounter = Callable[[str], int]
 def _usage_tokens(
     usage: dict, content: str, reasoning: str | None, count: TokenCounter | None
 ) -> tuple[int, bool]:
-    """completion_tokens from usage; without usage, counted with the target tokenizer (never 0 for a real answer)."""
+    """completion_tokens from usage; without usage, counted with the target tokenizer (never 0 for a real
+    answer)."""
     value = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if isinstance(value, int | float) and (value > 0 or not (content or reasoning)):
         return int(value), False
@@ -144,8 +147,8 @@ class StreamedAnswer:
         self.request_id: Any = None
 
     def __call__(self, events: list[dict], headers: Any) -> None:
-        # Called with each batch of a stream's events (tens of thousands of events a second over all streams): the
-        # common case (a delta of content) first, with as few lookups as it takes; the rare fields after.
+        # Called with each batch of a stream's events (tens of thousands of events a second over all streams):
+        # the common case (a delta of content) first, with as few lookups as it takes; the rare fields after.
         content, tokens = self.content, 0
         try:
             for event in events:
@@ -226,8 +229,8 @@ class OpenRouterBackend:
         self.cfg = cfg
         self.model = cfg.model
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
-        # Answers that come without usage are counted with the target tokenizer, never as 0 (looked up at the first
-        # such answer: a deferred tokenizer is loaded only then).
+        # Answers that come without usage are counted with the target tokenizer, never as 0 (looked up at the
+        # first such answer: a deferred tokenizer is loaded only then).
         self.count_tokens: TokenCounter | None = (
             (lambda text: chat.count_tokens(text)) if chat is not None else None
         )
@@ -298,8 +301,8 @@ class OpenRouterBackend:
                 status, body = await get_json(session, f"{base}/models")
             except Exception as e:
                 return [
-                    f"cannot reach {base}/models ({type(e).__name__}: {e}); check backends.openrouter.base_url "
-                    "and the network"
+                    f"cannot reach {base}/models ({type(e).__name__}: {e}); check "
+                    "backends.openrouter.base_url and the network"
                 ]
             if status == 401:
                 return [f"{base} rejected the API key in {self.cfg.api_key_env} (HTTP 401); set a valid key"]

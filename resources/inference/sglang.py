@@ -1,8 +1,8 @@
 """A local SGLang server through its native `/generate` API.
 
 The prompt goes as `input_ids` rendered by the target's chat template here (the same function the tokens stage
-uses), so prompt tokens are exact, and the server's `output_ids` come back as ground truth for the tokens stage.
-SGLang's `max_new_tokens` defaults to 128, so it is always sent.
+uses), so prompt tokens are exact, and the server's `output_ids` come back as ground truth for the tokens
+stage. SGLang's `max_new_tokens` defaults to 128, so it is always sent.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class SGLangBackend:
                 raise InferenceError(ErrorKind.CONTEXT_LENGTH, message, status=200)
             raise InferenceError(ErrorKind.SERVER, f"request aborted: {message}", status=200)
         ids = [int(i) for i in ids]
-        # The text is decoded from ids here, where special tokens are known (the server may drop or keep them).
+        # The text is decoded from ids here, where special tokens are known (the server may drop or keep
+        # them).
         text_ids = ids[:-1] if kind == "stop" and ids and ids[-1] == self.chat.eot_id else ids
         text = self.chat.encoder.decode(text_ids)
         started_thinking = bool(request.prompt_ids) and request.prompt_ids[-1] == self._think_open_id

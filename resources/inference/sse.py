@@ -1,5 +1,6 @@
-"""One streamed HTTP answer, parsed: the response head (status, headers) and its server-sent `data:` events, taken
-in batches (one orjson call per batch of events, not one per event: `streaming` says why that matters)."""
+"""One streamed HTTP answer, parsed: the response head (status, headers) and its server-sent `data:`
+events, taken in batches (one orjson call per batch of events, not one per event: `streaming` says why that
+matters)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class Headers(dict):
 
 
 class Response:
-    """The parser's view of one response: its head, its payload so far (the framing already undone), its end."""
+    """The parser's view of one response: its head, its payload so far (the framing already undone), its
+    end."""
 
     __slots__ = (
         "close_delimited",
@@ -108,10 +110,10 @@ class EventBatches:
 
     def _common(self, text: bytes) -> list[dict] | None:
         """Events as providers send them, `data: <json>` and a blank line each (the last may be `[DONE]`): one
-        orjson call for the batch. A JSON text holds no raw newline, so a separator cannot occur inside an event,
-        and anything else between events (a comment, another field, a `data:` line on its own) leaves the batch
-        unparsable: None, and it is read line by line, which names what is wrong. Stray whitespace (`\r`) is
-        whitespace to JSON as it is to `strip`, so both paths read the same events."""
+        orjson call for the batch. A JSON text holds no raw newline, so a separator cannot occur inside an
+        event, and anything else between events (a comment, another field, a `data:` line on its own) leaves
+        the batch unparsable: None, and it is read line by line, which names what is wrong. Stray whitespace
+        (`\r`) is whitespace to JSON as it is to `strip`, so both paths read the same events."""
         if not (text.startswith(b"data: ") and text.endswith(b"\n\n")):
             return None
         body, done = text[6:-2], False

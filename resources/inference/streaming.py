@@ -1,20 +1,21 @@
 """Server-sent event streams at tens of thousands of events a second, on the one core the engine's loop has.
 
-Why not aiohttp for the streams: measured here (`bench/limits.py`, `streaming_cpu`), a minimal aiohttp client spends
-~16 µs of client CPU per event when every event comes in its own TCP segment, as providers send them (one token at a
-time): a wake-up of the loop, a read, Python callbacks of the HTTP parser per chunk, a switch to the reading task.
-A backfill's 40,000 events/s would take two thirds of a core; the engine has one, for everything. Here a connection's
-protocol hands what arrives to a C HTTP parser (httptools: the chunked framing is undone with no Python frame per
-chunk), then pauses its socket; a pump, every `tick_s`, takes each waiting stream's payload, parses its `data:`
-events in one orjson call, hands them on as one batch, and lets the socket read again, so the kernel collects the
-events in between and one read takes several (3-5 µs per event in all, measured beside the 16). A stream's last
-chunk is seen as it arrives, unless it comes while its socket is paused: ticks adapt to the answers, a twentieth of
-the shortest answers' time (5 ms to 250 ms), so an answer's end waits for at most a small share of its own length;
-only streams that received something are visited.
+Why not aiohttp for the streams: measured here (`bench/limits.py`, `streaming_cpu`), a minimal aiohttp client
+spends ~16 µs of client CPU per event when every event comes in its own TCP segment, as providers send them
+(one token at a time): a wake-up of the loop, a read, Python callbacks of the HTTP parser per chunk, a switch
+to the reading task. A backfill's 40,000 events/s would take two thirds of a core; the engine has one, for
+everything. Here a connection's protocol hands what arrives to a C HTTP parser (httptools: the chunked framing
+is undone with no Python frame per chunk), then pauses its socket; a pump, every `tick_s`, takes each waiting
+stream's payload, parses its `data:` events in one orjson call, hands them on as one batch, and lets the
+socket read again, so the kernel collects the events in between and one read takes several (3-5 µs per event
+in all, measured beside the 16). A stream's last chunk is seen as it arrives, unless it comes while its socket
+is paused: ticks adapt to the answers, a twentieth of the shortest answers' time (5 ms to 250 ms), so an
+answer's end waits for at most a small share of its own length; only streams that received something are
+visited.
 
-Connections are HTTP/1.1 keep-alive, per origin, reused for the next request; TLS through the standard library. The
-rest of the backend (non-streamed requests, preflight, error bodies' classification) stays on aiohttp; an error
-status here is read whole and classified by the same `http._error_response`.
+Connections are HTTP/1.1 keep-alive, per origin, reused for the next request; TLS through the standard
+library. The rest of the backend (non-streamed requests, preflight, error bodies' classification) stays on
+aiohttp; an error status here is read whole and classified by the same `http._error_response`.
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ class StreamClient:
 
     # -- public --------------------------------------------------------------------------------------------
     async def post(self, body: bytes, on_events: OnEvents) -> bool:
-        """POST `body` and hand every `data:` event to `on_events`, in batches and in order. Returns True when the
-        stream ended with `[DONE]`; an error status raises the classified InferenceError."""
+        """POST `body` and hand every `data:` event to `on_events`, in batches and in order. Returns True when
+        the stream ended with `[DONE]`; an error status raises the classified InferenceError."""
         for attempt in (0, 1):
             conn = await self._acquire()
             try:

@@ -1,6 +1,6 @@
 """vLLM as a serving engine: the exact server command for the target (`server.py`), the connector it loads
-(`plugin/`), the extraction backend that reads what it writes (`extraction.py`) and its CPU build in an environment of
-its own (`cpu_build.py`)."""
+(`plugin/`), the extraction backend that reads what it writes (`extraction.py`) and its CPU build in an
+environment of its own (`cpu_build.py`)."""
 
 from eagle3_assets.config import ProjectConfig
 from eagle3_assets.core.hidden_states.layer_ids import aux_layer_count

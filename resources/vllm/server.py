@@ -2,9 +2,9 @@
 answers with their token ids and extracts the auxiliary hidden states EAGLE-3 trains on.
 
 What is easy to get wrong and is therefore computed here, never typed by hand:
-- vLLM counts `eagle_aux_hidden_state_layer_ids` as `output_hidden_states` indices (0 = the embeddings), so this
-  project's aux layers (0-based decoder outputs) are shifted by one, and the last layer's output before the final
-  norm is id L;
+- vLLM counts `eagle_aux_hidden_state_layer_ids` as `output_hidden_states` indices (0 = the embeddings), so
+  this project's aux layers (0-based decoder outputs) are shifted by one, and the last layer's output before
+  the final norm is id L;
 - the connector: the project's (`plugin/eagle3_hidden_states_connector.py`, opt-in writes, runs on CPU) loaded
   through `kv_connector_module_path`, with the folder it writes to (which the extraction must be able to read:
   the same path on a shared volume);
@@ -35,7 +35,8 @@ CONNECTOR_CLASS = "Eagle3HiddenStatesConnector"
 
 
 def vllm_layer_ids(aux_layers: list[int], num_layers: int) -> list[int]:
-    """This project's aux layers (decoder outputs, 0-based) in vLLM's convention, then the last layer (id L)."""
+    """This project's aux layers (decoder outputs, 0-based) in vLLM's convention, then the last layer (id
+    L)."""
     return [*output_hidden_states_ids(aux_layers), num_layers]
 
 
@@ -175,9 +176,9 @@ class RunningServer:
         return self.log.read_text(errors="replace")[-n:]
 
     def stop(self) -> None:
-        """The whole session the server leads (`launch` starts it in its own): the API server, its engine core and
-        workers. Terminating the API server alone left `VLLM::Worker` processes behind when it did not shut down
-        within the wait."""
+        """The whole session the server leads (`launch` starts it in its own): the API server, its engine core
+        and workers. Terminating the API server alone left `VLLM::Worker` processes behind when it did not
+        shut down within the wait."""
         self._signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(30)
@@ -185,8 +186,8 @@ class RunningServer:
         self.process.wait()
 
     def _signal(self, sig: int) -> None:
-        """To the process group the server leads; to the process alone where it leads none (the tests' stand-in
-        for a server started by hand), a no-op once it has exited."""
+        """To the process group the server leads; to the process alone where it leads none (the tests'
+        stand-in for a server started by hand), a no-op once it has exited."""
         try:
             os.killpg(self.process.pid, sig)
         except ProcessLookupError:

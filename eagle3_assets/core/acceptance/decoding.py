@@ -2,10 +2,10 @@
 project's own (for targets that fit the step; `acceptance.engine: transformers`).
 
 Greedy speculative decoding with k draft tokens per target forward. The features are the target's own
-`output_hidden_states` at the ids the speculators export declares (an independent path from the extraction hooks),
-the draft's own states carry its later steps (EAGLE-3's chain), and the target verifies all k drafts in one forward
-with its KV cache. Acceptance length = tokens produced per verifying forward (accepted + 1); per-position rates are
-conditional (position i counted only where 1..i-1 were accepted).
+`output_hidden_states` at the ids the speculators export declares (an independent path from the extraction
+hooks), the draft's own states carry its later steps (EAGLE-3's chain), and the target verifies all k drafts
+in one forward with its KV cache. Acceptance length = tokens produced per verifying forward (accepted + 1);
+per-position rates are conditional (position i counted only where 1..i-1 were accepted).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from .measure import Measured, PartMeasure, PromptSet
 
 
 class SpeculativeDecoder:
-    """Greedy speculative decoding of the target with an EAGLE-3 draft, counting accepted drafts per forward."""
+    """Greedy speculative decoding of the target with an EAGLE-3 draft, counting accepted drafts per
+    forward."""
 
     def __init__(self, model: Any, feature_ids: Sequence[int], stop_ids: set[int], device: str):
         self.model = model
@@ -46,8 +47,8 @@ class SpeculativeDecoder:
         return out.logits[0].argmax(-1), feats
 
     def decode(self, draft: Any, prompt: list[int], k: int, max_new: int) -> tuple[list[int], list[int]]:
-        """Accepted drafts per verifying forward, and the tokens generated (exactly the target's greedy answer,
-        whatever the draft proposes: the draft only changes how many forwards it takes)."""
+        """Accepted drafts per verifying forward, and the tokens generated (exactly the target's greedy
+        answer, whatever the draft proposes: the draft only changes how many forwards it takes)."""
         import torch
         from transformers import DynamicCache
 

@@ -1,24 +1,27 @@
-"""A small EAGLE-3 draft head, its training-time test and its checkpoint, written here for the acceptance gate.
+"""A small EAGLE-3 draft head, its training-time test and its checkpoint, written here for the acceptance
+gate.
 
-Why not speculators' own model: speculators 0.9.0 pins transformers <= 5.19 while this platform runs 5.24 (it needs
-`transformers serve` and the GGUF loader of that line), so it cannot share the process that holds the target; and its
-`Trainer` moves the model to an accelerator, so the gate would need one. (Its Eagle3 model itself trains on CPU with
-`--loss-implementation eager` in its own environment: tests/test_trainers_read_exports.py.) The head is small (one
-decoder layer), so it is written here in plain torch, in the layout SGLang and SpecForge load
-(`LlamaForCausalLMEagle3`: `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), so a drafter that passes the gate
-can be served as is; SpecForge's `AutoDraftModel.from_pretrained` loads it with every stored tensor used (same test).
+Why not speculators' own model: speculators 0.9.0 pins transformers <= 5.19 while this platform runs 5.24 (it
+needs `transformers serve` and the GGUF loader of that line), so it cannot share the process that holds the
+target; and its `Trainer` moves the model to an accelerator, so the gate would need one. (Its Eagle3 model
+itself trains on CPU with `--loss-implementation eager` in its own environment:
+tests/test_trainers_read_exports.py.) The head is small (one decoder layer), so it is written here in plain
+torch, in the layout SGLang and SpecForge load (`LlamaForCausalLMEagle3`: `fc`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`, `t2d`), so a drafter that passes the gate can be served as is; SpecForge's
+`AutoDraftModel.from_pretrained` loads it with every stored tensor used (same test).
 
 The architecture, as EAGLE-3 defines it:
 - the target's three aux states at a position t are fused, fc: 3H -> H;
-- one decoder layer sees [norm(embedding of token t+1); norm(fused state t)] (2H wide) in its attention, the fused
-  state is the residual, and its output d_t predicts token t+2 over a reduced draft vocabulary;
-- the target's embedding is frozen; `d2t[i]` is the offset from draft id i to its target id, `t2d` marks the target
-  ids the draft vocabulary holds.
+- one decoder layer sees [norm(embedding of token t+1); norm(fused state t)] (2H wide) in its attention, the
+  fused state is the residual, and its output d_t predicts token t+2 over a reduced draft vocabulary;
+- the target's embedding is frozen; `d2t[i]` is the offset from draft id i to its target id, `t2d` marks the
+  target ids the draft vocabulary holds.
 
-Training-time test (TTT): step 0 feeds the target's states; step j > 0 feeds the draft's own outputs of step j - 1
-at the same rows with the tokens one further on, so the draft learns from the states it will really see when it
-drafts several tokens in a row. At step j, row t (position t + j) attends to the step-0 keys of rows <= t of its
-sample and to its own chain (the keys of steps 1..j at row t), exactly the keys it has at inference.
+Training-time test (TTT): step 0 feeds the target's states; step j > 0 feeds the draft's own outputs of step j
+- 1 at the same rows with the tokens one further on, so the draft learns from the states it will really see
+when it drafts several tokens in a row. At step j, row t (position t + j) attends to the step-0 keys of rows
+<= t of its sample and to its own chain (the keys of steps 1..j at row t), exactly the keys it has at
+inference.
 """
 
 from __future__ import annotations
@@ -175,12 +178,13 @@ class Eagle3Draft(nn.Module):
         past: StepKV | None = None,
         chain: Sequence[StepKV] | None = None,
     ) -> tuple[torch.Tensor, StepKV]:
-        """One pass of the layer over rows [T] (tokens, input states [T, H]) -> (output states [T, H], the rows'
-        keys/values).
+        """One pass of the layer over rows [T] (tokens, input states [T, H]) -> (output states [T, H], the
+        rows' keys/values).
 
-        chain None, a step-0 pass: the context is `past` (earlier rows, if any) then these rows' own keys, visible
-        under ctx_mask [T, T_past + T]. chain a list, a later step: the context is `past` (the step-0 keys) under
-        ctx_mask, and each row also sees its own chain (the keys of its earlier steps, then its own key)."""
+        chain None, a step-0 pass: the context is `past` (earlier rows, if any) then these rows' own keys,
+        visible under ctx_mask [T, T_past + T]. chain a list, a later step: the context is `past` (the step-0
+        keys) under ctx_mask, and each row also sees its own chain (the keys of its earlier steps, then its
+        own key)."""
         layer = self.midlayer
         x = layer.inputs(self.embed_tokens(tokens), hidden)
         q, kv = layer.self_attn.project(x, positions)
@@ -209,9 +213,9 @@ class TrainSample:
 
 
 def _pack(samples: Sequence[TrainSample], steps: int) -> dict[str, Any]:
-    """A packed batch: rows t of every sample that have a token t+1 (a step-0 input), with per step j the input
-    token (t+1+j), the label (t+2+j), whether it counts (in the sample and under the loss mask) and whether the
-    row is still needed (it counts at step j or later: later steps run only on those rows)."""
+    """A packed batch: rows t of every sample that have a token t+1 (a step-0 input), with per step j the
+    input token (t+1+j), the label (t+2+j), whether it counts (in the sample and under the loss mask) and
+    whether the row is still needed (it counts at step j or later: later steps run only on those rows)."""
     cols: dict[str, list[torch.Tensor]] = {"aux": [], "pos": [], "seg": []}
     per_step: list[dict[str, list[torch.Tensor]]] = [
         {"tok": [], "label": [], "counts": []} for _ in range(steps)
@@ -240,8 +244,8 @@ def _pack(samples: Sequence[TrainSample], steps: int) -> dict[str, Any]:
 
 @dataclass
 class StepOutput:
-    """One TTT step over a packed batch: the rows it ran on, their output states, labels (draft ids, -1 outside
-    the draft vocabulary) and which of them count in the loss."""
+    """One TTT step over a packed batch: the rows it ran on, their output states, labels (draft ids, -1
+    outside the draft vocabulary) and which of them count in the loss."""
 
     step: int
     rows: torch.Tensor
@@ -251,10 +255,10 @@ class StepOutput:
 
 
 def ttt_forward(model: Eagle3Draft, samples: Sequence[TrainSample], steps: int) -> Iterator[StepOutput]:
-    """The training-time test over a packed batch. Step 0 runs on every row with the target's states; step j > 0
-    on the rows a label at step j or later still needs (the answer, not the prompt), with the draft's own outputs
-    of step j - 1 at the same rows, at positions t + j, seeing the step-0 keys of its sample up to row t and its
-    own chain."""
+    """The training-time test over a packed batch. Step 0 runs on every row with the target's states; step j >
+    0 on the rows a label at step j or later still needs (the answer, not the prompt), with the draft's own
+    outputs of step j - 1 at the same rows, at positions t + j, seeing the step-0 keys of its sample up to row
+    t and its own chain."""
     b = _pack(samples, steps)
     pos, seg = b["pos"], b["seg"]
     visible = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
@@ -386,12 +390,14 @@ SGLANG_CONFIG = "config.sglang.json"  # the same draft's config with the layer i
 
 def save_checkpoint(model: Eagle3Draft, folder: Path, layer_ids: list[int], target: str) -> None:
     """config.json + model.safetensors as vLLM serves an EAGLE-3 draft (`LlamaForCausalLMEagle3`, the tensors
-    SpecForge writes), and its vocabulary maps as SpecForge's `vocab_mapping.pt`, so that SpecForge can warm-start
-    from it without deriving other maps (which would leave the trained `lm_head` rows pointing at other tokens).
+    SpecForge writes), and its vocabulary maps as SpecForge's `vocab_mapping.pt`, so that SpecForge can
+    warm-start from it without deriving other maps (which would leave the trained `lm_head` rows pointing at
+    other tokens).
 
-    `layer_ids` are `output_hidden_states` indices (id k: the input of decoder layer k), which is how vLLM reads
-    `eagle_aux_hidden_state_layer_ids`; SGLang adds one to each id it reads, so the same list would feed it other
-    layers: `config.sglang.json` beside it carries SGLang's list (serve the folder with it as config.json)."""
+    `layer_ids` are `output_hidden_states` indices (id k: the input of decoder layer k), which is how vLLM
+    reads `eagle_aux_hidden_state_layer_ids`; SGLang adds one to each id it reads, so the same list would feed
+    it other layers: `config.sglang.json` beside it carries SGLang's list (serve the folder with it as
+    config.json)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,26 +1,29 @@
-"""The acceptance gate: train a small EAGLE-3 draft on a partition's stored hidden states, then measure how many of
-its tokens the real target accepts.
+"""The acceptance gate: train a small EAGLE-3 draft on a partition's stored hidden states, then measure how
+many of its tokens the real target accepts.
 
-The only honest test of EAGLE-3 training data is a drafter trained on it and accepted by the target: a wrong layer,
-ids shifted by one, states of other samples or answers that are not the target's own all show up here as low
-acceptance, days before a GPU training run would reveal them.
+The only honest test of EAGLE-3 training data is a drafter trained on it and accepted by the target: a wrong
+layer, ids shifted by one, states of other samples or answers that are not the target's own all show up here
+as low acceptance, days before a GPU training run would reveal them.
 
-- Split: the partition's samples are ordered by a hash of their id (stable across runs and machines); the first
-  `heldout_prompts` are kept out of training, the next `train_prompts` train the draft.
-- Boundaries: before training, each sample's loss mask is checked against the target's own chat template, rendered
-  afresh from prompts.parquet: the answer's span starts right after the rendered generation prompt and ends on the
-  end-of-turn token (a truncated answer at the sequence end). A mask off by one cannot move acceptance measurably in
-  a few minutes of training, but it is wrong data all the same, so the gate fails on it explicitly.
+- Split: the partition's samples are ordered by a hash of their id (stable across runs and machines); the
+  first `heldout_prompts` are kept out of training, the next `train_prompts` train the draft.
+- Boundaries: before training, each sample's loss mask is checked against the target's own chat template,
+  rendered afresh from prompts.parquet: the answer's span starts right after the rendered generation prompt
+  and ends on the end-of-turn token (a truncated answer at the sequence end). A mask off by one cannot move
+  acceptance measurably in a few minutes of training, but it is wrong data all the same, so the gate fails on
+  it explicitly.
 - Training: the draft trains from the stored states and ids with two pieces of the target only, its config and
-  its embedding (`measure.DraftTarget`, read from the checkpoint by tensor name): the target never has to fit here.
-- Measurement: greedy speculative decoding from each prompt with k draft tokens per target forward, by the engine
-  the config names (`measure.DraftMeasurer`): this process's loop (`decoding`), or vLLM serving the target with the
-  draft as EAGLE-3, its own counters read before and after each part (`resources.vllm.acceptance`). Acceptance
-  length = tokens produced per verifying forward (accepted + 1); per-position rates are conditional. A sample of
-  heldout prompts is also decoded by the target alone: greedy output with the draft must equal it.
-- Source answers: the same draft, trained on the dataset's own assistant turns (tokenized with the same template,
-  features from the target over them: `measure.FeatureSource`), is measured on the same heldout prompts: the
-  difference is what regeneration buys.
+  its embedding (`measure.DraftTarget`, read from the checkpoint by tensor name): the target never has to fit
+  here.
+- Measurement: greedy speculative decoding from each prompt with k draft tokens per target forward, by the
+  engine the config names (`measure.DraftMeasurer`): this process's loop (`decoding`), or vLLM serving the
+  target with the draft as EAGLE-3, its own counters read before and after each part
+  (`resources.vllm.acceptance`). Acceptance length = tokens produced per verifying forward (accepted + 1);
+  per-position rates are conditional. A sample of heldout prompts is also decoded by the target alone: greedy
+  output with the draft must equal it.
+- Source answers: the same draft, trained on the dataset's own assistant turns (tokenized with the same
+  template, features from the target over them: `measure.FeatureSource`), is measured on the same heldout
+  prompts: the difference is what regeneration buys.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ from .samples import GateInputs, as_train_samples, gate_inputs, source_samples
 
 @dataclass
 class DraftBench:
-    """What every draft of one gate run shares: its shape and vocabulary, the target's frozen embedding, the engine
-    that measures it, and the training settings."""
+    """What every draft of one gate run shares: its shape and vocabulary, the target's frozen embedding, the
+    engine that measures it, and the training settings."""
 
     shape: Any
     embedding: Any
@@ -66,7 +69,8 @@ class DraftBench:
     target_name: str = ""
 
     def fresh(self) -> Any:
-        """A draft at initialisation (the same seed every time: the untrained floor and every fit start here)."""
+        """A draft at initialisation (the same seed every time: the untrained floor and every fit start
+        here)."""
         import torch
 
         from .drafter import Eagle3Draft
@@ -102,8 +106,8 @@ class DraftBench:
         out = self.measurer.measure(draft, folder, parts)
         for name, m in out.items():
             self.log(
-                f"acceptance: {what}, {name} prompts: {m.part.acceptance_length:.2f} tokens per target forward "
-                f"over {m.part.n_steps} steps ({self.measurer.engine})"
+                f"acceptance: {what}, {name} prompts: {m.part.acceptance_length:.2f} tokens per target "
+                f"forward over {m.part.n_steps} steps ({self.measurer.engine})"
             )
         self.log(f"acceptance: {what} measured in {time.perf_counter() - t0:.0f} s")
         return out
@@ -128,8 +132,8 @@ def run_gate(
     chat: ChatTokenizer,
     log: Callable[[str], None] = print,
 ) -> GateReport:
-    """Train, measure, write <B>/acceptance/report.json and the draft checkpoint, and decide the gate: the verdict
-    is computed here, once, and stored in the report (the asset and its check read it)."""
+    """Train, measure, write <B>/acceptance/report.json and the draft checkpoint, and decide the gate: the
+    verdict is computed here, once, and stored in the report (the asset and its check read it)."""
     import shutil
 
     t_start = time.perf_counter()
@@ -261,7 +265,8 @@ class GateRun:
             return SourceAnswersSkipped(skipped="acceptance.compare_source_answers is false")
         if len(with_source) < max(2, len(data.train) // 2):
             return SourceAnswersSkipped(
-                skipped=f"{len(with_source)} of {len(data.train)} training prompts have an answer in the source"
+                skipped=f"{len(with_source)} of {len(data.train)} training prompts have an answer in the "
+                "source"
             )
         if engines.features is None:
             return SourceAnswersSkipped(skipped=engines.no_features_why)

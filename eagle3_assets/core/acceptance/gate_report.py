@@ -127,13 +127,14 @@ def gate_verdict(
     if boundaries.bad:
         sid, why = next(iter(boundaries.examples.items()))
         reasons.append(
-            f"{boundaries.bad} of {boundaries.checked} samples have a loss mask off the template's answer span "
-            f"(e.g. {sid}: {why})"
+            f"{boundaries.bad} of {boundaries.checked} samples have a loss mask off the template's answer "
+            f"span (e.g. {sid}: {why})"
         )
     if train.acceptance_length < need:
         reasons.append(
-            f"the draft does not fit its own training prompts: acceptance length {train.acceptance_length:.2f} "
-            f"< {need:.2f} ({settings.min_train_share} x (k + 1)) after {optimizer_steps} steps"
+            "the draft does not fit its own training prompts: acceptance length "
+            f"{train.acceptance_length:.2f} < {need:.2f} ({settings.min_train_share} x (k + 1)) after "
+            f"{optimizer_steps} steps"
         )
     if heldout.acceptance_length <= untrained.acceptance_length:
         reasons.append(

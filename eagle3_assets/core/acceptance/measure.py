@@ -1,13 +1,14 @@
-"""How a draft is measured, whichever engine measures it: the figures of one part (acceptance length, conditional
-rates per position, the prompts, the engine's own counters), and the two things the gate asks of an engine.
+"""How a draft is measured, whichever engine measures it: the figures of one part (acceptance length,
+conditional rates per position, the prompts, the engine's own counters), and the two things the gate asks of
+an engine.
 
-- `DraftMeasurer`: greedy speculative decoding of prompt sets with a draft, and greedy decoding without one. The
-  in-process engine (`decoding.InProcessMeasurer`) runs the target here with this project's loop; the served one
-  (`resources.vllm.acceptance`) starts vLLM with the draft as EAGLE-3 and reads vLLM's counters.
+- `DraftMeasurer`: greedy speculative decoding of prompt sets with a draft, and greedy decoding without one.
+  The in-process engine (`decoding.InProcessMeasurer`) runs the target here with this project's loop; the
+  served one (`resources.vllm.acceptance`) starts vLLM with the draft as EAGLE-3 and reads vLLM's counters.
 - `FeatureSource`: the target's aux states over token ids (the source-answers arm trains on them).
 
-The draft trains from the stored states with only two pieces of the target: its config (the draft's shape) and its
-embedding, read from the checkpoint's safetensors by name (`DraftTarget.load`): never the whole model.
+The draft trains from the stored states with only two pieces of the target: its config (the draft's shape) and
+its embedding, read from the checkpoint's safetensors by name (`DraftTarget.load`): never the whole model.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class PartMeasure:
         cls, c: SpecCounters, k: int, prompt_ids: Sequence[str], new_tokens: int
     ) -> PartMeasure:
         """From an engine's counters: acceptance length = 1 + accepted / drafts; the rate at position i is
-        conditional (drafts accepted through i, over those accepted through i - 1), as `from_rounds` counts."""
+        conditional (drafts accepted through i, over those accepted through i - 1), as `from_rounds`
+        counts."""
         per_pos = list(c.accepted_per_position) + [0] * (k - len(c.accepted_per_position))
         per, tried = [], c.num_drafts
         for accepted in per_pos[:k]:
@@ -132,7 +134,8 @@ class FeatureSource(Protocol):
 
 @dataclass
 class DraftTarget:
-    """What the draft needs of the target: its config (the draft's shape, the vocabulary) and its embedding."""
+    """What the draft needs of the target: its config (the draft's shape, the vocabulary) and its
+    embedding."""
 
     config: Any
     embedding: Any  # [vocab, H] float32

@@ -60,7 +60,8 @@ def boundary_problem(sample: GateSample, prompt_ids: list[int], stop_ids: set[in
             "tokens (or its ids differ)"
         )
     if int(sample.input_ids[end - 1]) not in stop_ids and end != len(sample.input_ids):
-        return f"the answer's loss mask ends at {end} on token {int(sample.input_ids[end - 1])}, not on end-of-turn"
+        last = int(sample.input_ids[end - 1])
+        return f"the answer's loss mask ends at {end} on token {last}, not on end-of-turn"
     return None
 
 

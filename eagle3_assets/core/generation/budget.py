@@ -24,9 +24,9 @@ length the conditioning changes nothing, as it should. Elapsed times are read at
 learned at: when the provider answers faster than it did (as budgets close and load falls), each is stretched
 by the speed-up (`Budget._pace`).
 
-Streaming backends report the tokens each request has produced so far (`CompletionRequest.streamed_tokens`); that
-count is a floor under its reservation. Dollars follow tokens through a linear fit cost = a + b·tokens over the
-answers seen; until the first cost is known a single probe request goes out alone.
+Streaming backends report the tokens each request has produced so far (`CompletionRequest.streamed_tokens`);
+that count is a floor under its reservation. Dollars follow tokens through a linear fit cost = a + b·tokens
+over the answers seen; until the first cost is known a single probe request goes out alone.
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ class LengthHistory:
 
     def conditional(self, censored_at: np.ndarray, cap: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(E[X | L ≥ e], Var[X | L ≥ e], the standard error of that E) for each bin e, from the Kaplan–Meier
-        estimate with `censored_at` (elapsed seconds of requests still in flight) censored; unobserved mass sits at
-        `cap` (no error: it is the bound itself). The error is Var/n over the n answers that finished beyond e."""
+        estimate with `censored_at` (elapsed seconds of requests still in flight) censored; unobserved mass
+        sits at `cap` (no error: it is the bound itself). The error is Var/n over the n answers that finished
+        beyond e."""
         c = np.zeros_like(self.d)
         if len(censored_at):
             np.add.at(c, np.searchsorted(_EDGES, censored_at, side="right"), 1)
@@ -113,9 +114,10 @@ class LengthHistory:
         r = np.where(ok, np.divide(n1, den, out=np.full_like(n1, cap), where=ok), cap)
         m2 = np.where(ok, np.divide(n2, den, out=np.full_like(n2, cap * cap), where=ok), cap * cap)
         seen = np.cumsum(self.d[::-1])[::-1]  # answers that finished in bin e or later
-        # The next answer is longer than all `seen` with probability 1/(seen + 1) (exchangeable draws): that mass,
-        # whose length nothing bounds but `cap`, sits at `cap`. A sample of heavy-tailed lengths misses its tail
-        # most of the time, and its mean and variance run low together; this is what holds the margin up.
+        # The next answer is longer than all `seen` with probability 1/(seen + 1) (exchangeable draws): that
+        # mass, whose length nothing bounds but `cap`, sits at `cap`. A sample of heavy-tailed lengths misses
+        # its tail most of the time, and its mean and variance run low together; this is what holds the margin
+        # up.
         unseen = 1.0 / (seen + 1.0)
         r = (1.0 - unseen) * r + unseen * cap
         m2 = (1.0 - unseen) * m2 + unseen * cap * cap
@@ -177,8 +179,8 @@ class LatencyFit(CostFit):
     """latency ≈ a + b·tokens (the time to a first token, then seconds per token), by least squares."""
 
     def predict(self, tokens: float) -> float | None:
-        """The latency expected for an answer of `tokens`; None while latency does not visibly grow with length
-        (then elapsed time says little about length, and there is no pace to read it at)."""
+        """The latency expected for an answer of `tokens`; None while latency does not visibly grow with
+        length (then elapsed time says little about length, and there is no pace to read it at)."""
         if self.n < PACE_MIN:
             return None
         mx, my, b = self._moments()

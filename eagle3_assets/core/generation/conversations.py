@@ -1,12 +1,13 @@
 """`turns: all`: every assistant turn of a conversation answered by the target, in order, as a chain.
 
-A conversation's assistant slots are where its source has an assistant turn, and after its last user turn. Turn k's
-request carries the source's system, user and tool messages before slot k and, in place of the source's assistant
-texts, the target's own answers to turns 1..k-1, with their reasoning where the chat template has a field for it
-(it then keeps or drops it, as it does when the model serves; sent as `reasoning` and `reasoning_content`). Each turn is stored as its own
-response row, `<conversation id>#t<k>`; the next turn is sent as soon as the previous answer lands, so thousands of
-conversations advance side by side in the engine's window without waiting for each other. A resumed run continues
-each conversation after its last stored turn; a turn that fails for good ends its conversation's regeneration.
+A conversation's assistant slots are where its source has an assistant turn, and after its last user turn.
+Turn k's request carries the source's system, user and tool messages before slot k and, in place of the
+source's assistant texts, the target's own answers to turns 1..k-1, with their reasoning where the chat
+template has a field for it (it then keeps or drops it, as it does when the model serves; sent as `reasoning`
+and `reasoning_content`). Each turn is stored as its own response row, `<conversation id>#t<k>`; the next turn
+is sent as soon as the previous answer lands, so thousands of conversations advance side by side in the
+engine's window without waiting for each other. A resumed run continues each conversation after its last
+stored turn; a turn that fails for good ends its conversation's regeneration.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from ..storage.tables import JournalTable
 
 TURN_SEP = "#t"
-# The failure kind of a conversation cut by its template: a turn after the first that the chat template refuses
-# (roles that do not alternate as it demands). The turns before it are answered and stored; the rest is bad input,
-# recorded with its reason and not counted as a failed request (core.report.validation.counted_failures).
+# The failure kind of a conversation cut by its template: a turn after the first that the chat template
+# refuses (roles that do not alternate as it demands). The turns before it are answered and stored; the rest
+# is bad input, recorded with its reason and not counted as a failed request
+# (core.report.validation.counted_failures).
 TEMPLATE_REST = "template_rest"
 
 
@@ -42,8 +44,8 @@ def split_turn_id(rid: str) -> tuple[str, int] | None:
 
 
 def assistant_slots(messages: list[dict]) -> list[int]:
-    """Indices where an assistant turn goes: each source assistant turn, then after the last message (a prompt ends
-    with a user turn; its answer is the final slot)."""
+    """Indices where an assistant turn goes: each source assistant turn, then after the last message (a prompt
+    ends with a user turn; its answer is the final slot)."""
     return [i for i, m in enumerate(messages) if m.get("role") == "assistant"] + [len(messages)]
 
 
@@ -62,8 +64,9 @@ class TurnAnswer:
 def turn_messages(
     messages: list[dict], k: int, answers: list[TurnAnswer], keep_reasoning: bool = True
 ) -> list[dict]:
-    """The request of turn k (1-based): the source before slot k, the target's answers in the earlier slots (with
-    their reasoning where the template has a field for it; a template without one never shows it to the model)."""
+    """The request of turn k (1-based): the source before slot k, the target's answers in the earlier slots
+    (with their reasoning where the template has a field for it; a template without one never shows it to the
+    model)."""
     slots = assistant_slots(messages)
     if not 1 <= k <= len(slots) or len(answers) < k - 1:
         raise ValueError(f"turn {k} of a conversation with {len(slots)} turns and {len(answers)} answers")
@@ -97,8 +100,8 @@ class Chain:
 
 
 class Chains:
-    """The lane's follow-up source: first requests for every conversation with a turn left, then, as each answer
-    lands, that conversation's next turn (rendered to ids here when the backend takes ids)."""
+    """The lane's follow-up source: first requests for every conversation with a turn left, then, as each
+    answer lands, that conversation's next turn (rendered to ids here when the backend takes ids)."""
 
     def __init__(
         self,
@@ -143,8 +146,9 @@ class Chains:
         if self.render is not None:
             rendered = self.render(msgs)
             if isinstance(rendered, Exception):
-                # Turn 1 refused: nothing of the prompt is answered, a lost prompt like any failure ("template").
-                # A later turn: the conversation is regenerated up to it and the rest recorded (TEMPLATE_REST).
+                # Turn 1 refused: nothing of the prompt is answered, a lost prompt like any failure
+                # ("template"). A later turn: the conversation is regenerated up to it and the rest recorded
+                # (TEMPLATE_REST).
                 n = chain.n_turns
                 why = f"turn {k} of {n}: {rendered}"
                 if k > 1:

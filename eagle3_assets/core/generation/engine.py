@@ -91,7 +91,8 @@ class EngineSettings:
     terminate_grace_s: float = 2.0
     # This many identical permanent errors with no answer in between stop the run as a configuration problem.
     streak_limit: int = 25
-    # A provider that refuses every request this long, with no answer at all, stops the run (prompts retryable).
+    # A provider that refuses every request this long, with no answer at all, stops the run (prompts
+    # retryable).
     stall_timeout_s: float = 900.0
 
 
@@ -160,7 +161,8 @@ class GenerationEngine:
         in_flight = sum(lane.in_flight for lane in self.lanes)
         self.log(
             f"terminated by the operator: sending nothing more; {in_flight:,} requests in flight get "
-            f"{self.settings.terminate_grace_s:g} s to land, then are cancelled (charged, asked again next run)"
+            f"{self.settings.terminate_grace_s:g} s to land, then are cancelled (charged, asked again next "
+            "run)"
         )
         self._halt()
 

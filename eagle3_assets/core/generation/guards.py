@@ -101,6 +101,6 @@ class StallWatch:
             return None
         return InferenceError(
             ErrorKind.RATE_LIMITED,
-            f"the provider refused every request for {idle:.0f} s (rate limit or capacity) and answered none; "
-            "no prompt is marked failed: materialise again later, or lower max_concurrency",
+            f"the provider refused every request for {idle:.0f} s (rate limit or capacity) and answered "
+            "none; no prompt is marked failed: materialise again later, or lower max_concurrency",
         )

@@ -2,9 +2,10 @@
 
 Each JSONL row names its prompt by `id`, by `messages` (a trailing assistant turn is then the answer) or by a
 `prompt` string (the prompt's last user turn), and carries the answer as `response`/`content`, with optional
-`reasoning`, `output_ids`, `usage` {prompt_tokens, completion_tokens, cost}, `finish_reason`, `model`, `provider`.
-Imported rows count toward the budget like generated ones and their output ids serve as references for tokens.
-Rows that match no prompt, or a prompt already answered, are reported and written to imports/ with the reason.
+`reasoning`, `output_ids`, `usage` {prompt_tokens, completion_tokens, cost}, `finish_reason`, `model`,
+`provider`. Imported rows count toward the budget like generated ones and their output ids serve as references
+for tokens. Rows that match no prompt, or a prompt already answered, are reported and written to imports/ with
+the reason.
 """
 
 from __future__ import annotations

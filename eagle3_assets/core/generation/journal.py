@@ -1,4 +1,5 @@
-"""The response journal of one dataset: what is done, what failed, and a buffered writer for a running engine."""
+"""The response journal of one dataset: what is done, what failed, and a buffered writer for a running
+engine."""
 
 from __future__ import annotations
 
@@ -90,13 +91,14 @@ class ResponseJournal:
         self.quarantined: list[Quarantined] = []  # what `sweep` set aside so far
         self._charged = [0.0, 0.0]
 
-    # -- damaged files ----------------------------------------------------------------------------------------
+    # -- damaged files
+    # ----------------------------------------------------------------------------------------
     def sweep(self) -> list[Quarantined]:
-        """Set aside every journal file that cannot be read (responses, failures, lost charges, import rejects),
-        before anything reads them. The answers a response part held become unanswered, so the next dispatch asks
-        them again; what they cost stays charged (`lost/`, from the part's tally), unless the run that wrote the
-        part left its dispatch ledger, which then charges them as bought and unstored. A set-aside part of
-        `lost/` is charged again from its tally. Call with the dataset's lock held."""
+        """Set aside every journal file that cannot be read (responses, failures, lost charges, import
+        rejects), before anything reads them. The answers a response part held become unanswered, so the next
+        dispatch asks them again; what they cost stays charged (`lost/`, from the part's tally), unless the
+        run that wrote the part left its dispatch ledger, which then charges them as bought and unstored. A
+        set-aside part of `lost/` is charged again from its tally. Call with the dataset's lock held."""
         d = self.layout.dir
         found = self.responses.sweep(d, STAGE, self._charge_lost_answers)
         found += self.lost.sweep(d, STAGE, self._carry_lost_charges)
@@ -128,7 +130,8 @@ class ResponseJournal:
         self._append_charges(path, rows, sums.get("completion_tokens", 0.0), sums.get("cost_usd", 0.0))
 
     def _carry_lost_charges(self, path: str, entry: dict) -> None:
-        """A damaged part of `lost/` held charges: they are carried over (a budget gains no room from damage)."""
+        """A damaged part of `lost/` held charges: they are carried over (a budget gains no room from
+        damage)."""
         rows, sums = entry.get("rows"), entry.get("sums", {})
         if rows:
             self._append_charges(
@@ -157,9 +160,9 @@ class ResponseJournal:
         return DispatchLedger(self.ledger_dir, run_id)
 
     def settle_ledgers(self, tokens_each: float, usd_each: float) -> LostCharge:
-        """Record what each finished or crashed run bought and did not store, each request at the expected cost of
-        an answer (it was probably billed); returns the charge for the caller's budget. Call with the dataset's
-        lock held, after the run's own rows are flushed."""
+        """Record what each finished or crashed run bought and did not store, each request at the expected
+        cost of an answer (it was probably billed); returns the charge for the caller's budget. Call with the
+        dataset's lock held, after the run's own rows are flushed."""
         if not self.ledger_dir.is_dir():
             return LostCharge()
         lost = 0
@@ -321,15 +324,16 @@ class JournalWriter:
         return resp, fail
 
     def _restore(self, resp: dict[str, list[Any]], fail: dict[str, list[Any]]) -> None:
-        """Put rows that could not be written back in front of the buffer: a failed write must lose nothing."""
+        """Put rows that could not be written back in front of the buffer: a failed write must lose
+        nothing."""
         for name, values in resp.items():
             self._resp[name][:0] = values
         for name, values in fail.items():
             self._fail[name][:0] = values
 
     async def flush(self) -> None:
-        """Write what is buffered; rows whose write fails go back in front of the buffer (on the event loop, where
-        rows are added) and the error propagates."""
+        """Write what is buffered; rows whose write fails go back in front of the buffer (on the event loop,
+        where rows are added) and the error propagates."""
         async with self._lock:
             if not self.pending:
                 return

@@ -1,11 +1,12 @@
 """The dispatch ledger: one line per attempt, written before the request is sent.
 
-A kill -9 loses the requests in flight and the answers not yet flushed, but the provider bills them all the same.
-The ledger is how a resumed run knows: each attempt appends `d <id>` before it goes out and `e <id>` when it ended
-without a bill (an error, a refusal). An id whose last line is `d` and whose run stored no answer for it was bought
-and lost; the next run charges it to the budget at the expected length of an answer (`lost/` in the journal), so
-a crash never lets a dataset spend past its budget. Appends are unbuffered `write(2)` calls of a few bytes: they
-survive the death of the process (not of the machine) and cost microseconds.
+A kill -9 loses the requests in flight and the answers not yet flushed, but the provider bills them all the
+same. The ledger is how a resumed run knows: each attempt appends `d <id>` before it goes out and `e <id>`
+when it ended without a bill (an error, a refusal). An id whose last line is `d` and whose run stored no
+answer for it was bought and lost; the next run charges it to the budget at the expected length of an answer
+(`lost/` in the journal), so a crash never lets a dataset spend past its budget. Appends are unbuffered
+`write(2)` calls of a few bytes: they survive the death of the process (not of the machine) and cost
+microseconds.
 """
 
 from __future__ import annotations

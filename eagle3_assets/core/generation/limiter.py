@@ -205,9 +205,9 @@ class AdaptiveLimit:
         return self.slow_start and not self.stats.refused and self.limit < self.ceiling
 
     def on_accepted(self, token: DispatchToken) -> None:
-        """A request still in flight was accepted (its first streamed token arrived): in the first slow start it
-        grows the window as an answer would, a network round trip and a first token after it went out instead
-        of a whole answer. The caller counts each request once (here or at its answer, not both)."""
+        """A request still in flight was accepted (its first streamed token arrived): in the first slow start
+        it grows the window as an answer would, a network round trip and a first token after it went out
+        instead of a whole answer. The caller counts each request once (here or at its answer, not both)."""
         if self.ramping:
             self._account()
             self._grow(token.sent_at, self.in_flight, gain=ACCEPTED_GAIN)
@@ -270,8 +270,8 @@ class AdaptiveLimit:
     # -- refusals beyond the background rate ---------------------------------------------------------------
     @property
     def background_refused_share(self) -> float:
-        """The share of attempts refused whatever the load: the median over the newest settled blocks, less those
-        sent at the level a storm was cut from."""
+        """The share of attempts refused whatever the load: the median over the newest settled blocks, less
+        those sent at the level a storm was cut from."""
         self._settle()
         if len(self._background) < 3:
             return PRIOR_BACKGROUND
@@ -303,9 +303,9 @@ class AdaptiveLimit:
         return ring[i0 : i1 + 1].count(1) if i0 <= i1 else ring[i0:].count(1) + ring[: i1 + 1].count(1)
 
     def _storm(self, seq: int, p: float) -> int | None:
-        """The first dispatch of a window ending at `seq` with more refusals than the background rate `p` explains,
-        over a few window sizes (a storm among the newest dispatches shows in the small ones at once); None if
-        none has."""
+        """The first dispatch of a window ending at `seq` with more refusals than the background rate `p`
+        explains, over a few window sizes (a storm among the newest dispatches shows in the small ones at
+        once); None if none has."""
         for m in (16, 64, RECENT):
             lo = max(seq - m + 1, self._ring_start, self._seq - RING)
             n = seq - lo + 1

@@ -1,8 +1,9 @@
 """The one small protocol every inference backend implements, and the error classes the engine acts on.
 
 A backend turns a `CompletionRequest` into a `Completion` or raises an `InferenceError` whose `kind` tells the
-engine what to do: slow down and send again (backpressure: it costs the prompt nothing), retry a fault within the
-prompt's retry allowance, record a permanent failure for that prompt, or stop the whole run (bad key, no credits).
+engine what to do: slow down and send again (backpressure: it costs the prompt nothing), retry a fault within
+the prompt's retry allowance, record a permanent failure for that prompt, or stop the whole run (bad key, no
+credits).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class CompletionRequest:
     sampling: Sampling = field(default_factory=Sampling)
     # The prompt rendered by the target's chat template, for backends that take token ids (SGLang, embedded).
     prompt_ids: list[int] | None = None
-    # Tokens received so far by a streaming backend (a lower bound on the answer's length; the budget reads it).
+    # Tokens received so far by a streaming backend (a lower bound on the answer's length; the budget reads
+    # it).
     streamed_tokens: int = 0
 
 
@@ -45,7 +47,8 @@ class Completion:
     usage_estimated: bool = (
         False  # the server sent no usage: completion_tokens counted with the target tokenizer
     )
-    # What a serving engine computed beside the text (the hidden states of an extraction request); never journalled.
+    # What a serving engine computed beside the text (the hidden states of an extraction request); never
+    # journalled.
     payload: Any = None
 
 
@@ -100,12 +103,14 @@ class InferenceError(Exception):
         self.message = message
         self.retry_after = retry_after
         self.status = status
-        # The provider closed a window for the whole key (X-RateLimit-Remaining: 0 + Reset): seconds until it opens.
+        # The provider closed a window for the whole key (X-RateLimit-Remaining: 0 + Reset): seconds until it
+        # opens.
         self.pause_all_s = pause_all_s
 
     @property
     def backpressure(self) -> bool:
-        """The provider wants less traffic, not this request changed: slow down, and it costs the prompt nothing."""
+        """The provider wants less traffic, not this request changed: slow down, and it costs the prompt
+        nothing."""
         return self.kind is ErrorKind.RATE_LIMITED or (
             self.kind is ErrorKind.OVERLOADED and self.retry_after is not None
         )

@@ -72,7 +72,8 @@ def _requests(
     chat: ChatTokenizer | None,
     skip: Callable[[str, str, str], None],
 ) -> Iterator[CompletionRequest]:
-    """Requests in source order; prompt ids are rendered lazily, a chunk at a time, when the backend needs them."""
+    """Requests in source order; prompt ids are rendered lazily, a chunk at a time, when the backend needs
+    them."""
     for start in range(0, prompts.height, PROMPT_CHUNK):
         chunk = prompts.slice(start, PROMPT_CHUNK)
         ids = chunk["id"].to_list()
@@ -87,7 +88,8 @@ def _requests(
 
 @dataclass
 class DatasetJob:
-    """One dataset of a generation run: where its files are, what the launch chose, its lock and flush hook."""
+    """One dataset of a generation run: where its files are, what the launch chose, its lock and flush
+    hook."""
 
     layout: DatasetLayout
     plan: GenerationPlan
@@ -133,9 +135,9 @@ def generate_datasets(
     log: Callable[[str], None] = print,
     extra_preflight: list[str] | None = None,
 ) -> dict[str, GenerationSummary]:
-    """Answer the prompts of every dataset of `jobs` through one engine and one adaptive window, each within its
-    own budget, journal and lock. A dataset another process is generating is skipped with that reason (the others
-    go on); when every one is, the BusyError is raised."""
+    """Answer the prompts of every dataset of `jobs` through one engine and one adaptive window, each within
+    its own budget, journal and lock. A dataset another process is generating is skipped with that reason (the
+    others go on); when every one is, the BusyError is raised."""
     run_id = uuid.uuid4().hex[:12]
     summaries: dict[str, GenerationSummary] = {}
     with ExitStack() as stack:
@@ -172,8 +174,8 @@ def generate_datasets(
             try:
                 _run(ready, lanes, backend, chat, settings, log, extra_preflight or [], run_id)
             finally:  # also after a fatal stop: what was paid for is compacted into the table here
-                # Each dataset in its own folder, folded side by side (parquet reads and writes release the GIL):
-                # the run's end waits for the slowest dataset, not for their sum.
+                # Each dataset in its own folder, folded side by side (parquet reads and writes release the
+                # GIL): the run's end waits for the slowest dataset, not for their sum.
                 built: list[Lane | None] = [*lanes, *[None] * (len(ready) - len(lanes))]
                 with ThreadPoolExecutor(max_workers=min(len(ready), 8)) as pool:
                     list(pool.map(_close, ready, built))
@@ -183,8 +185,8 @@ def generate_datasets(
 
 
 def _close(prepared: _Prepared, lane: Lane | None) -> None:
-    """After a run (or its failure): what it bought and never stored is charged, its parts fold into the tables.
-    A dataset that sent nothing (no lane) only has its tables folded."""
+    """After a run (or its failure): what it bought and never stored is charged, its parts fold into the
+    tables. A dataset that sent nothing (no lane) only has its tables folded."""
     s = prepared.summary
     if lane is not None:
         if lane.ledger is not None:
@@ -204,8 +206,8 @@ def _prepare(
     run_id: str,
     log: Callable[[str], None],
 ) -> _Prepared:
-    """With the dataset's lock held: fold what a crashed run left, charge what it had in flight, and find what is
-    left to send within the budget."""
+    """With the dataset's lock held: fold what a crashed run left, charge what it had in flight, and find what
+    is left to send within the budget."""
     plan = job.plan
     prompts = pl.read_parquet(job.layout.prompts, columns=["id", "messages"])
     journal.finalize()  # fold what a crashed run left behind (and set damaged files aside)
@@ -332,7 +334,8 @@ def _run(
     extra_preflight: list[str],
     run_id: str,
 ) -> None:
-    """Build a lane per dataset (appended to `lanes` as they are made, for the caller's cleanup) and run them."""
+    """Build a lane per dataset (appended to `lanes` as they are made, for the caller's cleanup) and run
+    them."""
     engine = GenerationEngine(backend, settings, log=log if len(ready) > 1 else _prefixed(log, ready[0]))
     for prepared in ready:
         job = prepared.job

@@ -10,9 +10,10 @@ where there is no `on_stop`, cancels the loop's main task. When the loop is done
 KeyboardInterrupt, which Dagster reads as an interrupt (the run ends CANCELED), and which no `except
 Exception` on the way can swallow.
 
-Some stops send no signal in time: a backfill cancelled from the UI reaches its runs at the backfill daemon's next
-pass (every 30 s), and a run launcher may lose the signal. So a step may also name a `StopProbe` (`watching`): every
-loop polls it each second, off the loop's thread, and stops the same way when it answers a reason.
+Some stops send no signal in time: a backfill cancelled from the UI reaches its runs at the backfill daemon's
+next pass (every 30 s), and a run launcher may lose the signal. So a step may also name a `StopProbe`
+(`watching`): every loop polls it each second, off the loop's thread, and stops the same way when it answers a
+reason.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def _restore(loop: asyncio.AbstractEventLoop, previous: dict[int, Any]) -> None:
 
 
 def _new_loop_runner() -> Callable[[Awaitable[T]], T]:
-    """uvloop where it is installed (its C event loop halves the loop's own cost per socket read, which is most of
-    a streamed event's), else asyncio's."""
+    """uvloop where it is installed (its C event loop halves the loop's own cost per socket read, which is
+    most of a streamed event's), else asyncio's."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover
@@ -105,7 +106,8 @@ def _new_loop_runner() -> Callable[[Awaitable[T]], T]:
 
 def run_loop(coro: Awaitable[T], on_stop: Callable[[], None] | None = None) -> T:
     """Run `coro` on a new event loop that a stop (a signal, the probe of `watching`) ends cleanly: `on_stop`
-    first (a graceful stop), the main task cancelled on a second stop or without `on_stop`; then `RunTerminated`."""
+    first (a graceful stop), the main task cancelled on a second stop or without `on_stop`; then
+    `RunTerminated`."""
     stop = _Stop(on_stop)
     probe = _probe.get()
 

@@ -20,7 +20,8 @@ class TopUp:
 
 
 def top_up_status(layout: DatasetLayout, dataset: DatasetConfig) -> TopUp:
-    """Whether generation has work: prompts never ingested, or room in the budget and prompts still unanswered."""
+    """Whether generation has work: prompts never ingested, or room in the budget and prompts still
+    unanswered."""
     if not layout.prompts.exists():
         return TopUp(True, "prompts never ingested")
     journal = ResponseJournal(layout)

@@ -1,4 +1,4 @@
-"""hidden_states: the target's auxiliary hidden states over every token sequence, in packed safetensors shards;
-the rules of their checks; and the exports the training frameworks read. May import: storage, target, generation
-(served extraction drives the generation engine and its backend protocol), tokens, report.
+"""hidden_states: the target's auxiliary hidden states over every token sequence, in packed safetensors
+shards; the rules of their checks; and the exports the training frameworks read. May import: storage, target,
+generation (served extraction drives the generation engine and its backend protocol), tokens, report.
 """

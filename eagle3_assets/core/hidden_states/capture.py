@@ -40,7 +40,8 @@ class HiddenStateCapture:
         device = _input_device(self.model)
         self._out.clear()
         with torch.inference_mode():
-            # No attention mask and no cache: transformers reads the packing from position_ids (block-diagonal).
+            # No attention mask and no cache: transformers reads the packing from position_ids
+            # (block-diagonal).
             _base_model(self.model)(
                 input_ids=torch.from_numpy(ids.astype(np.int64))[None].to(device),
                 position_ids=torch.from_numpy(positions.astype(np.int64))[None].to(device),
@@ -75,9 +76,10 @@ PACKING_COSINE = 0.999
 
 
 def packing_is_exact(capture: HiddenStateCapture, vocab_size: int) -> tuple[bool, float]:
-    """Two short samples forwarded packed (positions restarting, no mask) against each forwarded alone. A model whose
-    attention ignores the packed boundaries (some trust_remote_code models build their own causal mask) lets the
-    second sample see the first: its states then differ, and extraction must not pack for that model."""
+    """Two short samples forwarded packed (positions restarting, no mask) against each forwarded alone. A
+    model whose attention ignores the packed boundaries (some trust_remote_code models build their own causal
+    mask) lets the second sample see the first: its states then differ, and extraction must not pack for that
+    model."""
     import torch
 
     rng = np.random.default_rng(0)

@@ -1,15 +1,16 @@
-"""The rules behind the hidden_states checks, as plain functions over the stored shards (testable without Dagster).
+"""The rules behind the hidden_states checks, as plain functions over the stored shards (testable without
+Dagster).
 
-Wrong hidden states waste GPU-days before anyone notices (states silently wrong under chunked prefill, a library
-upgrade that wrote zero files, ids shifted by one), so a partition's states pass only when: every token row has a
-sample; the ids and loss mask stored beside the states are tokens.parquet's; every value is finite; every shard
-describes the same extraction (model, revision, tokenizer, layers, dtype) with consistent shapes; and a few samples
-recomputed by an independent path — a plain forward with `output_hidden_states`, not the extraction's hooks and
-packing — agree with what is stored.
+Wrong hidden states waste GPU-days before anyone notices (states silently wrong under chunked prefill, a
+library upgrade that wrote zero files, ids shifted by one), so a partition's states pass only when: every
+token row has a sample; the ids and loss mask stored beside the states are tokens.parquet's; every value is
+finite; every shard describes the same extraction (model, revision, tokenizer, layers, dtype) with consistent
+shapes; and a few samples recomputed by an independent path — a plain forward with `output_hidden_states`, not
+the extraction's hooks and packing — agree with what is stored.
 
-For a served target (`hidden_states.engine: vllm`, or one that does not fit the checking machine) the recomputation
-uses pieces of the checkpoint only (`spot_check_pieces`): the shallowest aux layer recomputed from the embedding
-and the first decoder layers, and the stored last states checked against the head.
+For a served target (`hidden_states.engine: vllm`, or one that does not fit the checking machine) the
+recomputation uses pieces of the checkpoint only (`spot_check_pieces`): the shallowest aux layer recomputed
+from the embedding and the first decoder layers, and the stored last states checked against the head.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def coverage(tokens: pl.DataFrame, index: pl.DataFrame, skipped: dict[str, str])
 def ids_match(folder: Path, tokens: pl.DataFrame | pl.LazyFrame) -> Verdict:
     """The input_ids and loss_mask stored in each shard are exactly tokens.parquet's rows for those ids.
 
-    Compared through a 64-bit hash per row and column (polars' hash of the list, the same function on both sides):
-    tokens.parquet is reduced to its hashes by the streaming engine and each shard is hashed on its own, so memory
-    holds hashes, not the partition's ids (200,000 rows of 2,500 ids would not fit as Python lists)."""
+    Compared through a 64-bit hash per row and column (polars' hash of the list, the same function on both
+    sides): tokens.parquet is reduced to its hashes by the streaming engine and each shard is hashed on its
+    own, so memory holds hashes, not the partition's ids (200,000 rows of 2,500 ids would not fit as Python
+    lists)."""
     from safetensors import safe_open
 
     want = (
@@ -109,9 +111,9 @@ def _list_hashes(ids: pl.Expr, mask: pl.Expr) -> list[pl.Expr]:
 
 
 def finite(folder: Path) -> Verdict:
-    """No NaN or Inf anywhere in the stored states, read as a trainer reads them (FP8: dequantized, so a scale of
-    Inf or NaN shows), and no FP8 scale that quantization never writes (zero, negative, non-finite: a zero scale
-    silently zeroes its token). A slice at a time: memory stays bounded."""
+    """No NaN or Inf anywhere in the stored states, read as a trainer reads them (FP8: dequantized, so a scale
+    of Inf or NaN shows), and no FP8 scale that quantization never writes (zero, negative, non-finite: a zero
+    scale silently zeroes its token). A slice at a time: memory stays bounded."""
     from safetensors import safe_open
 
     bad: dict[str, int] = {}
@@ -158,7 +160,8 @@ def _scan(view: Any, scales: Any) -> tuple[int, int, int]:
 
 
 def consistent(folder: Path, expected: dict[str, str]) -> Verdict:
-    """Every shard describes the same extraction as the config asks for, and its tensors have matching shapes."""
+    """Every shard describes the same extraction as the config asks for, and its tensors have matching
+    shapes."""
     from safetensors import safe_open
 
     problems: list[str] = []
@@ -217,8 +220,9 @@ def spot_check(folder: Path, model: Any, sample_ids: list[str]) -> Verdict:
     """Recompute a few samples with a plain fp32 forward (`output_hidden_states`, one sample per forward, no
     packing) and compare with what is stored: aux layer i against hidden_states[i + 1], the stored last state
     through the model's own final norm against hidden_states[L]; held to the rule of the dtype the extraction
-    computed in and the shards store (`spot_rules`). FP8 shards also compare the stored last state with the last
-    decoder layer's own output (a hook of this check's), since the final norm hides a wrong per-token scale."""
+    computed in and the shards store (`spot_rules`). FP8 shards also compare the stored last state with the
+    last decoder layer's own output (a hook of this check's), since the final norm hides a wrong per-token
+    scale."""
     from .reader import HiddenStatesReader
 
     reader = HiddenStatesReader(folder)

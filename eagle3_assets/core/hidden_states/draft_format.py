@@ -1,7 +1,7 @@
 """An EAGLE-3 draft as the trainers and servers see it outside any code: its shape (one decoder layer of the
-target's width), its `config.json` (`LlamaForCausalLMEagle3`, as SGLang serves and SpecForge trains it) and its
-vocabulary maps (`d2t`, `t2d`, SpecForge's `vocab_mapping.pt`). The exports write them for a trainer; the acceptance
-gate's draft is saved in them.
+target's width), its `config.json` (`LlamaForCausalLMEagle3`, as SGLang serves and SpecForge trains it) and
+its vocabulary maps (`d2t`, `t2d`, SpecForge's `vocab_mapping.pt`). The exports write them for a trainer; the
+acceptance gate's draft is saved in them.
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def count_tokens(arrays: Iterable[Any]) -> Counter[int]:
 
 
 def build_draft_vocab(counts: Counter[int], vocab_size: int, size: int, fill: bool = False) -> Any:
-    """The draft vocabulary: the `size` most frequent tokens (ties to the lower id), sorted ascending so that d2t
-    offsets are non-negative, as in SpecForge. Fewer if fewer occur (a token never seen as a label is never
-    drafted anyway), unless `fill`: then the lowest unseen ids complete it, as SpecForge's own mapping does for a
-    draft config whose `draft_vocab_size` is fixed."""
+    """The draft vocabulary: the `size` most frequent tokens (ties to the lower id), sorted ascending so that
+    d2t offsets are non-negative, as in SpecForge. Fewer if fewer occur (a token never seen as a label is
+    never drafted anyway), unless `fill`: then the lowest unseen ids complete it, as SpecForge's own mapping
+    does for a draft config whose `draft_vocab_size` is fixed."""
     import torch
 
     size = min(size, vocab_size)
@@ -80,8 +80,8 @@ def build_draft_vocab(counts: Counter[int], vocab_size: int, size: int, fill: bo
 
 
 def vocab_mapping(draft_ids: Any, vocab_size: int) -> tuple[Any, Any]:
-    """SpecForge's maps of a draft vocabulary (sorted target ids): `d2t[i]` is the offset from draft id i to its
-    target id, `t2d` marks the target ids the draft vocabulary holds."""
+    """SpecForge's maps of a draft vocabulary (sorted target ids): `d2t[i]` is the offset from draft id i to
+    its target id, `t2d` marks the target ids the draft vocabulary holds."""
     import torch
 
     ids = draft_ids.to(torch.long)

@@ -1,8 +1,8 @@
 """The hidden-states job of one dataset: plan what is left, extract shards (one or many per process), index.
 
-Split so that Dagster can fan the shards out over many GPU pods: `prepare` runs once, `extract` runs per unit of
-work (any subset of the planned shards), `finish` rebuilds the index from the shards on disk. Two engines behind
-`extract` (`hidden_states.engine`): the target in this process (transformers), or running vLLM servers
+Split so that Dagster can fan the shards out over many GPU pods: `prepare` runs once, `extract` runs per unit
+of work (any subset of the planned shards), `finish` rebuilds the index from the shards on disk. Two engines
+behind `extract` (`hidden_states.engine`): the target in this process (transformers), or running vLLM servers
 (`served.py`; the caller passes their backend), both writing the same shards.
 """
 
@@ -46,9 +46,10 @@ from .shards import (
 )
 from .sizing import PlannedBytes, ensure_room
 
-# What a shard holds, not how it is named: a shard that differs in these is recomputed (changing storage_dtype or the
-# layers recomputes every shard). A changed model, revision or tokenizer name is left to the consistency check, which
-# fails naming it: a renamed path to the same checkpoint must not delete terabytes of states.
+# What a shard holds, not how it is named: a shard that differs in these is recomputed (changing storage_dtype
+# or the layers recomputes every shard). A changed model, revision or tokenizer name is left to the
+# consistency check, which fails naming it: a renamed path to the same checkpoint must not delete terabytes of
+# states.
 RECOMPUTE_ON = ("dtype", "aux_layers")
 
 
@@ -91,7 +92,8 @@ def load_target_model(settings: ExtractionSettings) -> Any:
 
 
 def model_config(settings: ExtractionSettings) -> dict[str, Any]:
-    """num_layers, hidden_size and context from config.json, without loading weights (planning needs only sizes)."""
+    """num_layers, hidden_size and context from config.json, without loading weights (planning needs only
+    sizes)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(
@@ -125,8 +127,8 @@ def expected_metadata(settings: ExtractionSettings, num_layers: int | None = Non
 
 
 def why_target_cannot_run_here(settings: ExtractionSettings) -> str | None:
-    """None when the target can be loaded in this process for the spot check's independent forward; else why not
-    (a served target of a trillion parameters does not fit the machine that checks its states)."""
+    """None when the target can be loaded in this process for the spot check's independent forward; else why
+    not (a served target of a trillion parameters does not fit the machine that checks its states)."""
     root = local_checkpoint(settings.model_ref, settings.target.revision)
     if root is None:
         return f"no local copy of {settings.target.model}'s checkpoint on this machine"
@@ -143,7 +145,10 @@ def why_target_cannot_run_here(settings: ExtractionSettings) -> str | None:
         room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         where = "free host memory"
     if size * 1.2 > room:  # weights in their stored dtype, plus activations and the framework's own
-        return f"the checkpoint ({size / 1e9:,.0f} GB) does not fit this machine's {where} ({room / 1e9:,.0f} GB)"
+        return (
+            f"the checkpoint ({size / 1e9:,.0f} GB) does not fit this machine's {where} "
+            f"({room / 1e9:,.0f} GB)"
+        )
     return None
 
 
@@ -201,7 +206,8 @@ def prepare(
     )
     log(
         f"{layout.key}: {len(work.done_ids):,} samples already extracted, {planned.samples:,} to do in "
-        f"{len(work.todo)} shards; {len(work.stale_shards)} stale shards removed, {len(work.skipped)} samples too long"
+        f"{len(work.todo)} shards; {len(work.stale_shards)} stale shards removed, {len(work.skipped)} "
+        "samples too long"
     )
     return work
 
@@ -240,9 +246,9 @@ def extract(
     packed, similarity = _packing_verdict(capture, model)
     if not packed:
         log(
-            f"{layout.key}: WARNING: this model's attention ignores packed sample boundaries (a packed forward of two "
-            f"samples differs from separate ones, cosine {similarity:.4f}); extracting one sample per forward "
-            "instead (slower, never mixed samples)"
+            f"{layout.key}: WARNING: this model's attention ignores packed sample boundaries (a packed "
+            f"forward of two samples differs from separate ones, cosine {similarity:.4f}); extracting one "
+            "sample per forward instead (slower, never mixed samples)"
         )
         row_tokens = 1  # every sample in a row of its own
     metadata = {
@@ -328,15 +334,15 @@ def _extract_served(
     stats = result.stats
     log(
         f"{layout.key}: {stats.samples:,} samples ({stats.tokens:,} tokens) in {len(stats.shards)} shards, "
-        f"{stats.tokens / max(stats.forward_s, 1e-9):,.0f} tok/s; {len(result.too_long)} refused as too long, "
-        f"{len(result.failed)} failed"
+        f"{stats.tokens / max(stats.forward_s, 1e-9):,.0f} tok/s; {len(result.too_long)} refused as too "
+        f"long, {len(result.failed)} failed"
     )
     if result.failed:
         examples = "; ".join(f"{k}: {v}" for k, v in list(result.failed.items())[:3])
         raise ExtractionIncomplete(
-            f"{len(result.failed)} samples failed after their retries ({examples}); the "
-            f"{len(stats.shards)} shards that completed are stored, the {len(result.unfinished_shards)} others are "
-            "extracted again by the next materialisation"
+            f"{len(result.failed)} samples failed after their retries ({examples}); the {len(stats.shards)} "
+            f"shards that completed are stored, the {len(result.unfinished_shards)} others are extracted "
+            "again by the next materialisation"
         )
     return stats
 

@@ -1,5 +1,5 @@
-"""The target's final norm beside the shards: the stored last states are before it, and exports for frameworks that
-want post-norm states apply it without loading the model."""
+"""The target's final norm beside the shards: the stored last states are before it, and exports for frameworks
+that want post-norm states apply it without loading the model."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def save_final_norm(model: Any, folder: Path) -> None:
 
 
 def save_final_norm_from_checkpoint(model_ref: str, folder: Path, revision: str | None = None) -> bool:
-    """The final norm read from the target's checkpoint files, without loading the model (a served target may be
-    far larger than this process); False when no local copy of the checkpoint is found."""
+    """The final norm read from the target's checkpoint files, without loading the model (a served target may
+    be far larger than this process); False when no local copy of the checkpoint is found."""
     import re
 
     from safetensors import safe_open

@@ -1,13 +1,14 @@
 """FP8 storage of hidden states: float8_e4m3fn values with one float32 scale per token and per layer.
 
-Why per token and per layer: a few tokens (the first of each sample) carry activations orders of magnitude above the
-rest, and the layers differ in scale too; one scale per tensor would flush most tokens to FP8's subnormals. Each
-(token, layer) block is scaled so that its largest magnitude lands on FP8's largest value (448), so every block uses
-the format's full range; stored is `x / scale` rounded to e4m3 (3 mantissa bits: a relative rounding error of at
-most 2^-4 per value) and `scale`; dequantized = `q.float().view(T, n, -1) * scales[..., None]`.
+Why per token and per layer: a few tokens (the first of each sample) carry activations orders of magnitude
+above the rest, and the layers differ in scale too; one scale per tensor would flush most tokens to FP8's
+subnormals. Each (token, layer) block is scaled so that its largest magnitude lands on FP8's largest value
+(448), so every block uses the format's full range; stored is `x / scale` rounded to e4m3 (3 mantissa bits: a
+relative rounding error of at most 2^-4 per value) and `scale`; dequantized = `q.float().view(T, n, -1) *
+scales[..., None]`.
 
-This is also hs-connectors' FP8 recipe (`scale = amax / finfo(float8_e4m3fn).max` per token), so the speculators
-export can keep the bytes as they are.
+This is also hs-connectors' FP8 recipe (`scale = amax / finfo(float8_e4m3fn).max` per token), so the
+speculators export can keep the bytes as they are.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ FP8_SCALES = "<name>_scales float32 [T, n], per token and layer: x.float().view(
 
 @dataclass(frozen=True)
 class QuantizedStates:
-    """A sample's states as a server's connector wrote them in FP8: values [t, n, H] float8, scales [t, n] float32,
-    and the dtype the server computed in."""
+    """A sample's states as a server's connector wrote them in FP8: values [t, n, H] float8, scales [t, n]
+    float32, and the dtype the server computed in."""
 
     values: Any
     scales: Any
@@ -50,8 +51,9 @@ def scales_name(tensor: str) -> str:
 
 
 def quantize(x: Any, n_blocks: int = 1) -> tuple[Any, Any]:
-    """[T, n·H] states (any float dtype, any device) -> (float8_e4m3fn [T, n·H], float32 scales [T, n]), on x's
-    device. A block of zeros gets scale 1 (it dequantizes to zeros; a stored zero scale is always a fault)."""
+    """[T, n·H] states (any float dtype, any device) -> (float8_e4m3fn [T, n·H], float32 scales [T, n]), on
+    x's device. A block of zeros gets scale 1 (it dequantizes to zeros; a stored zero scale is always a
+    fault)."""
     import torch
 
     t = x.shape[0]
@@ -71,8 +73,8 @@ def dequantize(q: Any, scales: Any, dtype: Any = None) -> Any:
 
 
 def quantize_layers(layers: list[Any]) -> tuple[Any, Any]:
-    """One forward's captured layers ([T, H] each, on the model's device) -> (float8 [T, n·H], scales [T, n]) on the
-    host: quantized where they were computed, so only a byte per value crosses to the host."""
+    """One forward's captured layers ([T, H] each, on the model's device) -> (float8 [T, n·H], scales [T, n])
+    on the host: quantized where they were computed, so only a byte per value crosses to the host."""
     import torch
 
     parts = [quantize(x) for x in layers]
@@ -90,8 +92,8 @@ def scale_problems(scales: Any) -> int:
 
 
 def payload_bytes_per_token(hidden_size: int, n_blocks: int, storage_dtype: str, dtype_bytes: int) -> int:
-    """Bytes one token's states of `n_blocks` layers take in a shard: the values, plus a float32 scale per layer
-    in FP8."""
+    """Bytes one token's states of `n_blocks` layers take in a shard: the values, plus a float32 scale per
+    layer in FP8."""
     if is_fp8(storage_dtype):
         return n_blocks * (hidden_size + 4)
     return n_blocks * hidden_size * dtype_bytes

@@ -54,7 +54,8 @@ class StoredStates:
 
 
 class HiddenStatesReader:
-    """Random access by id: reads only that sample's rows from its shard (safetensors slices, memory-mapped)."""
+    """Random access by id: reads only that sample's rows from its shard (safetensors slices,
+    memory-mapped)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)

@@ -1,13 +1,13 @@
-"""Extraction through a serving engine (vLLM's `extract_hidden_states`): the same shards, index and checks as the
-in-process path, from states that running servers computed.
+"""Extraction through a serving engine (vLLM's `extract_hidden_states`): the same shards, index and checks as
+the in-process path, from states that running servers computed.
 
-A target beyond one GPU (the seed's 1T-parameter MoE) cannot run in this process; a serving engine spreads it with
-tensor and pipeline parallelism across GPUs and nodes, and replicas scale it out. Each sample is one request (its
-`input_ids` as the prompt, one generated token); the server writes the prompt's states to a file that the backend
-reads, checks and removes, and hands over as the answer's payload. The requests ride the generation engine (its
-adaptive window, retries, error classes), one lane for the planned shards. Answers land in any order; a shard is
-written (atomically, by the shard writer thread) as soon as all of its samples are in, so a killed run loses only
-the shards still assembling, and a resumed run plans exactly those again.
+A target beyond one GPU (the seed's 1T-parameter MoE) cannot run in this process; a serving engine spreads it
+with tensor and pipeline parallelism across GPUs and nodes, and replicas scale it out. Each sample is one
+request (its `input_ids` as the prompt, one generated token); the server writes the prompt's states to a file
+that the backend reads, checks and removes, and hands over as the answer's payload. The requests ride the
+generation engine (its adaptive window, retries, error classes), one lane for the planned shards. Answers land
+in any order; a shard is written (atomically, by the shard writer thread) as soon as all of its samples are
+in, so a killed run loses only the shards still assembling, and a resumed run plans exactly those again.
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ class ServedResult:
 
 
 class ShardBuffer:
-    """One assembling shard's states in the store dtype, laid out as the shard holds them (aux [N, n_aux·H], last
-    [N, H], samples in plan order; in FP8 their scales [N, n_aux] and [N, 1] beside them). Each sample is converted
-    (quantized, in FP8) into its rows as it lands, in the writer thread: the event loop never touches states,
-    nothing is held at the server's precision, and the shard needs no concatenation before it is saved."""
+    """One assembling shard's states in the store dtype, laid out as the shard holds them (aux [N, n_aux·H],
+    last [N, H], samples in plan order; in FP8 their scales [N, n_aux] and [N, 1] beside them). Each sample is
+    converted (quantized, in FP8) into its rows as it lands, in the writer thread: the event loop never
+    touches states, nothing is held at the server's precision, and the shard needs no concatenation before it
+    is saved."""
 
     def __init__(self, plan: ShardPlan, samples: dict[str, Sample]):
         self.rows: dict[str, tuple[int, int]] = {}
@@ -77,8 +78,8 @@ class ShardBuffer:
         self.tensors: dict[str, Any] = {}  # tensor name -> [N, ...], as the shard stores it
 
     def put(self, sid: str, states: Any, n_aux: int, dtype: str) -> None:
-        """One sample's states [t, n_aux + 1, H] (the server's dtype, or FP8 as the connector wrote them) into its
-        rows."""
+        """One sample's states [t, n_aux + 1, H] (the server's dtype, or FP8 as the connector wrote them) into
+        its rows."""
         t, _, h = states.shape
         if not self.tensors:
             self.tensors = self._allocate(n_aux, h, dtype)
@@ -115,8 +116,8 @@ class ShardBuffer:
         return out
 
     def kept(self, ordered: list[Sample]) -> dict[str, Any]:
-        """The rows of the samples written (those that arrived, in plan order), by tensor name; only a shard that
-        lost a sample (too long) is compacted."""
+        """The rows of the samples written (those that arrived, in plan order), by tensor name; only a shard
+        that lost a sample (too long) is compacted."""
         if len(ordered) == len(self.rows):
             return dict(self.tensors)
         import torch
@@ -126,9 +127,9 @@ class ShardBuffer:
 
 
 class ShardAssembler:
-    """The lane's sink: puts each sample's states into its shard's buffer (in the writer thread) and writes the
-    shard once all of its samples are in (a sample the server refuses as too long leaves its shard; any other
-    failure leaves the shard unwritten)."""
+    """The lane's sink: puts each sample's states into its shard's buffer (in the writer thread) and writes
+    the shard once all of its samples are in (a sample the server refuses as too long leaves its shard; any
+    other failure leaves the shard unwritten)."""
 
     def __init__(
         self,
@@ -223,7 +224,8 @@ def _one_compute_thread() -> Iterator[None]:
 
 
 def requests_for(plans: list[ShardPlan], samples: dict[str, Sample]) -> Iterator[CompletionRequest]:
-    """Samples in plan order (shard by shard): shards complete roughly in turn, so few are assembling at once."""
+    """Samples in plan order (shard by shard): shards complete roughly in turn, so few are assembling at
+    once."""
     for plan in plans:
         for sid in plan.ids:
             ids = samples[sid].input_ids
@@ -242,8 +244,8 @@ def extract_served(
     log: Callable[[str], None] = print,
 ) -> ServedResult:
     """Send every planned sample through `backend` and write the shards as they complete."""
-    # Unbounded: a sample's put must never block the event loop behind a shard's write and fsync; what it holds is
-    # bounded by the requests in flight, whose states exist either way.
+    # Unbounded: a sample's put must never block the event loop behind a shard's write and fsync; what it
+    # holds is bounded by the requests in flight, whose states exist either way.
     writer = ShardWriter(max_queued=0)
     assembler = ShardAssembler(plans, samples, folder, store_dtype, metadata, n_aux, writer)
     total = sum(len(p.ids) for p in plans)

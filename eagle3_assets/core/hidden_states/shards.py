@@ -1,17 +1,18 @@
-"""hidden_states: the target's auxiliary hidden states over every token sequence, in packed safetensors shards.
+"""hidden_states: the target's auxiliary hidden states over every token sequence, in packed safetensors
+shards.
 
 Layout: each shard holds samples back to back: `input_ids` [T] int32, `loss_mask` [T] int8,
-`aux_hidden_states` [T, 3H], `last_hidden_state` [T, H] (output of the last decoder layer, before the final norm),
-`cu_seqlens` [n+1] int64; its metadata names the model, layers, dtype and every sample (id, length, content hash).
-In FP8 (`storage_dtype: float8_e4m3fn`) the two state tensors are float8 with `<name>_scales` [T, n] float32 beside
-them (fp8.py).
-Shards are written atomically, so a crash never leaves a partial shard that looks finished; a finished shard is never
-recomputed. `index.parquet` (id, shard, position, n_tokens) is rebuilt from the shards' own metadata.
+`aux_hidden_states` [T, 3H], `last_hidden_state` [T, H] (output of the last decoder layer, before the final
+norm), `cu_seqlens` [n+1] int64; its metadata names the model, layers, dtype and every sample (id, length,
+content hash). In FP8 (`storage_dtype: float8_e4m3fn`) the two state tensors are float8 with `<name>_scales`
+[T, n] float32 beside them (fp8.py). Shards are written atomically, so a crash never leaves a partial shard
+that looks finished; a finished shard is never recomputed. `index.parquet` (id, shard, position, n_tokens) is
+rebuilt from the shards' own metadata.
 
-Throughput: samples are sorted by length and packed back to back into rows of up to a token budget, with position
-ids restarting per sample (block-diagonal attention; flash-attention's varlen kernel on GPUs), so no compute goes to
-padding; the model is loaded once per process, and device-to-host copies and file writes run on a background thread
-while the next forward runs.
+Throughput: samples are sorted by length and packed back to back into rows of up to a token budget, with
+position ids restarting per sample (block-diagonal attention; flash-attention's varlen kernel on GPUs), so no
+compute goes to padding; the model is loaded once per process, and device-to-host copies and file writes run
+on a background thread while the next forward runs.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ INDEX_SCHEMA: dict[str, pl.DataType] = {
     "position": pl.Int32(),
     "n_tokens": pl.Int32(),
     "input_hash": pl.String(),
-    "storage_dtype": pl.String(),  # the shard's (a reader picks FP8's dequantization per sample without opening it)
+    # the shard's (a reader picks FP8's dequantization per sample without opening it)
+    "storage_dtype": pl.String(),
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 SDPA_ROW_TOKENS = {
@@ -94,7 +96,8 @@ def shard_name(ids: Iterable[str]) -> str:
 
 
 def plan_shards(lengths: dict[str, int], shard_bytes: int, per_token: int) -> list[ShardPlan]:
-    """Deterministic shards of length-sorted samples, each under `shard_bytes` (a longer sample gets its own)."""
+    """Deterministic shards of length-sorted samples, each under `shard_bytes` (a longer sample gets its
+    own)."""
     order = sorted(lengths, key=lambda i: (lengths[i], i))
     shards: list[ShardPlan] = []
     current: list[str] = []
@@ -127,7 +130,8 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
     return rows
 
 
-# -- reading what exists ---------------------------------------------------------------------------------------
+# -- reading what exists
+# ---------------------------------------------------------------------------------------
 def read_shard_metadata(path: Path) -> dict[str, Any]:
     from safetensors import safe_open
 
@@ -143,8 +147,8 @@ def shard_files(folder: Path) -> list[Path]:
 
 
 def finished_shards(folder: Path) -> dict[str, dict[str, Any]]:
-    """Shard file name -> metadata, for every complete shard (temporaries are never named *.safetensors). A shard
-    cut short keeps a readable header, so its length is checked against the header too."""
+    """Shard file name -> metadata, for every complete shard (temporaries are never named *.safetensors). A
+    shard cut short keeps a readable header, so its length is checked against the header too."""
     out = {}
     for path in shard_files(folder):
         try:
@@ -182,8 +186,8 @@ SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_sta
 
 
 def shard_problem(path: Path) -> str | None:
-    """Why `path` is not a whole shard of this format, or None: a whole safetensors file (`safetensors_problem`)
-    with this format's metadata and tensors."""
+    """Why `path` is not a whole shard of this format, or None: a whole safetensors file
+    (`safetensors_problem`) with this format's metadata and tensors."""
     why = safetensors_problem(path)
     if why is not None:
         return why
@@ -201,9 +205,9 @@ def shard_problem(path: Path) -> str | None:
 
 
 def set_aside_damaged(partition_dir: Path, folder: Path, stage: str = "hidden_states") -> list[Quarantined]:
-    """Move damaged shards (cut short, not safetensors, not this format) and a damaged index to the partition's
-    quarantine folder: their samples then count as not extracted and are recomputed; the index is rebuilt from the
-    shards."""
+    """Move damaged shards (cut short, not safetensors, not this format) and a damaged index to the
+    partition's quarantine folder: their samples then count as not extracted and are recomputed; the index is
+    rebuilt from the shards."""
     out = []
     for path in shard_files(folder):
         why = shard_problem(path)
@@ -244,8 +248,8 @@ def plan_work(
     expected: dict[str, str] | None = None,
 ) -> WorkPlan:
     """What is left to extract: samples not in any finished shard with the same content hash, sharded. A shard
-    made by another extraction than `expected` describes (storage dtype, model, layers) is stale like a shard of
-    re-tokenized samples: its samples are extracted again."""
+    made by another extraction than `expected` describes (storage dtype, model, layers) is stale like a shard
+    of re-tokenized samples: its samples are extracted again."""
     remove_stale_temporaries(folder)
     current = {
         sid: input_hash(ids)
@@ -259,7 +263,8 @@ def plan_work(
         if same and all(current.get(sid) == h for sid, _, h in samples):
             done.update(sid for sid, _, _ in samples)
         else:
-            # re-tokenized or removed samples, or another extraction: the shard no longer describes what is asked
+            # re-tokenized or removed samples, or another extraction: the shard no longer describes what is
+            # asked
             stale.append(name)
     lengths = {}
     skipped = {}
@@ -379,8 +384,8 @@ def extract_shard(
 
 
 def stored_states(aux: list[Any], last: list[Any], store_dtype: str) -> dict[str, Any]:
-    """One forward's captured layers ([T, H] each, on the model's device) as the shard stores them, on the host:
-    `aux_hidden_states` [T, n·H] and `last_hidden_state` [T, H] in the storage dtype; in FP8 with their
+    """One forward's captured layers ([T, H] each, on the model's device) as the shard stores them, on the
+    host: `aux_hidden_states` [T, n·H] and `last_hidden_state` [T, H] in the storage dtype; in FP8 with their
     `<name>_scales` [T, n] beside them, quantized on the device (a byte per value crosses to the host)."""
     import torch
 
@@ -409,9 +414,9 @@ def write_shard(
     metadata: dict[str, str],
     scales: dict[str, Any] | None = None,
 ) -> None:
-    """One shard file, atomically: the samples' ids and masks beside their states (rows in sample order), with the
-    extraction's metadata and the sample list (id, length, content hash) that planning and the checks read.
-    `scales`: the FP8 scales by tensor name (`aux_hidden_states_scales`, `last_hidden_state_scales`)."""
+    """One shard file, atomically: the samples' ids and masks beside their states (rows in sample order), with
+    the extraction's metadata and the sample list (id, length, content hash) that planning and the checks
+    read. `scales`: the FP8 scales by tensor name (`aux_hidden_states_scales`, `last_hidden_state_scales`)."""
     import torch
     from safetensors.torch import save_file
 

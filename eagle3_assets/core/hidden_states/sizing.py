@@ -1,9 +1,9 @@
 """What an extraction will write, stated before any GPU hour is spent, and refused where it cannot fit.
 
 Disk is the first wall at scale (a 7168-wide target stores 57 KB per token in bf16), and a run that fills its
-volume after hours of GPU time has bought shards it cannot keep. So the plan sums the bytes of the shards it will
-write (tokens x stored layers x H x bytes per value, plus FP8's scales and each token's id and mask) and, on a local
-storage root, compares them with the free space before the first forward.
+volume after hours of GPU time has bought shards it cannot keep. So the plan sums the bytes of the shards it
+will write (tokens x stored layers x H x bytes per value, plus FP8's scales and each token's id and mask) and,
+on a local storage root, compares them with the free space before the first forward.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class PlannedBytes:
     def formula(self) -> str:
         scales = " + a float32 scale per layer" if is_fp8(self.storage_dtype) else ""
         return (
-            f"{self.tokens:,} tokens x {self.per_token:,} bytes ({self.stored_layers} layers x H {self.hidden_size:,} "
-            f"in {self.storage_dtype}{scales}, + int32 id + int8 mask)"
+            f"{self.tokens:,} tokens x {self.per_token:,} bytes ({self.stored_layers} layers x H "
+            f"{self.hidden_size:,} in {self.storage_dtype}{scales}, + int32 id + int8 mask)"
         )
 
     def describe(self) -> str:
@@ -81,14 +81,14 @@ def free_bytes(folder: Path) -> int:
 
 
 def ensure_room(folder: Path, planned: PlannedBytes) -> int:
-    """The free space under `folder`; raises NotEnoughSpace, naming the size, the free space and the storage dtype,
-    when the planned shards would not fit."""
+    """The free space under `folder`; raises NotEnoughSpace, naming the size, the free space and the storage
+    dtype, when the planned shards would not fit."""
     free = free_bytes(folder)
     if planned.total > free:
         raise NotEnoughSpace(
             f"the planned hidden-state shards need {planned.describe()} but {folder} has {human(free)} free "
             f"({free:,} bytes) with hidden_states.storage_dtype {planned.storage_dtype}; free space, move "
-            "storage.root to a larger volume, or set hidden_states.storage_dtype: float8_e4m3fn (about half the "
-            "bytes of bfloat16). Nothing was computed."
+            "storage.root to a larger volume, or set hidden_states.storage_dtype: float8_e4m3fn (about half "
+            "the bytes of bfloat16). Nothing was computed."
         )
     return free

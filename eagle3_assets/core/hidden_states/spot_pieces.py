@@ -1,5 +1,6 @@
-"""The spot check of a served target: pieces of the checkpoint (the embedding, the first decoder layers, the final
-norm and the head, read by tensor name), never the whole target, which may be far larger than the checking machine.
+"""The spot check of a served target: pieces of the checkpoint (the embedding, the first decoder layers, the
+final norm and the head, read by tensor name), never the whole target, which may be far larger than the
+checking machine.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import numpy as np
 from ..report.validation import Verdict
 from .spot_rules import Agreement, StoredExtraction, agreement_summary, rules_metadata, worst_of
 
-# -- the spot check of a served target: pieces of the checkpoint, never the whole target -----------------------
-# The last states through the final norm and the head predict the answer's next tokens. For answers the target
-# decoded greedily, the head's argmax at row t is input_ids[t + 1] at nearly every answer token: what falls short is
-# a near tie the generating engine's kernels or dtype decided the other way, and the end-of-turn token an answer cut
-# at max_tokens gets from the template. States one position off predict the token before or after instead.
+# -- the spot check of a served target: pieces of the checkpoint, never the whole target
+# ----------------------- The last states through the final norm and the head predict the answer's next
+# tokens. For answers the target decoded greedily, the head's argmax at row t is input_ids[t + 1] at nearly
+# every answer token: what falls short is a near tie the generating engine's kernels or dtype decided the
+# other way, and the end-of-turn token an answer cut at max_tokens gets from the template. States one position
+# off predict the token before or after instead.
 HEAD_GREEDY_SHARE = 0.9  # per sample, of the answer's tokens
 HEAD_FREE_MISMATCHES = 1  # per sample: what a short answer may miss whatever its share
 HEAD_CHUNK_ROWS = 256  # rows through the head at once: [256, vocab] fp32 logits, 160 MB for a 160k vocabulary
@@ -68,9 +70,9 @@ class HeadAgreement:
 
 @dataclass
 class ShallowTarget:
-    """The target cut after its first decoder layers (read from the checkpoint by tensor name), its final norm and
-    head kept apart: the cut's own outputs are then decoder-layer outputs (no norm after the last one), and the
-    norm and head score the stored last states."""
+    """The target cut after its first decoder layers (read from the checkpoint by tensor name), its final norm
+    and head kept apart: the cut's own outputs are then decoder-layer outputs (no norm after the last one),
+    and the norm and head score the stored last states."""
 
     base: Any
     norm: Any
@@ -108,8 +110,8 @@ class ShallowTarget:
 
 
 def answer_positions(mask: Any) -> np.ndarray:
-    """The positions of the sample's last answer (its final run of loss_mask 1, never position 0): the turn the
-    target generated; a row's earlier assistant turns may be the source's (train_all_assistant_turns)."""
+    """The positions of the sample's last answer (its final run of loss_mask 1, never position 0): the turn
+    the target generated; a row's earlier assistant turns may be the source's (train_all_assistant_turns)."""
     on = np.flatnonzero(np.asarray(mask) == 1)
     on = on[on >= 1]
     breaks = np.flatnonzero(np.diff(on) > 1)
@@ -142,11 +144,11 @@ def spot_check_pieces(
     trust_remote_code: bool = False,
 ) -> Verdict:
     """The spot check with pieces of the checkpoint only (`core.target.pieces.CheckpointPieces`), for a target
-    served elsewhere: the shallowest aux layer recomputed from the embedding and the first decoder layers (held to
-    `SPOT_RULES` like the whole forward), and the stored last states through the final norm and the head, whose
-    argmax must name the greedy answer's next tokens (`HeadAgreement`). A layer off by one or states shifted by a
-    position fail either part. The deeper aux layers would need most of the target: they are not recomputed, and
-    the metadata says so."""
+    served elsewhere: the shallowest aux layer recomputed from the embedding and the first decoder layers
+    (held to `SPOT_RULES` like the whole forward), and the stored last states through the final norm and the
+    head, whose argmax must name the greedy answer's next tokens (`HeadAgreement`). A layer off by one or
+    states shifted by a position fail either part. The deeper aux layers would need most of the target: they
+    are not recomputed, and the metadata says so."""
     from .reader import HiddenStatesReader
 
     reader = HiddenStatesReader(folder)
@@ -194,12 +196,12 @@ def _pieces_method(n_layers: int, made: dict[str, StoredExtraction]) -> dict[str
     others = sorted({a for m in made.values() for a in m.aux_layers} - set(checked))
     return {
         "samples": len(made),
-        "recomputed_with": f"pieces of the checkpoint: the embedding, decoder layers 0-{n_layers - 1}, the final "
-        "norm and the head, read by tensor name (never the whole target)",
+        "recomputed_with": f"pieces of the checkpoint: the embedding, decoder layers 0-{n_layers - 1}, the "
+        "final norm and the head, read by tensor name (never the whole target)",
         "aux_layers_checked": json.dumps(checked),
         "aux_layers_not_recomputed": json.dumps(others),
-        "not_recomputed_because": "the deeper aux layers need most of the target; the consistency checks (the "
-        "layers every shard names, shapes, ids, finite values) stand for them",
+        "not_recomputed_because": "the deeper aux layers need most of the target; the consistency checks "
+        "(the layers every shard names, shapes, ids, finite values) stand for them",
     }
 
 
@@ -214,13 +216,14 @@ def _aux_summary(made: dict[str, StoredExtraction], worst: Agreement) -> dict[st
 def _head_summary(heads: HeadAgreement, decoding: AnswerDecoding) -> dict[str, Any]:
     if decoding.greedy:
         rule = (
-            f"per sample, the head's argmax over the stored last states (through the final norm) names at least "
-            f"{HEAD_GREEDY_SHARE:.0%} of the answer's next tokens (or misses at most {HEAD_FREE_MISMATCHES})"
+            "per sample, the head's argmax over the stored last states (through the final norm) names at "
+            f"least {HEAD_GREEDY_SHARE:.0%} of the answer's next tokens (or misses at most "
+            f"{HEAD_FREE_MISMATCHES})"
         )
     else:
         rule = (
-            "the argmax rule does not apply to sampled answers; alignment only: over every sample, the stored "
-            "rows name more answer tokens than the same rows one position earlier or later"
+            "the argmax rule does not apply to sampled answers; alignment only: over every sample, the "
+            "stored rows name more answer tokens than the same rows one position earlier or later"
         )
     reading = "aligned: the stored last states name the answer's next tokens"
     if heads.answer_tokens == 0:
@@ -229,9 +232,9 @@ def _head_summary(heads: HeadAgreement, decoding: AnswerDecoding) -> dict[str, A
         reading = "the stored last states name the tokens one position off: states shifted by a position"
     elif decoding.greedy and heads.share() < HEAD_GREEDY_SHARE:
         reading = (
-            "aligned (the stored rows beat the rows one position off) but short of the greedy answer: the last "
-            "states are from another layer, or the answers are not the target's greedy ones (imported, sampled: "
-            "then say so in the dataset's sampling)"
+            "aligned (the stored rows beat the rows one position off) but short of the greedy answer: the "
+            "last states are from another layer, or the answers are not the target's greedy ones (imported, "
+            "sampled: then say so in the dataset's sampling)"
         )
     return {
         "answer_decoding": decoding.how,

@@ -1,28 +1,30 @@
-"""The spot check's rules: how close stored states must be to an independent fp32 recomputation, by the dtype the
-extraction computed in and the dtype the shards store.
+"""The spot check's rules: how close stored states must be to an independent fp32 recomputation, by the dtype
+the extraction computed in and the dtype the shards store.
 
-Direction (per-token cosine). fp32 compute, stored in bf16: the only difference is the final rounding to 8 mantissa
-bits (unit roundoff u = 2^-9, cosine ≥ 1 - u²/2 per token in theory, ≥ 0.99999 measured), so every token must reach
-0.999. Half-precision compute (a bf16 server, a bf16 GPU forward): every layer's output is rounded to 8 bits and two
-independent paths (other kernels, other summation orders) drift apart by about sqrt(L)·u relative per token; most
-tokens stay ≥ 0.9999, but the few tokens with massive activations (values of 1e4 on a handful of channels, the first
-token of every sample) concentrate the error: measured 0.995-0.999 for a bf16 vLLM server against fp32 on SmolLM2
-(and 0.9978 even against a bf16 transformers forward). So half precision is held to the median token ≥ 0.999 and
-every token ≥ 0.99. What the check exists to catch stays far below either bar: a layer off by one scores a median
-≤ 0.977 and a worst token ≤ 0.93, another sample's states near 0.
+Direction (per-token cosine). fp32 compute, stored in bf16: the only difference is the final rounding to 8
+mantissa bits (unit roundoff u = 2^-9, cosine ≥ 1 - u²/2 per token in theory, ≥ 0.99999 measured), so every
+token must reach 0.999. Half-precision compute (a bf16 server, a bf16 GPU forward): every layer's output is
+rounded to 8 bits and two independent paths (other kernels, other summation orders) drift apart by about
+sqrt(L)·u relative per token; most tokens stay ≥ 0.9999, but the few tokens with massive activations (values
+of 1e4 on a handful of channels, the first token of every sample) concentrate the error: measured 0.995-0.999
+for a bf16 vLLM server against fp32 on SmolLM2 (and 0.9978 even against a bf16 transformers forward). So half
+precision is held to the median token ≥ 0.999 and every token ≥ 0.99. What the check exists to catch stays far
+below either bar: a layer off by one scores a median ≤ 0.977 and a worst token ≤ 0.93, another sample's states
+near 0.
 
 FP8 storage (float8_e4m3fn, a scale per token and layer): 3 mantissa bits round each value by at most 2^-4
-relative (the block's largest value lands on 448, so the block sits in the normal range but for values 2^9 below
-its largest), so a token's cosine is ≥ 1 - 2^-9 ≈ 0.998 in theory; measured on SmolLM2 (fp32 compute): every token
-≥ 0.99957, median ≥ 0.99972, exactly a per-token per-layer rounding of the fp32 forward. Held to every token
-≥ 0.998 and the median ≥ 0.999 (half-precision compute keeps its own, looser, every-token bar).
+relative (the block's largest value lands on 448, so the block sits in the normal range but for values 2^9
+below its largest), so a token's cosine is ≥ 1 - 2^-9 ≈ 0.998 in theory; measured on SmolLM2 (fp32 compute):
+every token ≥ 0.99957, median ≥ 0.99972, exactly a per-token per-layer rounding of the fp32 forward. Held to
+every token ≥ 0.998 and the median ≥ 0.999 (half-precision compute keeps its own, looser, every-token bar).
 
-Magnitude (per-token |‖stored‖ / ‖recomputed‖ - 1|). A cosine cannot see a per-token factor, and FP8 stores exactly
-that: a scale per token and layer. Wrong scales (swapped between tokens, rows shifted by one) leave every cosine
-intact and change the norms. FP8 rounding moves a token's norm by at most 2^-4 (|‖x̂‖ - ‖x‖| ≤ ‖x̂ - x‖); measured:
-every token ≤ 0.0146, median ≤ 0.005 with fp32 compute; ≤ 0.037 and median ≤ 0.006 from a bf16 forward. Scales
-swapped between two neighbouring tokens measured 0.10-0.56, scales shifted by a row a median of 0.08-0.5. So FP8
-shards are held to every token ≤ 2^-4 (fp32 compute; ≤ 2^-3 for half-precision compute) and the median token ≤ 0.02.
+Magnitude (per-token |‖stored‖ / ‖recomputed‖ - 1|). A cosine cannot see a per-token factor, and FP8 stores
+exactly that: a scale per token and layer. Wrong scales (swapped between tokens, rows shifted by one) leave
+every cosine intact and change the norms. FP8 rounding moves a token's norm by at most 2^-4 (|‖x̂‖ - ‖x‖| ≤
+‖x̂ - x‖); measured: every token ≤ 0.0146, median ≤ 0.005 with fp32 compute; ≤ 0.037 and median ≤ 0.006 from a
+bf16 forward. Scales swapped between two neighbouring tokens measured 0.10-0.56, scales shifted by a row a
+median of 0.08-0.5. So FP8 shards are held to every token ≤ 2^-4 (fp32 compute; ≤ 2^-3 for half-precision
+compute) and the median token ≤ 0.02.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class Agreement:
 
 @dataclass(frozen=True)
 class SpotRule:
-    """What a stored tensor must reach against the recomputation: cosine bars always; norm bars where a scale per
-    token is stored (FP8), None elsewhere."""
+    """What a stored tensor must reach against the recomputation: cosine bars always; norm bars where a scale
+    per token is stored (FP8), None elsewhere."""
 
     every_token: float
     median_token: float

@@ -1,7 +1,7 @@
 """Source datasets -> chat prompts with stable ids.
 
-Every source row ends in exactly one place: a prompt, a duplicate of an earlier prompt, or the quarantine with a
-reason. A bad row never stops the rest of the file.
+Every source row ends in exactly one place: a prompt, a duplicate of an earlier prompt, or the quarantine with
+a reason. A bad row never stops the rest of the file.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import Quarantined, parquet_problem, sweep_parquet
 
-# A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept, its
-# `tool_call_id`/`name` are not (the stored message is role and content only).
+# A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept,
+# its `tool_call_id`/`name` are not (the stored message is role and content only).
 MESSAGE_ROLES = {"system", "user", "assistant", "tool"}
 # ShareGPT dumps in the wild name speakers in several ways; anything else is quarantined.
 SHAREGPT_ROLES = {
@@ -72,7 +72,8 @@ class IngestResult:
     )  # damaged earlier outputs, moved to quarantine/
 
 
-# -- reading ---------------------------------------------------------------------------------------------------
+# -- reading
+# ---------------------------------------------------------------------------------------------------
 def iter_source_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """Yield (row number, parsed object or None, error) for each row of a jsonl, json or parquet file."""
     suffix = path.suffix.lower()
@@ -113,7 +114,8 @@ def iter_source_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
                 yield i, text[:RAW_PREVIEW_CHARS], f"bad JSON: {e.msg} at column {e.colno}"
 
 
-# -- normalising -----------------------------------------------------------------------------------------------
+# -- normalising
+# -----------------------------------------------------------------------------------------------
 def _text(value: Any, where: str) -> str:
     """Message content as text; OpenAI multi-part content is joined when every part is text."""
     if isinstance(value, list):
@@ -162,7 +164,8 @@ def _from_sharegpt(row: dict) -> list[dict]:
         role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
         if role is None:
             raise RowError(
-                f"conversations[{i}]: unknown role {speaker!r} (expected system, human, gpt, tool or observation)"
+                f"conversations[{i}]: unknown role {speaker!r} "
+                "(expected system, human, gpt, tool or observation)"
             )
         out.append({"role": role, "content": _text(m.get("value"), f"conversations[{i}]")})
     return out
@@ -329,8 +332,8 @@ def quarantine_reasons(quarantine: pl.DataFrame) -> dict[str, int]:
 
 
 def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> IngestResult:
-    """Ingest `source` (the dataset section's source, resolved) in the section's format, fields and system prompt,
-    and write the partition's prompts.parquet and quarantine.parquet atomically."""
+    """Ingest `source` (the dataset section's source, resolved) in the section's format, fields and system
+    prompt, and write the partition's prompts.parquet and quarantine.parquet atomically."""
     from ..storage.files import write_parquet
 
     if not source.exists():
@@ -338,8 +341,8 @@ def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -
             f"dataset source {source} does not exist; fix datasets.<key>.source in the config"
         )
     result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt)
-    # The outputs are rewritten from the source anyway; a damaged one is set aside first, so that what happened
-    # is on record (the check and the report list it) rather than silently overwritten.
+    # The outputs are rewritten from the source anyway; a damaged one is set aside first, so that what
+    # happened is on record (the check and the report list it) rather than silently overwritten.
     result.set_aside = sweep_parquet(
         layout.dir, [layout.prompts], "prompts", PROMPT_SCHEMA, ["id", "messages"]
     )
@@ -352,9 +355,9 @@ def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -
 
 
 def ensure_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> list[Quarantined]:
-    """For a stage that reads prompts.parquet: when it is damaged and the source is there, set it aside and write
-    it again from the source (as the prompts stage would), so that no later stage fails on it. A missing one is left
-    to the prompts stage. Returns what was set aside."""
+    """For a stage that reads prompts.parquet: when it is damaged and the source is there, set it aside and
+    write it again from the source (as the prompts stage would), so that no later stage fails on it. A missing
+    one is left to the prompts stage. Returns what was set aside."""
     if not layout.prompts.exists() or not source.exists():
         return []
     if parquet_problem(layout.prompts, PROMPT_SCHEMA, ["id", "messages"]) is None:

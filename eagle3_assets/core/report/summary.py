@@ -1,7 +1,7 @@
 """validation_report: per-dataset statistics read back from the stored outputs (report.json).
 
-Everything is computed from the files on disk, not from what a run remembers, so the report describes the data a
-training job will actually read.
+Everything is computed from the files on disk, not from what a run remembers, so the report describes the data
+a training job will actually read.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def share_chart(counts: dict[str, int], width: int = 30) -> str:
 
 
 def _read(path: Path, columns: list[str] | None = None) -> pl.DataFrame | None:
-    """The columns of a stage's output; columns an older version did not write come back as nulls. A damaged file
-    reads as missing (its own stage sets it aside and rebuilds it; `damaged_files` lists what was set aside)."""
+    """The columns of a stage's output; columns an older version did not write come back as nulls. A damaged
+    file reads as missing (its own stage sets it aside and rebuilds it; `damaged_files` lists what was set
+    aside)."""
     if not path.exists() or parquet_problem(path) is not None:
         return None
     if columns is None:

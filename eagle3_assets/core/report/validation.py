@@ -26,8 +26,9 @@ def unique_ids(ids: pl.Series) -> Verdict:
 
 
 def failure_share(n_failures: int, n_prompts: int, limit: float, template_rest: int = 0) -> Verdict:
-    """Prompts whose last attempt failed, as a share of the prompts. `template_rest`: conversations of `turns: all`
-    answered up to a turn the target's template refuses (see `counted_failures`); reported, not counted."""
+    """Prompts whose last attempt failed, as a share of the prompts. `template_rest`: conversations of
+    `turns: all` answered up to a turn the target's template refuses (see `counted_failures`); reported,
+    not counted."""
     share = n_failures / n_prompts if n_prompts else 0.0
     return Verdict(
         share <= limit,
@@ -47,12 +48,12 @@ def counted_failures(failures: pl.DataFrame) -> tuple[int, int]:
 
     A conversation of `turns: all` whose turn k > 1 the template refuses (roles that do not alternate as it
     demands, say) was regenerated up to that turn and its answers are stored: the rest is data that cannot be
-    rendered, not a failed request, so it does not count (the issue's bad input: "nothing else in the partition
-    stops"). A prompt whose first turn the template refuses does count: nothing of it was answered, exactly as
-    for a request that failed for good, and when many prompts are refused so (a template that rejects the
-    dataset's system prompts, a role it does not know) the cause is the choice of template or data, which the
-    blocking check must stop before an empty or gutted partition goes downstream; a few such prompts stay under
-    checks.max_failure_share like any other lost prompt."""
+    rendered, not a failed request, so it does not count (the issue's bad input: "nothing else in the
+    partition stops"). A prompt whose first turn the template refuses does count: nothing of it was answered,
+    exactly as for a request that failed for good, and when many prompts are refused so (a template that
+    rejects the dataset's system prompts, a role it does not know) the cause is the choice of template or
+    data, which the blocking check must stop before an empty or gutted partition goes downstream; a few such
+    prompts stay under checks.max_failure_share like any other lost prompt."""
     if failures.height == 0:
         return 0, 0
     rest = int((failures["error_kind"] == TEMPLATE_REST).sum())
@@ -60,8 +61,8 @@ def counted_failures(failures: pl.DataFrame) -> tuple[int, int]:
 
 
 def token_rows(path: Path) -> tuple[set[str], set[str] | None]:
-    """The ids of a tokens.parquet and those of its conversation rows (`all_turns`), for `token_coverage`; None
-    for the latter when the file was written before rows were marked."""
+    """The ids of a tokens.parquet and those of its conversation rows (`all_turns`), for `token_coverage`;
+    None for the latter when the file was written before rows were marked."""
     names = pq.read_schema(path).names
     marked = "all_turns" in names
     rows = pl.read_parquet(path, columns=["id", "all_turns"] if marked else ["id"])
@@ -79,10 +80,11 @@ def token_coverage(
     """Every answered prompt has a token row or a recorded reason why not (tokens_errors), and the errors stay
     under the threshold: a partition whose every row failed templating must not pass with an empty table.
 
-    `conversation_rows`: the token rows of `turns: all` that train every turn of their conversation (tokens.parquet's
-    `all_turns`); such a row `<id>#t<K>` also covers turns 1..K-1. A turn's own row covers that turn only, so a
-    per-turn conversation missing an earlier turn's row is caught. None (a caller that does not read the mark):
-    every `#t<K>` row is taken to cover its earlier turns, as before the mark existed."""
+    `conversation_rows`: the token rows of `turns: all` that train every turn of their conversation
+    (tokens.parquet's `all_turns`); such a row `<id>#t<K>` also covers turns 1..K-1. A turn's own row covers
+    that turn only, so a per-turn conversation missing an earlier turn's row is caught. None (a caller that
+    does not read the mark): every `#t<K>` row is taken to cover its earlier turns, as before the mark
+    existed."""
     covered = set(token_ids)
     expand = token_ids if conversation_rows is None else token_ids & conversation_rows
     for rid in expand:
@@ -158,9 +160,10 @@ def end_of_turn_present(tokens: pl.DataFrame | pl.LazyFrame, eot_id: int | None)
 def reference_match(tokens: pl.DataFrame, threshold: float) -> Verdict:
     """Rebuilt ids equal the produced ids often enough, beyond sampling noise.
 
-    Differences confined to the cut of a truncated answer are not rebuild errors (the cut text cannot tell which ids
-    a cut-off word had); everything else counts. Fails when the 95% interval of the rate lies below the threshold,
-    so 1 unlucky row in 28 does not block a dataset while a real defect (wrong template, wrong pre-tokenizer) does.
+    Differences confined to the cut of a truncated answer are not rebuild errors (the cut text cannot tell
+    which ids a cut-off word had); everything else counts. Fails when the 95% interval of the rate lies below
+    the threshold, so 1 unlucky row in 28 does not block a dataset while a real defect (wrong template, wrong
+    pre-tokenizer) does.
     """
     refs = tokens.filter(pl.col("reference_match").is_not_null())
     if refs.height == 0:
@@ -206,8 +209,9 @@ def answer_quality(report: dict[str, Any], max_truncated: float, max_degenerate:
 
 
 def damaged_files(records: list) -> Verdict:
-    """Files a stage found damaged and set aside (`core.storage.quarantine.Quarantined`): passes when there are
-    none; otherwise lists each with its reason (a warning: the stage went on without it, rebuilt or asked again)."""
+    """Files a stage found damaged and set aside (`core.storage.quarantine.Quarantined`): passes when there
+    are none; otherwise lists each with its reason (a warning: the stage went on without it, rebuilt or asked
+    again)."""
     return Verdict(
         not records,
         {

@@ -16,7 +16,8 @@ import polars as pl
 def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     """Call `write(tmp)` on a hidden temporary file beside `path`, fsync it, then rename it into place.
 
-    The temporary name does not end in the target's suffix, so globs such as `responses/*.parquet` never see it.
+    The temporary name does not end in the target's suffix, so globs such as `responses/*.parquet` never see
+    it.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -35,8 +36,8 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
 
 
 def available_cores() -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a container given 4 CPUs on
-    a 64-core node must start 4 workers, not 64)."""
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (a container given 4
+    CPUs on a 64-core node must start 4 workers, not 64)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -63,8 +64,8 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-# Row groups of a few thousand rows: a reader can stream any file a batch at a time (answers are ~10 KB each, so
-# one row group per file would make every reader hold the whole file).
+# Row groups of a few thousand rows: a reader can stream any file a batch at a time (answers are ~10 KB each,
+# so one row group per file would make every reader hold the whole file).
 ROW_GROUP_ROWS = 4096
 
 

@@ -34,8 +34,8 @@ class DatasetLayout:
         return self.dir / "quarantine.parquet"
 
     def damaged_dir(self, stage: str | None = None) -> Path:
-        """Files a stage found damaged and set aside, each with a JSON record of why (`core.storage.quarantine`):
-        `quarantine/<stage>/`, or the whole folder."""
+        """Files a stage found damaged and set aside, each with a JSON record of why
+        (`core.storage.quarantine`): `quarantine/<stage>/`, or the whole folder."""
         base = self.dir / QUARANTINE_DIR
         return base / stage if stage else base
 
@@ -99,7 +99,8 @@ class DatasetLayout:
         return self.hidden_states_dir / EXTRACTION_PLAN
 
     def export_dir(self, fmt: str) -> Path:
-        """Where `make demo` writes a training framework's export (the `eagle3 export` command takes any folder)."""
+        """Where `make demo` writes a training framework's export (the `eagle3 export` command takes any
+        folder)."""
         return self.dir / "exports" / fmt
 
     @property
@@ -116,8 +117,8 @@ class DatasetLayout:
         return self.acceptance_dir / "draft"
 
     def scratch(self, name: str) -> Path:
-        """A stage's private working folder inside the partition, outside what any stage reads or writes (so never
-        published); the stage creates and removes it."""
+        """A stage's private working folder inside the partition, outside what any stage reads or writes (so
+        never published); the stage creates and removes it."""
         return self.dir / f".{name}"
 
     def ensure(self) -> DatasetLayout:

@@ -1,14 +1,16 @@
 """Append row groups to a Parquet file without decoding the ones it already has.
 
-A top-up adds 1,000 rows to a tokens.parquet of 200,000: re-encoding the whole file (gigabytes) for that is what made
-a top-up cost a tenth of a full build. A Parquet file is its column-chunk bytes followed by one footer that lists the
-row groups by byte offset, so appending is: the old file's bytes up to its footer, then the new file's row-group bytes,
-then one footer naming both sets of row groups, the new ones' offsets shifted by where their bytes now start.
+A top-up adds 1,000 rows to a tokens.parquet of 200,000: re-encoding the whole file (gigabytes) for that is
+what made a top-up cost a tenth of a full build. A Parquet file is its column-chunk bytes followed by one
+footer that lists the row groups by byte offset, so appending is: the old file's bytes up to its footer, then
+the new file's row-group bytes, then one footer naming both sets of row groups, the new ones' offsets shifted
+by where their bytes now start.
 
-pyarrow writes only whole files (its writer refuses to start at a non-zero position) and cannot edit a footer, and
-fastparquet's footer codec drops the fields it does not know; so the footer is handled here by a small codec of
-Thrift's compact protocol (the footer's wire format) that keeps every field it reads, known or not, and changes only
-the offsets and the row count. Its round trip is byte-exact (tested on pyarrow-written files).
+pyarrow writes only whole files (its writer refuses to start at a non-zero position) and cannot edit a footer,
+and fastparquet's footer codec drops the fields it does not know; so the footer is handled here by a small
+codec of Thrift's compact protocol (the footer's wire format) that keeps every field it reads, known or not,
+and changes only the offsets and the row count. Its round trip is byte-exact (tested on pyarrow-written
+files).
 """
 
 from __future__ import annotations
@@ -237,9 +239,9 @@ def _shift(s: Struct | None, fids: tuple[int, ...], delta: int) -> None:
 
 
 def append_file(base: Path, extra: Path, out: Path) -> int:
-    """Write `out` = the rows of `base` followed by the rows of `extra`, copying both files' page bytes as they
-    are. The schemas must be identical; the key-value metadata (and writer) of `extra` wins, so a file written
-    with new metadata carries it. Returns the row count of `out`."""
+    """Write `out` = the rows of `base` followed by the rows of `extra`, copying both files' page bytes as
+    they are. The schemas must be identical; the key-value metadata (and writer) of `extra` wins, so a file
+    written with new metadata carries it. Returns the row count of `out`."""
     base_footer, base_end = read_footer(base)
     extra_footer, extra_end = read_footer(extra)
     if base_footer.get(_FMD_SCHEMA) != extra_footer.get(_FMD_SCHEMA):

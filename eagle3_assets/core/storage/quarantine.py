@@ -1,13 +1,13 @@
 """Damaged files: found before a stage reads them, moved aside with their reason, never fatal.
 
-The project's own writes are atomic, but a copy interrupted, a disk or an object store that loses a tail, or a person
-who drops the wrong file into a folder can leave a file no reader can open. One such file used to fail every run of
-its partition until someone deleted it by hand. Now each stage checks the files it owns before it reads them
-(`parquet_problem`, `safetensors_problem`): the footer, the schema, the declared sizes. A damaged one moves to
-`<partition>/quarantine/<stage>/` with a JSON record beside it (where it was, why, when, what it held when known), so
-nothing is deleted and a person can put it back; the stage then goes on as if the file had never been written: its
-answers are asked again, its table rebuilt, its shard recomputed. The `quarantined_files` check and the report list
-the records.
+The project's own writes are atomic, but a copy interrupted, a disk or an object store that loses a tail, or a
+person who drops the wrong file into a folder can leave a file no reader can open. One such file used to fail
+every run of its partition until someone deleted it by hand. Now each stage checks the files it owns before it
+reads them (`parquet_problem`, `safetensors_problem`): the footer, the schema, the declared sizes. A damaged
+one moves to `<partition>/quarantine/<stage>/` with a JSON record beside it (where it was, why, when, what it
+held when known), so nothing is deleted and a person can put it back; the stage then goes on as if the file
+had never been written: its answers are asked again, its table rebuilt, its shard recomputed. The
+`quarantined_files` check and the report list the records.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class Quarantined:
 
 # -- finding damage ------------------------------------------------------------------------------------------
 def has_parquet_magic(path: Path) -> bool:
-    """The cheap test (8 bytes read): a file cut short or not Parquet at all fails it. For readers that cannot move
-    files (another stage's): they skip such a file; the owning stage's sweep quarantines it."""
+    """The cheap test (8 bytes read): a file cut short or not Parquet at all fails it. For readers that cannot
+    move files (another stage's): they skip such a file; the owning stage's sweep quarantines it."""
     try:
         with open(path, "rb") as fh:
             if fh.read(4) != MAGIC:
@@ -70,9 +70,9 @@ def has_parquet_magic(path: Path) -> bool:
 def parquet_problem(
     path: Path, schema: Mapping[str, pl.DataType] | None = None, required: Iterable[str] = ()
 ) -> str | None:
-    """Why `path` cannot be read as a table of `schema`, or None. Checks the magic bytes, the footer, that every
-    `required` column exists, and that each column of `schema` it has is of a compatible type (parts written by
-    older versions may lack newer columns; that is not damage)."""
+    """Why `path` cannot be read as a table of `schema`, or None. Checks the magic bytes, the footer, that
+    every `required` column exists, and that each column of `schema` it has is of a compatible type (parts
+    written by older versions may lack newer columns; that is not damage)."""
     import pyarrow.parquet as pq
 
     size = path.stat().st_size
@@ -135,8 +135,9 @@ def safetensors_header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def safetensors_problem(path: Path) -> str | None:
-    """Why `path` is not a whole safetensors file, or None: its header must parse and the file must be as long
-    as the header says (a shard cut short keeps a readable header, so reading the header alone says nothing)."""
+    """Why `path` is not a whole safetensors file, or None: its header must parse and the file must be as
+    long as the header says (a shard cut short keeps a readable header, so reading the header alone says
+    nothing)."""
     header, why = safetensors_header(path)
     if header is None:
         return why
@@ -159,8 +160,8 @@ def quarantine_dir(partition_dir: Path, stage: str | None = None) -> Path:
 
 
 def records_dir(partition_dir: Path, stage: str) -> Path:
-    """Where a stage's records are: apart from the files, so that a reader of the records (a check, the report)
-    of an object-store root fetches a few small JSON objects, not the damaged shards beside them."""
+    """Where a stage's records are: apart from the files, so that a reader of the records (a check, the
+    report) of an object-store root fetches a few small JSON objects, not the damaged shards beside them."""
     return quarantine_dir(partition_dir, stage) / RECORDS
 
 
@@ -172,8 +173,9 @@ def quarantine(
     rows: int | None = None,
     details: dict[str, Any] | None = None,
 ) -> Quarantined:
-    """Move `path` into the stage's quarantine folder and write its record (`records/<name>.json`). The move is a
-    rename within the partition, so it is atomic: the file is either where it was or set aside, never lost."""
+    """Move `path` into the stage's quarantine folder and write its record (`records/<name>.json`). The move
+    is a rename within the partition, so it is atomic: the file is either where it was or set aside, never
+    lost."""
     partition_dir = Path(partition_dir)
     folder = quarantine_dir(partition_dir, stage)
     folder.mkdir(parents=True, exist_ok=True)
@@ -191,8 +193,8 @@ def quarantine(
         rows=rows,
         details=dict(details or {}),
     )
-    # The record first: a crash between the two leaves a record of a file still in place (the next sweep moves it
-    # and writes another), never a moved file without its reason.
+    # The record first: a crash between the two leaves a record of a file still in place (the next sweep moves
+    # it and writes another), never a moved file without its reason.
     write_json(asdict(record), records_dir(partition_dir, stage) / f"{target.name}.json")
     os.replace(path, target)
     return record

@@ -1,16 +1,17 @@
 """Object storage for `storage.root` (s3://bucket/prefix, and the other schemes obstore speaks: gs://, az://).
 
-Why a synchronised working copy and not every reader and writer rewritten for object stores: every stage already
-writes crash-safe files in a local folder and is tested that way; object stores have no rename, no append and no
-file locks, but they do have what that folder needs: an atomic PUT per object, and conditional PUTs. So a stage works
-in a local copy of its partition and:
+Why a synchronised working copy and not every reader and writer rewritten for object stores: every stage
+already writes crash-safe files in a local folder and is tested that way; object stores have no rename, no
+append and no file locks, but they do have what that folder needs: an atomic PUT per object, and conditional
+PUTs. So a stage works in a local copy of its partition and:
 
 - `pull(reads)` fetches the objects under the paths it reads whose ETag changed since its last pull (a top-up
   downloads what was added, not the partition);
 - `push(writes)` uploads the files that changed locally: a new object only if none exists (If-None-Match), a
-  replaced one only if it still has the ETag this copy last saw (If-Match). Of two writers racing on the same file,
-  one wins and the other gets `ConflictError`; appends are new objects with unique names, so they never collide,
-  and a file deleted locally (parts folded by a compaction) is deleted remotely after the new file is in place;
+  replaced one only if it still has the ETag this copy last saw (If-Match). Of two writers racing on the same
+  file, one wins and the other gets `ConflictError`; appends are new objects with unique names, so they never
+  collide, and a file deleted locally (parts folded by a compaction) is deleted remotely after the new file is
+  in place;
 - the journal pushes its parts at every flush, so a pod that dies loses what a local kill -9 loses;
 - `lease()` is the dataset lock where `flock` cannot reach: an object created only if absent, renewed while
   held, and taken over only after it expired (a dead holder).
@@ -21,21 +22,23 @@ Faults are ridden, not fatal. A store that answers 503 SlowDown or drops connect
 
 - reads (GET, HEAD, LIST) and plain overwrites go through obstore's own retries, which cover 5xx, 429, 408,
   connection errors and, for requests it knows are idempotent, timeouts and resets;
-- obstore does not retry a conditional PUT or a delete whose connection was reset after the request went out (it
-  cannot know whether the write happened; a connection closed without an answer it does retry, as if the request
-  had not been sent, and the retry of a PUT that landed meets its own object), so those go through a store with
-  obstore's retries off and this module retries them itself, with the same policy (a 409 to an If-Match PUT, S3's
-  "concurrent conditional request", is retried too). A conditional PUT that meets 412 / "already exists" is then
-  checked before it is called a conflict: if the object holds exactly the bytes this copy uploaded (size, then the
-  MD5 ETag or else a GET compare), an earlier attempt landed and the write succeeded. A delete that finds nothing
-  succeeded too;
-- the policy is `storage.options.retry` (keys of `RetryPolicy`: max_retries, init_backoff_s, max_backoff_s, base,
-  retry_timeout_s), by default 10 retries with exponential backoff from 0.1 s to 15 s (x2, jittered), at most
-  180 s per request; obstore's defaults are the same numbers, set here explicitly so they are ours to change;
+- obstore does not retry a conditional PUT or a delete whose connection was reset after the request went out
+  (it cannot know whether the write happened; a connection closed without an answer it does retry, as if the
+  request had not been sent, and the retry of a PUT that landed meets its own object), so those go through a
+  store with obstore's retries off and this module retries them itself, with the same policy (a 409 to an
+  If-Match PUT, S3's "concurrent conditional request", is retried too). A conditional PUT that meets 412 /
+  "already exists" is then checked before it is called a conflict: if the object holds exactly the bytes this
+  copy uploaded (size, then the MD5 ETag or else a GET compare), an earlier attempt landed and the write
+  succeeded. A delete that finds nothing succeeded too;
+- the policy is `storage.options.retry` (keys of `RetryPolicy`: max_retries, init_backoff_s, max_backoff_s,
+  base, retry_timeout_s), by default 10 retries with exponential backoff from 0.1 s to 15 s (x2, jittered), at
+  most 180 s per request; obstore's defaults are the same numbers, set here explicitly so they are ours to
+  change;
 - nothing is half-published: a push uploads data files first and the files that name others (index.parquet,
-  manifest.json, *.index.json, reports) last, deletes replaced files only after that, and records each step in the
-  working copy's manifest as it lands. When the retries run out the push raises `StoreUnavailable`: what is stored
-  is the old state plus whole new files, and the next push finishes the rest (uploads, then pending deletions);
+  manifest.json, *.index.json, reports) last, deletes replaced files only after that, and records each step in
+  the working copy's manifest as it lands. When the retries run out the push raises `StoreUnavailable`: what
+  is stored is the old state plus whole new files, and the next push finishes the rest (uploads, then pending
+  deletions);
 - a lease renewal that fails is retried until the lease would expire, not dropped at the first error.
 """
 
@@ -59,7 +62,8 @@ log = logging.getLogger(__name__)
 MANIFEST = ".remote-manifest.json"  # per local partition copy: relative path -> [etag, size, mtime_ns]
 LEASE = ".lease.json"
 SCHEMES = ("s3://", "gs://", "az://", "abfs://", "abfss://", "memory://")
-# Files that name other files of their folder: published after them, so a reader never follows a name to nothing.
+# Files that name other files of their folder: published after them, so a reader never follows a name to
+# nothing.
 PUBLISHED_LAST = ("index.parquet", "manifest.json", ".index.json", "report.json", "report.md")
 PENDING_DELETE = "delete"  # 4th field of a manifest entry: deleted locally, the remote delete not yet done
 
@@ -79,8 +83,8 @@ class RemoteRoot:
         self.url = url.rstrip("/")
         self.retry = RetryPolicy.from_options(options.get("retry"))
         self.store = make_store(self.url, options, self.retry)  # reads and overwrites: obstore retries them
-        # Conditional PUTs and deletes: retried here, where a lost answer can be checked (`ConditionalWrites`).
-        # (memory:// is one store per client and never fails: the same one.)
+        # Conditional PUTs and deletes: retried here, where a lost answer can be checked
+        # (`ConditionalWrites`). (memory:// is one store per client and never fails: the same one.)
         writes = (
             self.store
             if self.url.startswith("memory:")
@@ -113,8 +117,8 @@ class RemoteRoot:
 
     # -- pull ------------------------------------------------------------------------------------------------
     def pull(self, key: str, reads: list[str]) -> int:
-        """Fetch the objects under `reads` (file names or folder prefixes ending in "/") whose ETag changed; remove
-        local copies of objects that are gone remotely. Returns how many objects were downloaded."""
+        """Fetch the objects under `reads` (file names or folder prefixes ending in "/") whose ETag changed;
+        remove local copies of objects that are gone remotely. Returns how many objects were downloaded."""
         import obstore as obs
 
         with self._lock:
@@ -155,12 +159,13 @@ class RemoteRoot:
 
     # -- push ------------------------------------------------------------------------------------------------
     def push(self, key: str, writes: list[str]) -> int:
-        """Upload the local files under `writes` that are new or changed since the last pull/push, conditionally;
-        delete remote objects whose local file was removed. Returns how many objects were uploaded.
+        """Upload the local files under `writes` that are new or changed since the last pull/push,
+        conditionally; delete remote objects whose local file was removed. Returns how many objects were
+        uploaded.
 
-        Order: data files, then the files that name them (`PUBLISHED_LAST`), then deletions; each step is recorded
-        in the manifest as it lands, so after `StoreUnavailable` the store holds the old state plus whole new files
-        and the next push does only what is left."""
+        Order: data files, then the files that name them (`PUBLISHED_LAST`), then deletions; each step is
+        recorded in the manifest as it lands, so after `StoreUnavailable` the store holds the old state plus
+        whole new files and the next push does only what is left."""
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         with self._lock:
@@ -173,8 +178,8 @@ class RemoteRoot:
                 for p in paths:
                     if p.exists() and not p.name.startswith(".") and not p.name.endswith(".tmp"):
                         local[str(p.relative_to(folder))] = p.stat()
-            # Files deleted here are marked first: a pull before their remote delete is done (after a push that
-            # stopped) does not fetch them back, and the next push deletes them.
+            # Files deleted here are marked first: a pull before their remote delete is done (after a push
+            # that stopped) does not fetch them back, and the next push deletes them.
             gone = [rel for rel in manifest if _under(rel, writes) and rel not in local]
             if any(manifest[rel][3:] != [PENDING_DELETE] for rel in gone):
                 for rel in gone:
@@ -192,9 +197,9 @@ class RemoteRoot:
                         etag = self.writes.put(f"{key}/{rel}", data, mode)
                     except (AlreadyExistsError, PreconditionError) as e:
                         raise ConflictError(
-                            f"{self.url}/{key}/{rel} was changed by another writer since this copy saw it; this "
-                            "write lost and the file was not stored (run it again: it starts from what the store "
-                            "holds)"
+                            f"{self.url}/{key}/{rel} was changed by another writer since this copy saw it; "
+                            "this write lost and the file was not stored (run it again: it starts from what "
+                            "the store holds)"
                         ) from e
                     manifest[rel] = [etag, st.st_size, st.st_mtime_ns]
                     uploaded += 1
@@ -204,9 +209,9 @@ class RemoteRoot:
                     del manifest[rel]
             except StoreUnavailable as e:
                 raise StoreUnavailable(
-                    f"publishing {self.url}/{key} stopped: {e}. Nothing is half-published: the store holds the "
-                    f"previous files plus {uploaded} whole new one(s); pushing again (running the stage again) "
-                    "finishes it"
+                    f"publishing {self.url}/{key} stopped: {e}. Nothing is half-published: the store holds "
+                    f"the previous files plus {uploaded} whole new one(s); pushing again (running the stage "
+                    "again) finishes it"
                 ) from e
             finally:
                 self._save_manifest(key, manifest)

@@ -1,5 +1,5 @@
-"""The dataset lock where `flock` cannot reach: a lease object in the store, created only if absent, renewed while
-held, and taken over only after it expired (its holder died)."""
+"""The dataset lock where `flock` cannot reach: a lease object in the store, created only if absent, renewed
+while held, and taken over only after it expired (its holder died)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ class _Held:
 def hold_lease(writes: ConditionalWrites, path: str, what: str, ttl_s: float = 120.0) -> Iterator[None]:
     """Hold the lease object `path` while the block runs; another holder's unexpired lease refuses the block.
 
-    It is renewed every ttl/3; a renewal that fails on a fault is retried until the lease would expire (and after
-    that at once again, in case no one took it), so a flaky store does not drop it. Taken over by another process
-    (after it expired), it is logged and left alone, not deleted at the end."""
+    It is renewed every ttl/3; a renewal that fails on a fault is retried until the lease would expire (and
+    after that at once again, in case no one took it), so a flaky store does not drop it. Taken over by
+    another process (after it expired), it is logged and left alone, not deleted at the end."""
     me = f"{os.uname().nodename} pid {os.getpid()} {uuid.uuid4().hex[:8]}"
     held = _acquire(writes, path, what, me, ttl_s)
     stop = threading.Event()

@@ -1,9 +1,11 @@
-"""Writes to the object store that its client cannot retry safely, retried here where a lost answer can be checked.
+"""Writes to the object store that its client cannot retry safely, retried here where a lost answer can be
+checked.
 
 obstore does not retry a conditional PUT or a delete whose connection was reset after the request went out: it
-cannot know whether the write happened. Those go through a store with obstore's retries off, and `ConditionalWrites`
-retries them under the same `RetryPolicy`; a refusal (412, "already exists") is called a conflict only when the
-object does not hold exactly the bytes this writer sent, and a delete that finds nothing succeeded.
+cannot know whether the write happened. Those go through a store with obstore's retries off, and
+`ConditionalWrites` retries them under the same `RetryPolicy`; a refusal (412, "already exists") is called a
+conflict only when the object does not hold exactly the bytes this writer sent, and a delete that finds
+nothing succeeded.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ class StoreUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class RetryPolicy:
     """How requests to the store are retried (`storage.options.retry`): at most `max_retries` retries and
-    `retry_timeout_s` from the first attempt, the n-th waiting a random time between `init_backoff_s` and `base`
-    times the previous wait, capped at `max_backoff_s` (object_store's jittered exponential backoff)."""
+    `retry_timeout_s` from the first attempt, the n-th waiting a random time between `init_backoff_s` and
+    `base` times the previous wait, capped at `max_backoff_s` (object_store's jittered exponential
+    backoff)."""
 
     max_retries: int = 10
     init_backoff_s: float = 0.1
@@ -78,8 +81,8 @@ class RetryPolicy:
 
 
 def make_store(url: str, options: dict[str, Any], retry: RetryPolicy | None = None) -> Any:
-    """An obstore store for `url` (its path is the prefix); credentials come from the environment (AWS_*, ...).
-    `retry` (default: `options["retry"]`) is its retry policy."""
+    """An obstore store for `url` (its path is the prefix); credentials come from the environment (AWS_*,
+    ...). `retry` (default: `options["retry"]`) is its retry policy."""
     from obstore.store import from_url
 
     retry = retry or RetryPolicy.from_options(options.get("retry"))
@@ -103,8 +106,8 @@ class _Busy(RuntimeError):
 
 
 def _transient(e: BaseException) -> bool:
-    """A failure worth retrying: a 5xx / 429 / 408 answer, or a connection that failed or was dropped (obstore's
-    GenericError without a 4xx status)."""
+    """A failure worth retrying: a 5xx / 429 / 408 answer, or a connection that failed or was dropped
+    (obstore's GenericError without a 4xx status)."""
     from obstore.exceptions import BaseError, GenericError
 
     if isinstance(e, (ConnectionError, TimeoutError, _Busy)):
@@ -116,8 +119,8 @@ def _transient(e: BaseException) -> bool:
 
 
 class ConditionalWrites:
-    """Conditional PUTs and deletes on `url`, retried under `retry`. Reads (HEAD, GET) go to `store`, whose client
-    retries them itself; writes to `writes`, a client of the same store with its retries off."""
+    """Conditional PUTs and deletes on `url`, retried under `retry`. Reads (HEAD, GET) go to `store`, whose
+    client retries them itself; writes to `writes`, a client of the same store with its retries off."""
 
     def __init__(self, url: str, store: Any, writes: Any, retry: RetryPolicy):
         self.url, self.store, self._writes, self.retry = url, store, writes, retry
@@ -129,8 +132,8 @@ class ConditionalWrites:
         deadline: float | None = None,
         stop: threading.Event | None = None,
     ) -> T:
-        """`attempt()` until it succeeds or fails for good: transient failures (`_transient`) are retried under
-        the policy, and not past `deadline` (a time.time()) nor once `stop` is set, when given."""
+        """`attempt()` until it succeeds or fails for good: transient failures (`_transient`) are retried
+        under the policy, and not past `deadline` (a time.time()) nor once `stop` is set, when given."""
         start = time.monotonic()
         waits = self.retry.waits()
         tries = 0
@@ -166,9 +169,9 @@ class ConditionalWrites:
         deadline: float | None = None,
         stop: threading.Event | None = None,
     ) -> str:
-        """A conditional PUT ("create" or {"e_tag": ...}), retried; returns the new ETag. A refusal (412, already
-        exists) is a conflict only if the object does not hold exactly `data`: when it does, an earlier attempt
-        whose answer was lost stored it, and this write succeeded."""
+        """A conditional PUT ("create" or {"e_tag": ...}), retried; returns the new ETag. A refusal (412,
+        already exists) is a conflict only if the object does not hold exactly `data`: when it does, an
+        earlier attempt whose answer was lost stored it, and this write succeeded."""
         import obstore as obs
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
@@ -220,7 +223,8 @@ class ConditionalWrites:
 
 
 def _etag(etag: str | None, path: str) -> str:
-    """Conditional writes need the ETag a PUT returns; a store that gives none cannot hold a partition safely."""
+    """Conditional writes need the ETag a PUT returns; a store that gives none cannot hold a partition
+    safely."""
     if etag is None:
         raise StoreUnavailable(f"PUT {path}: the store returned no ETag (conditional writes need one)")
     return etag

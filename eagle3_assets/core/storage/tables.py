@@ -43,7 +43,8 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "created_at": pl.Float64(),  # unix seconds
     "run_id": pl.String(),
     "source": pl.String(),  # "generated" or "imported:<file name>"
-    "usage_estimated": pl.Boolean(),  # no usage from the server: completion_tokens counted with the target tokenizer
+    # no usage from the server: completion_tokens counted with the target tokenizer
+    "usage_estimated": pl.Boolean(),
 }
 
 FAILURE_SCHEMA: dict[str, pl.DataType] = {
@@ -87,9 +88,9 @@ class JournalTable:
         self.schema = schema
         self.key = key
         self.required = list(required) if required is not None else [key]  # a part without these is damaged
-        # Rows per part, and the sums of the `tally` columns, kept in `tally_file` (a JSON outside the folder, so
-        # the folder holds only parts). A part later found damaged can no longer say what it held; the tally can
-        # (the answers to ask again, the tokens they cost).
+        # Rows per part, and the sums of the `tally` columns, kept in `tally_file` (a JSON outside the folder,
+        # so the folder holds only parts). A part later found damaged can no longer say what it held; the
+        # tally can (the answers to ask again, the tokens they cost).
         self.tally_file = Path(tally_file) if tally_file is not None else None
         self.tally_columns = list(tally)
         self._seq = 0
@@ -97,8 +98,8 @@ class JournalTable:
 
     # -- reading --------------------------------------------------------------------------------------------
     def files(self) -> list[Path]:
-        """The parts, without any that is cut short or not Parquet at all (the owning stage's `sweep` sets those
-        aside; every other reader skips them rather than failing)."""
+        """The parts, without any that is cut short or not Parquet at all (the owning stage's `sweep` sets
+        those aside; every other reader skips them rather than failing)."""
         return [p for p in self._all_files() if has_parquet_magic(p)]
 
     def _all_files(self) -> list[Path]:
@@ -143,9 +144,11 @@ class JournalTable:
         return path
 
     def compact(self, keep: Keep = "first", drop_keys: Iterable[str] | None = None) -> int:
-        """Fold all parts into one file with one row per key; returns the row count. O(table): an occasional step.
+        """Fold all parts into one file with one row per key; returns the row count. O(table): an occasional
+        step.
 
-        The new file is in place before the old parts go, so a crash in between duplicates rows, never loses them.
+        The new file is in place before the old parts go, so a crash in between duplicates rows, never loses
+        them.
         """
         remove_stale_temporaries(self.folder)
         files = self.files()
@@ -165,8 +168,8 @@ class JournalTable:
         return rows
 
     def fold(self, names: Iterable[str]) -> Path | None:
-        """Fold the named parts (one run's) into one file: O(what they hold), never the whole table. A crash in
-        between leaves both copies, which readers and a later compaction drop."""
+        """Fold the named parts (one run's) into one file: O(what they hold), never the whole table. A crash
+        in between leaves both copies, which readers and a later compaction drop."""
         paths = [self.folder / n for n in names if (self.folder / n).exists()]
         if len(paths) < 2:
             return None
@@ -187,9 +190,9 @@ class JournalTable:
         before_move: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> list[Quarantined]:
         """Set aside every part that cannot be read as this table (cut short, not Parquet, wrong schema), each
-        with what the tally knew it held. Parts this object wrote itself are whole (atomic writes) and skipped.
-        `before_move(part name, tally entry)` runs before each move: a charge it records survives a crash in
-        between (the part is then set aside, and charged, once more: never less)."""
+        with what the tally knew it held. Parts this object wrote itself are whole (atomic writes) and
+        skipped. `before_move(part name, tally entry)` runs before each move: a charge it records survives a
+        crash in between (the part is then set aside, and charged, once more: never less)."""
         own = set(self.written)
         damaged = [
             (p, why)
@@ -210,8 +213,8 @@ class JournalTable:
         return out
 
     def fill_tally(self) -> int:
-        """Tally the readable parts the tally does not know (written before it existed, or a tally that was lost):
-        the small columns of those parts only, once. Returns how many were added."""
+        """Tally the readable parts the tally does not know (written before it existed, or a tally that was
+        lost): the small columns of those parts only, once. Returns how many were added."""
         if self.tally_file is None:
             return 0
         tally = self.read_tally()
@@ -245,8 +248,8 @@ class JournalTable:
         }
 
     def _tally(self, new: dict[str, dict[str, Any]], prune: bool = True) -> None:
-        """Add `new` entries and (`prune`) drop those of parts that are gone; an append does not list the folder,
-        the run's fold does. Best effort: it never fails a write."""
+        """Add `new` entries and (`prune`) drop those of parts that are gone; an append does not list the
+        folder, the run's fold does. Best effort: it never fails a write."""
         if self.tally_file is None:
             return
         try:

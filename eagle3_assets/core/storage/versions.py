@@ -1,6 +1,7 @@
-"""Data versions: content-derived, so a stage whose output did not change reports the same version and declarative
-automation does not run the stages after it (a cron tick that buys nothing re-tokenizes nothing). Every asset takes
-its version from here: of rows (order-independent), of a small file, or of a JSON-like result."""
+"""Data versions: content-derived, so a stage whose output did not change reports the same version and
+declarative automation does not run the stages after it (a cron tick that buys nothing re-tokenizes nothing).
+Every asset takes its version from here: of rows (order-independent), of a small file, or of a JSON-like
+result."""
 
 from __future__ import annotations
 

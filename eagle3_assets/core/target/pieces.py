@@ -1,9 +1,10 @@
 """Pieces of the target's checkpoint, read from its safetensors files by tensor name: what the steps after
-generation need of a target that never fits this process (the embedding the draft shares, the head, the first few
-decoder layers for the hidden-states spot check). Nothing here loads the whole model.
+generation need of a target that never fits this process (the embedding the draft shares, the head, the first
+few decoder layers for the hidden-states spot check). Nothing here loads the whole model.
 
-Tensors are read one by one through `safe_open` (memory-mapped): the process holds only what it asked for. Names
-are found under a wrapper's prefix too (`language_model.model.embed_tokens.weight` in a multimodal checkpoint).
+Tensors are read one by one through `safe_open` (memory-mapped): the process holds only what it asked for.
+Names are found under a wrapper's prefix too (`language_model.model.embed_tokens.weight` in a multimodal
+checkpoint).
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ class CheckpointPieces:
 
     @classmethod
     def find(cls, model_ref: str, revision: str | None = None) -> CheckpointPieces:
-        """The checkpoint of a local folder or of the hub cache (never downloading: a 1T checkpoint is fetched by
-        whoever provisions the machine, `huggingface-cli download`, not by a step)."""
+        """The checkpoint of a local folder or of the hub cache (never downloading: a 1T checkpoint is fetched
+        by whoever provisions the machine, `huggingface-cli download`, not by a step)."""
         root = local_checkpoint(model_ref, revision)
         if root is None:
             raise CheckpointError(
-                f"no local copy of {model_ref!r} (revision {revision or 'default'}) on this machine: the step "
-                "reads the embedding and the head from its safetensors files. Download it first "
+                f"no local copy of {model_ref!r} (revision {revision or 'default'}) on this machine: the "
+                "step reads the embedding and the head from its safetensors files. Download it first "
                 "(`huggingface-cli download <repo> --revision <rev>`) or point target.model at the folder"
             )
         return cls(root)
@@ -124,9 +125,10 @@ class CheckpointPieces:
         return out
 
     def first_layers_model(self, n_layers: int, trust_remote_code: bool = False) -> Any:
-        """The target cut after its first `n_layers` decoder layers (embedding, those layers, final norm, head),
-        loaded from those tensors only: a forward of it gives `output_hidden_states[0..n_layers - 1]` exactly as
-        the whole model would (entry n_layers is after the final norm, as for any model's last entry)."""
+        """The target cut after its first `n_layers` decoder layers (embedding, those layers, final norm,
+        head), loaded from those tensors only: a forward of it gives `output_hidden_states[0..n_layers - 1]`
+        exactly as the whole model would (entry n_layers is after the final norm, as for any model's last
+        entry)."""
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -192,8 +194,8 @@ def _match_param(name: str, own: set[str]) -> str | None:
 
 
 def _rebuild_buffers(model: Any) -> None:
-    """Non-persistent buffers (rotary inverse frequencies) left on the meta device: their modules are built again
-    on the CPU from the config (they hold no weights)."""
+    """Non-persistent buffers (rotary inverse frequencies) left on the meta device: their modules are built
+    again on the CPU from the config (they hold no weights)."""
     import torch
 
     for parent in list(model.modules()):

@@ -1,5 +1,6 @@
-"""What preflight asks of a target's tokenizer and template before anything is paid for: is the end-of-turn token
-the special token it should be, and does a plain conversation rebuild to exactly the ids the tokenizer itself gives?
+"""What preflight asks of a target's tokenizer and template before anything is paid for: is the end-of-turn
+token the special token it should be, and does a plain conversation rebuild to exactly the ids the tokenizer
+itself gives?
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def exactness(chat: ChatTokenizer) -> tuple[list[str], list[str]]:
         if truth != ours:
             at = next((i for i, (a, b) in enumerate(zip(ours, truth, strict=False)) if a != b), len(ours))
             problems.append(
-                "this tokenizer and template cannot be rebuilt exactly: a plain conversation's ids differ from the "
-                f"tokenizer's own encoding at token {at} "
+                "this tokenizer and template cannot be rebuilt exactly: a plain conversation's ids differ "
+                f"from the tokenizer's own encoding at token {at} "
                 f"({chat.encoder.decode(ours[at : at + 3])!r} vs {chat.encoder.decode(truth[at : at + 3])!r})"
             )
     padded = [{"role": "user", "content": "  padded question \n"}]
@@ -102,19 +103,20 @@ def exactness(chat: ChatTokenizer) -> tuple[list[str], list[str]]:
         chat.tokenize([(history, Answer("Two.", "Count again.", True))], train_all=True)[0], TemplateError
     ):
         warnings.append(
-            "the template renders earlier assistant turns differently once later turns follow (it drops their "
-            "reasoning): tokens.train_all_assistant_turns cannot be exact for multi-turn rows with reasoning"
+            "the template renders earlier assistant turns differently once later turns follow (it drops "
+            "their reasoning): tokens.train_all_assistant_turns cannot be exact for multi-turn rows with "
+            "reasoning"
         )
     return problems, warnings
 
 
 def passed_record(recipe: ChatRecipe, configured_eot_id: int | None) -> Path | None:
-    """Where a passed preflight of this tokenizer and template is remembered in the machine cache, or None where it
-    cannot be remembered safely (a hub id, remote code). Keyed by what the verdict depends on: the tokenizer folder's
-    files and the transformers version (as for the remembered tokenizer class), the template settings, and the
-    source of the rules and of the code they run (every module of this package: chat, text encoder, verbatim
-    proof, loading), so a change to any of them asks again. Only passes are kept: a failing target is checked
-    afresh every time."""
+    """Where a passed preflight of this tokenizer and template is remembered in the machine cache, or None
+    where it cannot be remembered safely (a hub id, remote code). Keyed by what the verdict depends on: the
+    tokenizer folder's files and the transformers version (as for the remembered tokenizer class), the
+    template settings, and the source of the rules and of the code they run (every module of this package:
+    chat, text encoder, verbatim proof, loading), so a change to any of them asks again. Only passes are kept:
+    a failing target is checked afresh every time."""
     import hashlib
 
     from .loading import cache_root, tokenizer_files_key

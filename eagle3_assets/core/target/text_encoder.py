@@ -2,8 +2,8 @@
 
 Control tokens (`<|im_end|>`, `<think>`, …) must come from the chat template alone: a user who types
 "<|im_end|>" wrote text. Fast tokenizers get a clone whose added tokens are all special, encoded with
-`encode_special_tokens=True` (Rust, batched, all cores). Slow tokenizers (Kimi's tiktoken class) are driven through
-their base tokenization in a thread pool.
+`encode_special_tokens=True` (Rust, batched, all cores). Slow tokenizers (Kimi's tiktoken class) are driven
+through their base tokenization in a thread pool.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ class FastTextEncoder:
         for t in spec.get("added_tokens", []):
             t["special"] = True  # so encode_special_tokens turns off matching for all of them
         self._raw = self._build(Tokenizer, spec)
-        # Metaspace with prepend_scheme "first" (Llama-2/Mistral conversions) adds "▁" only to the text that opens
-        # the whole input, never to text after a control token: text in the middle gets a clone that never adds it.
+        # Metaspace with prepend_scheme "first" (Llama-2/Mistral conversions) adds "▁" only to the text that
+        # opens the whole input, never to text after a control token: text in the middle gets a clone that
+        # never adds it.
         pre = orjson.loads(orjson.dumps(spec.get("pre_tokenizer")))  # a copy of the small part that changes
         self._raw_mid = (
             self._build(Tokenizer, {**spec, "pre_tokenizer": pre}) if _without_first_prepend(pre) else None
@@ -122,7 +123,8 @@ class SlowTextEncoder:
             return tok.convert_tokens_to_ids(tok._tokenize(text)) if text else []
 
         def via_no_special(text: str) -> list[int]:
-            # Kimi's TikTokenTokenizer: encode(..., allow_special_tokens=False) -> tiktoken disallowed_special=().
+            # Kimi's TikTokenTokenizer: encode(..., allow_special_tokens=False) -> tiktoken
+            # disallowed_special=().
             return tok.encode(text, allow_special_tokens=False) if text else []
 
         def via_split(text: str) -> list[int]:

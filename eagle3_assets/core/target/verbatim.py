@@ -1,18 +1,19 @@
 """Prove, once per chat template, that it writes every message text verbatim, so no row needs its own render.
 
-The tokens stage rebuilds ids from a template plan (one sentinel render per conversation shape) filled with each row's
-texts. That is exact only if the template places the texts unchanged and its control flow depends on the shape
-alone (roles, which turns carry reasoning), never on what the texts say. Templates that trim (`| trim`), split
-reasoning out of content, or branch on `if message.content` break it for some rows, so by default every row is
-rendered again and compared with its plan: about a sixth of the stage's time.
+The tokens stage rebuilds ids from a template plan (one sentinel render per conversation shape) filled with
+each row's texts. That is exact only if the template places the texts unchanged and its control flow depends
+on the shape alone (roles, which turns carry reasoning), never on what the texts say. Templates that trim (`|
+trim`), split reasoning out of content, or branch on `if message.content` break it for some rows, so by
+default every row is rendered again and compared with its plan: about a sixth of the stage's time.
 
-This module reads the template's syntax tree (with the Jinja environment transformers renders it in) and proves the
-property for templates that only ever do the following with message data: read `role` (part of the shape) anywhere;
-write a text (`content` or a reasoning field) into the output, alone or joined with `+`/`~`; index and loop over the
-messages; ask whether a field is defined or how many messages there are. Anything else (a filter, method or test on
-a text, a text in a condition, a message dict printed or passed to a call, macros, filter blocks, captured blocks)
-and the answer is "not proven": the stage then renders every row and compares. The proof is sound, not
-complete: it may refuse a template that happens to be verbatim, never the reverse.
+This module reads the template's syntax tree (with the Jinja environment transformers renders it in) and
+proves the property for templates that only ever do the following with message data: read `role` (part of the
+shape) anywhere; write a text (`content` or a reasoning field) into the output, alone or joined with `+`/`~`;
+index and loop over the messages; ask whether a field is defined or how many messages there are. Anything else
+(a filter, method or test on a text, a text in a condition, a message dict printed or passed to a call,
+macros, filter blocks, captured blocks) and the answer is "not proven": the stage then renders every row and
+compares. The proof is sound, not complete: it may refuse a template that happens to be verbatim, never the
+reverse.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class NotVerbatim(Exception):
 
 def verbatim_problem(template: str, reserved: str = "") -> str | None:
     """None when the template provably writes every message text verbatim under shape-only control flow;
-    otherwise the first construct that stops the proof (the stage then checks each row). `reserved`: characters
-    the template itself must not write (the sentinels that stand for texts in a plan)."""
+    otherwise the first construct that stops the proof (the stage then checks each row). `reserved`:
+    characters the template itself must not write (the sentinels that stand for texts in a plan)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     try:
         tree = env.parse(template)
@@ -80,8 +81,8 @@ def _join(a: int, b: int, where: nodes.Node) -> int:
 
 
 class _Flow:
-    """What every name may hold (flow-insensitive, over the whole template: iterated to a fixed point) and a check
-    of every use of message data against what the proof allows."""
+    """What every name may hold (flow-insensitive, over the whole template: iterated to a fixed point) and a
+    check of every use of message data against what the proof allows."""
 
     def __init__(self) -> None:
         self.names: dict[str, int] = {"messages": MESSAGES}
@@ -95,7 +96,8 @@ class _Flow:
                 return
         raise NotVerbatim("the names' values did not settle")
 
-    # -- statements -------------------------------------------------------------------------------------------
+    # -- statements
+    # -------------------------------------------------------------------------------------------
     def _body(self, body: list[nodes.Node]) -> None:
         for node in body:
             self._stmt(node)
@@ -152,7 +154,8 @@ class _Flow:
         else:
             raise NotVerbatim(f"line {target.lineno}: an assignment target the proof does not follow")
 
-    # -- expressions ------------------------------------------------------------------------------------------
+    # -- expressions
+    # ------------------------------------------------------------------------------------------
     def _condition(self, node: nodes.Node) -> int:
         """A value that decides control flow (or is combined arithmetically): shape only."""
         return self._condition_kind(self._expr(node), node)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pyarrow as pa
 
 DEGENERATE_MIN_CHARS = 400
-# LZ4-compressed / raw. Measured: natural prose and code >= 0.37 (short answers ~0.9); an answer that is 80% one
-# repeated phrase 0.15-0.18, 90% 0.08-0.11; a text that is one phrase repeated ~0.04. LZ4 instead of zlib: 10x faster
-# (zlib took ~4% of the tokens stage's CPU) with the same verdicts (zlib-6 below 0.12 flags the same 80% mark).
+# LZ4-compressed / raw. Measured: natural prose and code >= 0.37 (short answers ~0.9); an answer that is 80%
+# one repeated phrase 0.15-0.18, 90% 0.08-0.11; a text that is one phrase repeated ~0.04. LZ4 instead of zlib:
+# 10x faster (zlib took ~4% of the tokens stage's CPU) with the same verdicts (zlib-6 below 0.12 flags the
+# same 80% mark).
 DEGENERATE_MAX_RATIO = 0.17
 _LZ4 = pa.Codec("lz4_raw")
 

@@ -1,8 +1,9 @@
-"""tokens: every answered conversation as `input_ids` + `loss_mask`, checked against the ids the model produced.
+"""tokens: every answered conversation as `input_ids` + `loss_mask`, checked against the ids the model
+produced.
 
-Where a backend returned its output ids (embedded model, SGLang, imported data) those are ground truth: the row
-keeps them (unless configured otherwise) and `reference_match` says whether the reconstruction from text gave the
-same ids. Text-only answers (OpenRouter) get the reconstruction, `reference_match` null.
+Where a backend returned its output ids (embedded model, SGLang, imported data) those are ground truth: the
+row keeps them (unless configured otherwise) and `reference_match` says whether the reconstruction from text
+gave the same ids. Text-only answers (OpenRouter) get the reconstruction, `reference_match` null.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from .turns import with_turn_prompts
 
 
 def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
-    """A content key per row: the prompt, the answer, its reference ids, and the tokenizer and options that turn
-    them into ids. A row whose key is unchanged is never tokenized again. (polars' hash may change between polars
-    versions; the version is part of the fingerprint, so an upgrade re-tokenizes once rather than trusting it.)"""
+    """A content key per row: the prompt, the answer, its reference ids, and the tokenizer and options that
+    turn them into ids. A row whose key is unchanged is never tokenized again. (polars' hash may change
+    between polars versions; the version is part of the fingerprint, so an upgrade re-tokenizes once rather
+    than trusting it.)"""
     parts = [
         pl.col("messages").list.eval(pl.element().struct.json_encode()).list.join("\x1e"),
         pl.col("content").fill_null(""),
@@ -58,7 +60,8 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
 
 
 PROGRESS_EVERY_S = 10.0
-# The version of the reference comparison's verdicts: a new one re-keys every row once (2: the model's own splits).
+# The version of the reference comparison's verdicts: a new one re-keys every row once (2: the model's own
+# splits).
 COMPARISON = 2
 RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids"]
 STAGE = "tokens"  # its quarantine folder
@@ -67,8 +70,8 @@ STAGE = "tokens"  # its quarantine folder
 def response_batches(
     layout: DatasetLayout, batch_size: int, parts: list[str] | None = None, seen: set[str] | None = None
 ) -> Iterator[pl.DataFrame]:
-    """The stored answers, one row per id (the first stored wins, as everywhere), a batch at a time: memory holds
-    one batch of text, never the partition. `parts`: only these journal files; `seen`: ids to skip."""
+    """The stored answers, one row per id (the first stored wins, as everywhere), a batch at a time: memory
+    holds one batch of text, never the partition. `parts`: only these journal files; `seen`: ids to skip."""
     table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
     seen = set() if seen is None else seen
     for path in table.files():
@@ -102,13 +105,16 @@ def build_tokens(
     log: Callable[[str], None] = print,
     workers: int | None = None,
 ) -> TokensSummary:
-    """Tokenize the answered conversations that are new or changed since tokens.parquet was written, keep the rest
-    as they are, and write tokens.parquet and tokens_errors.parquet again, streaming: a top-up of 1,000 answers to a
-    partition of 200,000 tokenizes 1,000 and copies the others, and memory holds a few batches, not the partition.
+    """Tokenize the answered conversations that are new or changed since tokens.parquet was written, keep the
+    rest as they are, and write tokens.parquet and tokens_errors.parquet again, streaming: a top-up of 1,000
+    answers to a partition of 200,000 tokenizes 1,000 and copies the others, and memory holds a few batches,
+    not the partition.
 
-    Chunks are tokenized on a thread per core (`tokenize_in_parallel`) while this thread reads, hashes and writes.
+    Chunks are tokenized on a thread per core (`tokenize_in_parallel`) while this thread reads, hashes and
+    writes.
     """
-    # Damaged outputs of an earlier build are set aside and rebuilt (a missing tokens.parquet is a full build).
+    # Damaged outputs of an earlier build are set aside and rebuilt (a missing tokens.parquet is a full
+    # build).
     set_aside = sweep_parquet(
         layout.dir, [layout.tokens], STAGE, TOKENS_SCHEMA, ["id", "input_ids", "loss_mask"]
     )
@@ -212,8 +218,8 @@ class TokensBuild:
         unchanged = self.progress.todo == 0 and (keys is None or self.done.height == keys.height)
         if unchanged and self.layout.tokens.exists() and self.last == self.state:
             return  # every current row is already written and nothing written is stale: the outputs stand
-        # No earlier token row is stale (a top-up, or nothing new after a compaction): the new rows (maybe none;
-        # the file then gets the new state, so the next top-up reads only new parts again) are appended.
+        # No earlier token row is stale (a top-up, or nothing new after a compaction): the new rows (maybe
+        # none; the file then gets the new state, so the next top-up reads only new parts again) are appended.
         batch_size = self.settings.batch_size
         place_tokens(self.layout.tokens, new, keys if stale else None, batch_size, metadata)
         new_errors = pl.DataFrame(self.errors, schema=TOKENS_ERRORS_SCHEMA)

@@ -1,6 +1,6 @@
-"""One chunk of answered conversations -> token rows (ids, loss mask, reference comparison, answer features), and
-the thread pool that tokenizes chunks in order while the caller reads and writes (the Rust encoding of one chunk
-overlaps the Python of the next)."""
+"""One chunk of answered conversations -> token rows (ids, loss mask, reference comparison, answer features),
+and the thread pool that tokenizes chunks in order while the caller reads and writes (the Rust encoding of one
+chunk overlaps the Python of the next)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from ..target.chat import Answer, ChatTokenizer, TemplateError, TokenizedConvers
 from .answer_quality import is_degenerate
 from .reference import Comparison, compare, normalise_reference
 
-# Per-answer text features the report counts, computed once when a row is tokenized (a top-up's report then reads
-# small columns, not every answer's text again).
+# Per-answer text features the report counts, computed once when a row is tokenized (a top-up's report then
+# reads small columns, not every answer's text again).
 ANSWER_FEATURES: dict[str, pl.DataType] = {
     "answer_empty": pl.Boolean(),
     "answer_degenerate": pl.Boolean(),
@@ -101,9 +101,10 @@ def tokenize_in_parallel(
 ) -> Iterator[TokenizedChunk]:
     """Chunks tokenized on n_workers threads, results in order, a few chunks in flight (bounded memory).
 
-    Threads, not processes: the encoding is Rust and releases the GIL, so one chunk's Python work (template render,
-    splicing, comparison) overlaps another chunk's encoding. Forked worker processes (which inherit the loaded
-    tokenizer) were measured too: no faster on 2 cores, the pickling of chunks and results cost what the GIL did."""
+    Threads, not processes: the encoding is Rust and releases the GIL, so one chunk's Python work (template
+    render, splicing, comparison) overlaps another chunk's encoding. Forked worker processes (which inherit
+    the loaded tokenizer) were measured too: no faster on 2 cores, the pickling of chunks and results cost
+    what the GIL did."""
     if n_workers <= 1:
         for chunk in chunks:
             yield tokenize_chunk(chunk, chat, train_all, prefer_reference)
@@ -317,8 +318,9 @@ def _with_history(
     chat: ChatTokenizer,
     stop_ids: set[int],
 ) -> Comparison | None:
-    """A conversation row's earlier turns against the ids the model produced for each: the k-th trained span of
-    the row is turn k. The row matches when every turn with reference ids does; the first that does not says why."""
+    """A conversation row's earlier turns against the ids the model produced for each: the k-th trained span
+    of the row is turn k. The row matches when every turn with reference ids does; the first that does not
+    says why."""
     spans = _trained_spans(res.loss_mask)
     verdicts = []
     for (a, b), h in zip(spans[: len(history)], history, strict=False):

@@ -1,5 +1,5 @@
-"""How tokens.parquet is written: in streamed chunks, dictionary-encoded where few values repeat, with the build's
-state in the footer; kept rows copied or appended as row groups without decoding them again."""
+"""How tokens.parquet is written: in streamed chunks, dictionary-encoded where few values repeat, with the
+build's state in the footer; kept rows copied or appended as row groups without decoding them again."""
 
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ from .chunks import TOKENS_SCHEMA
 def place_tokens(
     path: Path, new: Path, keys: pl.DataFrame | None, batch_size: int, metadata: dict[str, str]
 ) -> None:
-    """tokens.parquet = the earlier rows still current + the new rows (`new`, written with the final metadata).
+    """tokens.parquet = the earlier rows still current + the new rows (`new`, written with the final
+    metadata).
 
-    Every earlier row stands (`keys` None, a top-up): the new row groups are appended to the file's bytes, nothing
-    old is decoded (a 1,000-row top-up of a 200k-row file costs a file copy, not a re-encode of gigabytes). No
-    earlier file: `new` is the file. Some earlier rows are stale (a re-key): the kept rows are re-written."""
+    Every earlier row stands (`keys` None, a top-up): the new row groups are appended to the file's bytes,
+    nothing old is decoded (a 1,000-row top-up of a 200k-row file costs a file copy, not a re-encode of
+    gigabytes). No earlier file: `new` is the file. Some earlier rows are stale (a re-key): the kept rows are
+    re-written."""
     if not path.exists() or "row_key" not in pq.read_schema(path).names:
         atomic_write(path, lambda tmp: os.replace(new, tmp))
         return
@@ -58,8 +60,8 @@ def batch_frame(batch: pa.RecordBatch) -> pl.DataFrame:
 def kept_batches(
     path: Path, keys: pl.DataFrame | None, schema: dict[str, pl.DataType], batch_size: int
 ) -> Iterator[pl.DataFrame]:
-    """The rows of an earlier output whose (id, row_key) is still current, a batch at a time (old token rows are
-    ~13 KB each: a whole-table join would hold them all)."""
+    """The rows of an earlier output whose (id, row_key) is still current, a batch at a time (old token rows
+    are ~13 KB each: a whole-table join would hold them all)."""
     if not path.exists() or "row_key" not in pq.read_schema(path).names:
         return
     for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
@@ -131,9 +133,9 @@ def write_chunks(path: Path, frames: Iterator[pl.DataFrame], metadata: dict[str,
 
 
 def _parquet_writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
-    # zstd level 1 (~1.5x faster than the default level, same size). Dictionary encoding only for the few-valued
-    # string columns: tried on the token ids it costs 3.5x the write time (the writer builds a dictionary of the
-    # vocabulary per chunk) and the file came out no smaller after zstd.
+    # zstd level 1 (~1.5x faster than the default level, same size). Dictionary encoding only for the
+    # few-valued string columns: tried on the token ids it costs 3.5x the write time (the writer builds a
+    # dictionary of the vocabulary per chunk) and the file came out no smaller after zstd.
     return pq.ParquetWriter(
         path,
         schema,

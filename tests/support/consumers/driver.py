@@ -1,5 +1,5 @@
-"""What the three drivers share (each runs as a script in its framework's environment, this folder on its path):
-offline settings set before the framework is imported, and one JSON line out, whatever happens."""
+"""What the three drivers share (each runs as a script in its framework's environment, this folder on its
+path): offline settings set before the framework is imported, and one JSON line out, whatever happens."""
 
 from __future__ import annotations
 
@@ -28,16 +28,18 @@ def offline() -> None:
 
 def bf16_native() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): elsewhere torch's bf16 GEMM is a scalar
-    fallback loop, and one Model-Optimizer training step under bf16 autocast ran for over 30 minutes on an AVX2 CPU."""
+    fallback loop, and one Model-Optimizer training step under bf16 autocast ran for over 30 minutes on an
+    AVX2 CPU."""
     import torch
 
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def training_precision() -> tuple[str, Callable[[], Any], Callable[[Any], Any]]:
-    """(compute dtype, autocast context, batch cast) for a few training steps on CPU. The frameworks' recipes train
-    under bf16 autocast, and so do the drivers where the CPU has bf16 arithmetic; elsewhere they train in fp32, with
-    the stored bf16 states cast up (what is checked is that the framework reads the export and trains on it)."""
+    """(compute dtype, autocast context, batch cast) for a few training steps on CPU. The frameworks' recipes
+    train under bf16 autocast, and so do the drivers where the CPU has bf16 arithmetic; elsewhere they train
+    in fp32, with the stored bf16 states cast up (what is checked is that the framework reads the export and
+    trains on it)."""
     import torch
 
     if bf16_native():

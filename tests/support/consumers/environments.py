@@ -1,12 +1,14 @@
 """One cached virtual environment per training framework, built from the package registries and checked.
 
-The framework itself and the packages whose own pins would pull another torch build (SpecForge pins torch 2.11,
-speculators declares torchvision) are installed with `--no-deps`; what their imports need is pinned here, at the
-versions the drivers were proven with. torch is the project's CPU pin (`torch==2.13.0`), which every framework here
-accepts for reading data and CPU training. Built and cached by `resources.side_env` (as vLLM's CPU build is).
+The framework itself and the packages whose own pins would pull another torch build (SpecForge pins torch
+2.11, speculators declares torchvision) are installed with `--no-deps`; what their imports need is pinned
+here, at the versions the drivers were proven with. torch is the project's CPU pin (`torch==2.13.0`), which
+every framework here accepts for reading data and CPU training. Built and cached by `resources.side_env` (as
+vLLM's CPU build is).
 
-The builds take a few minutes on a cold machine, mostly unpacking torch three times: `prefetch()` starts them in a
-background thread when the session collects a test that needs them, so they overlap with the rest of the suite.
+The builds take a few minutes on a cold machine, mostly unpacking torch three times: `prefetch()` starts them
+in a background thread when the session collects a test that needs them, so they overlap with the rest of the
+suite.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def python(name: str) -> Path:
 
 
 def versions(name: str) -> dict[str, str]:
-    """What the environment's stamp recorded: the installed versions of the framework, transformers and torch."""
+    """What the environment's stamp recorded: the installed versions of the framework, transformers and
+    torch."""
     python(name)
     return _versions(CONSUMERS[name])
 

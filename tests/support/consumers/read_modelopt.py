@@ -5,11 +5,11 @@
 As its example's `main.py` does in offline mode, with what the wheel ships: the built-in
 `general/speculative_decoding/eagle3` recipe (with the overrides the export's manifest gives:
 `training.answer_only_loss=true`, so the export's loss mask is used, and the aux layer ids), the target loaded
-with `load_vlm_or_llm(use_offline_training=True)`, `mtsp.convert` to an EAGLE-3 model, the offline dataset over
-every `*.pt` under the folder (the example's own discovery: `rglob("*.pt")`) and its collator; then a few AdamW
-steps under bf16 autocast where the CPU has bf16 arithmetic (the recipe trains with `bf16: true`, which the HF
-Trainer runs as autocast), in fp32 elsewhere (`driver.training_precision`). Prints one JSON line; never imports the
-project.
+with `load_vlm_or_llm(use_offline_training=True)`, `mtsp.convert` to an EAGLE-3 model, the offline dataset
+over every `*.pt` under the folder (the example's own discovery: `rglob("*.pt")`) and its collator; then a few
+AdamW steps under bf16 autocast where the CPU has bf16 arithmetic (the recipe trains with `bf16: true`, which
+the HF Trainer runs as autocast), in fp32 elsewhere (`driver.training_precision`). Prints one JSON line; never
+imports the project.
 """
 
 from __future__ import annotations

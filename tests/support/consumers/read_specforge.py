@@ -3,19 +3,19 @@
     python read_specforge.py EXPORT DRAFT --steps 3 [--max-length 256]
 
 - The export's `specforge_train.yaml` is loaded and validated by SpecForge's config schema (`--max-length`
-  overrides its `data.max_length`, as a user's `data.max_length=N` would); its eagle3 algorithm's offline reader,
-  sample transform (the `max_length` cut) and collator read every record through SpecForge's `FeatureDataLoader`,
-  and the ids and masks that reach a batch are compared with the files.
-- SpecForge's `TargetHead`, loaded from the target folder the config names, predicts the next answer token from the
-  exported last state.
+  overrides its `data.max_length`, as a user's `data.max_length=N` would); its eagle3 algorithm's offline
+  reader, sample transform (the `max_length` cut) and collator read every record through SpecForge's
+  `FeatureDataLoader`, and the ids and masks that reach a batch are compared with the files.
+- SpecForge's `TargetHead`, loaded from the target folder the config names, predicts the next answer token
+  from the exported last state.
 - The export's `vocab_mapping.pt` is compared with the maps SpecForge derives itself from the same records.
 - `AutoDraftModel.from_pretrained` loads the acceptance gate's draft; every stored tensor must be used.
-- `specforge train --config specforge_train.yaml` (its CLI entry point, in a child process) trains the draft for a
-  few steps. CPU only: FSDP needs an accelerator (`fsdp_sharding=NO_SHARD` selects SpecForge's DDP path), flex
-  attention has no CPU backward (sdpa), and the Triton loss kernel cannot launch without a GPU driver, so the loss
-  is SpecForge's own eager reference of the same kernel. The draft trains in the config's bf16 where the CPU has
-  bf16 arithmetic, in fp32 (`model.torch_dtype=float32`) elsewhere (`driver.training_precision`).
-Prints one JSON line; never imports the project.
+- `specforge train --config specforge_train.yaml` (its CLI entry point, in a child process) trains the draft
+  for a few steps. CPU only: FSDP needs an accelerator (`fsdp_sharding=NO_SHARD` selects SpecForge's DDP
+  path), flex attention has no CPU backward (sdpa), and the Triton loss kernel cannot launch without a GPU
+  driver, so the loss is SpecForge's own eager reference of the same kernel. The draft trains in the config's
+  bf16 where the CPU has bf16 arithmetic, in fp32 (`model.torch_dtype=float32`) elsewhere
+  (`driver.training_precision`). Prints one JSON line; never imports the project.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def main() -> dict:
         algorithm, "text", max_len, ttt_length=cfg.training.ttt_length, use_usp_preprocess=False
     )
     loader = FeatureDataLoader(
-        LocalFeatureStore("read"), refs=refs, batch_size=1, collate_fn=collate, per_sample_transform=transform,
+        LocalFeatureStore("read"), refs=refs, batch_size=1, collate_fn=collate,
+        per_sample_transform=transform,
         drop_last=True, strategy="eagle3", ack=False, num_workers=0,
     )  # fmt: skip
     head = TargetHead.from_pretrained(cfg.model.target_model_path, lm_head_key=cfg.model.lm_head_key)
@@ -168,7 +169,8 @@ def main() -> dict:
 
 
 def train(config: str, metrics_path: str, overrides: list[str]) -> None:
-    """`specforge train --config CONFIG OVERRIDES...`, with the eager loss on CPU and the logged metrics kept."""
+    """`specforge train --config CONFIG OVERRIDES...`, with the eager loss on CPU and the logged metrics
+    kept."""
     import specforge.algorithms.eagle3.model as eagle3_model
     import specforge.training.assembly as assembly
     import torch

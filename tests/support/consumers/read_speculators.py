@@ -2,13 +2,13 @@
 
     python read_speculators.py EXPORT TARGET --steps 3 --total-seq-len 1024 --draft-vocab-size 256
 
-As `speculators train` (speculators/train/cli.py) does it: its flag parser, `parse_vocab_mappings` (token_freq.pt ->
-d2t/t2d, what --draft-vocab-size does), `build_draft_model` from the local verifier folder, the file hidden-states
-backend and `create_train_val_loaders` (ArrowDataset, packing sampler, collate, `shift_batch`). Every sample also
-goes through `check_hidden_states` and `ArrowDataset.__getitem__`, and token_freq.pt is compared with speculators'
-own recount. Then a few optimizer steps of its Eagle3 draft with the eager loss: its `Trainer` moves the model to an
-accelerator in `__init__`, so the steps run the body of its training loop with its own optimizers. Prints one JSON
-line; never imports the project.
+As `speculators train` (speculators/train/cli.py) does it: its flag parser, `parse_vocab_mappings`
+(token_freq.pt -> d2t/t2d, what --draft-vocab-size does), `build_draft_model` from the local verifier folder,
+the file hidden-states backend and `create_train_val_loaders` (ArrowDataset, packing sampler, collate,
+`shift_batch`). Every sample also goes through `check_hidden_states` and `ArrowDataset.__getitem__`, and
+token_freq.pt is compared with speculators' own recount. Then a few optimizer steps of its Eagle3 draft with
+the eager loss: its `Trainer` moves the model to an accelerator in `__init__`, so the steps run the body of
+its training loop with its own optimizers. Prints one JSON line; never imports the project.
 """
 
 from __future__ import annotations

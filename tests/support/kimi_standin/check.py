@@ -166,8 +166,9 @@ def main() -> int:
                 _check(tok.convert_tokens_to_string(tokens) == text, f"token string round trip {text!r}")
 
     print(
-        f"OK: kimi stand-in (num_base_tokens={base}, vocab_size={tok.vocab_size}, slow) built in {build_s:.1f}s, "
-        f"loaded in {load_s:.1f}s; {len(SAMPLES)} texts match deepseek BPE; specials, chat template OK"
+        f"OK: kimi stand-in (num_base_tokens={base}, vocab_size={tok.vocab_size}, slow) built in "
+        f"{build_s:.1f}s, loaded in {load_s:.1f}s; {len(SAMPLES)} texts match deepseek BPE; specials, chat "
+        "template OK"
     )
     return 0
 

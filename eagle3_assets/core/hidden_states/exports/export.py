@@ -81,8 +81,8 @@ def _reader(folder: Path, fmt: ExportFormat) -> HiddenStatesReader:
     n = len(reader) if reader is not None else 0
     if reader is None or n < fmt.min_samples:
         raise ExportError(
-            f"{folder} holds {n} hidden-state sample(s): {fmt.name} needs {fmt.needs}; answer more prompts and "
-            "materialise tokens and hidden_states first"
+            f"{folder} holds {n} hidden-state sample(s): {fmt.name} needs {fmt.needs}; answer more prompts "
+            "and materialise tokens and hidden_states first"
         )
     return reader
 
@@ -124,6 +124,6 @@ def _log_summary(fmt: ExportFormat, job: ExportJob, max_len: int | None, log: Ca
     default = fmt.consumer_max_len
     if counts.longest > default:
         log(
-            f"the longest sample has {counts.longest} tokens, more than {fmt.name} keeps by default ({default}): "
-            "the command in manifest.json raises its limit"
+            f"the longest sample has {counts.longest} tokens, more than {fmt.name} keeps by default "
+            f"({default}): the command in manifest.json raises its limit"
         )

@@ -41,7 +41,9 @@ class ModelOpt(ExportFormat):
         return (
             "./launch_train.sh --config ../../modelopt_recipes/general/speculative_decoding/eagle3.yaml "
             f"model.model_name_or_path={job.target.path} data.offline_data_path={job.out} "
-            f"training.output_dir=./checkpoints training.training_seq_len={limit} training.answer_only_loss=true "
-            f"'eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids=[{','.join(map(str, ids))}]'"
-            "  # in examples/speculative_decoding of a Model-Optimizer checkout"
+            f"training.output_dir=./checkpoints training.training_seq_len={limit} "
+            "training.answer_only_loss=true "
+            "'eagle.eagle_architecture_config.eagle_aux_hidden_state_layer_ids="
+            f"[{','.join(map(str, ids))}]'  "
+            "# in examples/speculative_decoding of a Model-Optimizer checkout"
         )

@@ -68,8 +68,8 @@ def plan_samples(folder: Path, fmt: ExportFormat, max_len: int | None, counts: C
             f"{fmt.name} needs at least {k} (it holds out the last tenth for validation)"
         )
     fix = (
-        f"use max_len >= {enough[k - 1]} to keep {k} sample{'s' if k > 1 else ''}, >= {enough[-1]} to keep every "
-        "sample with a trained token, or no max_len to export every sample whole"
+        f"use max_len >= {enough[k - 1]} to keep {k} sample{'s' if k > 1 else ''}, >= {enough[-1]} to keep "
+        "every sample with a trained token, or no max_len to export every sample whole"
         if len(enough) >= k
         else "answer more prompts and materialise tokens and hidden_states again"
     )
@@ -108,15 +108,15 @@ class StatesAs:
                 "dtype": source_dtype,
                 "source_dtype": source_dtype,
                 "dequantized": False,
-                "scales": "hidden_states_scales float32 [S, 4, 1]: hidden_states.float() * hidden_states_scales "
-                "(hs-connectors FP8Transfer; speculators --hidden-states-backend fp8)",
+                "scales": "hidden_states_scales float32 [S, 4, 1]: hidden_states.float() * "
+                "hidden_states_scales (hs-connectors FP8Transfer; speculators --hidden-states-backend fp8)",
             }
         return {
             "dtype": self.dtype,
             "source_dtype": source_dtype,
             "dequantized": True,
-            "note": f"this framework reads no FP8: the {source_dtype} shards were dequantized (values x their "
-            f"per-token, per-layer scales) and stored in {self.dtype}",
+            "note": f"this framework reads no FP8: the {source_dtype} shards were dequantized (values x "
+            f"their per-token, per-layer scales) and stored in {self.dtype}",
         }
 
 

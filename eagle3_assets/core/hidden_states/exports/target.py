@@ -24,7 +24,8 @@ class TargetFacts:
 
 
 def read_target(ref: str, revision: str | None = None, trust_remote_code: bool = False) -> TargetFacts:
-    """The target's config and head weight names (from its weight index or safetensors header, where local)."""
+    """The target's config and head weight names (from its weight index or safetensors header, where
+    local)."""
     from transformers import AutoConfig
 
     from ...target.loading import resolve
