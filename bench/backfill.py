@@ -1,12 +1,13 @@
-"""The seed's job at the seed's scale: eight datasets, one key with a limit, heavy-tailed streamed answers and
-budgets that bind; through the real Dagster path (dagster dev, its daemon and queue, the pools, one backfill
-of `responses` over B1..B8 launched through GraphQL as the UI launches it) and through the engine alone.
+"""The main job at a production target's scale: eight datasets, one key with a limit, heavy-tailed streamed
+answers and budgets that bind; through the real Dagster path (dagster dev, its daemon and queue, the pools,
+one backfill of `responses` over B1..B8 launched through GraphQL as the UI launches it) and through the engine
+alone.
 
 The key is `tests.support.limited_provider.LimitedProvider` in its own process: an in-flight cap (or a
 request-rate limit), answers of log-normal length (median 1,500 tokens, σ 0.8, capped at 8,192) decoded at
 1,500 tokens/s per request after 0.04 s (a thinking model's pace at a fiftieth of its time), streamed in 16
 events each. Each dataset has 2,500 prompts and a budget of 3M tokens (5,000 tokens per slot of the
-600-request cap, as the seed had), so every budget binds before its prompts run out.
+600-request cap), so every budget binds before its prompts run out.
 
 Figures, all from one run: wall time from the first run's start (and from the first request) against the key's
 ideal, the total service time of the answers divided by the cap (or the answers divided by the rate); the mean

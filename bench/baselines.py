@@ -1,6 +1,6 @@
 """The policies the adaptive engine is compared with, over the same HTTP client and error classification.
 
-- `fixed`: the engine as it was before adaptive concurrency: `concurrency` workers, each with one request in
+- `fixed`: a fixed pool without adaptive concurrency: `concurrency` workers, each with one request in
   flight; a 429/503 sets a cool-down shared by every worker (its Retry-After, else jittered backoff) and
   counts against the prompt's retries like any fault; a prompt out of retries is left unanswered.
 - `pause10`: the common client (curator and others): any 429 pauses every worker for a fixed 10 s; up to 10

@@ -410,9 +410,9 @@ def test_the_quarantined_files_check_warns_in_a_run(tmp_path):
 
 
 def test_after_a_kill_a_cut_part_no_longer_bricks_the_partition(tmp_path):
-    """The issue's case through Dagster on the embedded model: the newest part of responses/ cut to half (and
-    tokens.parquet with it); the next run of the training-data job succeeds, asks the part's prompts again,
-    and the warning checks and the report say what was set aside."""
+    """A killed run's cut file, through Dagster on the embedded model: the newest part of responses/ cut to
+    half (and tokens.parquet with it); the next run of the training-data job succeeds, asks the part's prompts
+    again, and the warning checks and the report say what was set aside."""
     import dagster as dg
 
     from eagle3_assets.definitions import TRAINING_DATA_JOB, build_definitions

@@ -480,7 +480,7 @@ def test_the_served_spot_check_reads_fp8_and_fails_rolled_scales(chat, fp8_extra
 
     rewrite_every_shard(layout.hidden_states_dir, roll)
     wrong = spot_check_pieces(folder, pieces, ids, sampled)
-    assert not wrong.passed  # every cosine as before: only the magnitude shows
+    assert not wrong.passed  # every cosine unchanged: only the magnitude shows
     assert wrong.metadata["min_token_cosine"] == pytest.approx(right.metadata["min_token_cosine"], abs=1e-5)
 
 

@@ -185,7 +185,7 @@ def test_tool_turns_pass_through_as_the_source_has_them(tmp_path):
                 ],
             },
             {
-                "id": "m2",  # ends with a tool result: no user turn for the target to answer, as before
+                "id": "m2",  # ends with a tool result: no user turn for the target to answer
                 "messages": [
                     {"role": "user", "content": "Weather?"},
                     {"role": "assistant", "content": "Calling."},

@@ -1,13 +1,13 @@
 """Extraction through a serving engine (vLLM's `extract_hidden_states`): the same shards, index and checks as
 the in-process path, from states that running servers computed.
 
-A target beyond one GPU (the seed's 1T-parameter MoE) cannot run in this process; a serving engine spreads it
-with tensor and pipeline parallelism across GPUs and nodes, and replicas scale it out. Each sample is one
-request (its `input_ids` as the prompt, one generated token); the server writes the prompt's states to a file
-that the backend reads, checks and removes, and hands over as the answer's payload. The requests ride the
-generation engine (its adaptive window, retries, error classes), one lane for the planned shards. Answers land
-in any order; a shard is written (atomically, by the shard writer thread) as soon as all of its samples are
-in, so a killed run loses only the shards still assembling, and a resumed run plans exactly those again.
+A target beyond one GPU (a 1T-parameter MoE such as Kimi-K2.5) cannot run in this process; a serving engine
+spreads it with tensor and pipeline parallelism across GPUs and nodes, and replicas scale it out. Each sample
+is one request (its `input_ids` as the prompt, one generated token); the server writes the prompt's states to
+a file that the backend reads, checks and removes, and hands over as the answer's payload. The requests ride
+the generation engine (its adaptive window, retries, error classes), one lane for the planned shards. Answers
+land in any order; a shard is written (atomically, by the shard writer thread) as soon as all of its samples
+are in, so a killed run loses only the shards still assembling, and a resumed run plans exactly those again.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ def counted_failures(failures: pl.DataFrame) -> tuple[int, int]:
 
     A conversation of `turns: all` whose turn k > 1 the template refuses (roles that do not alternate as it
     demands, say) was regenerated up to that turn and its answers are stored: the rest is data that cannot be
-    rendered, not a failed request, so it does not count (the issue's bad input: "nothing else in the
-    partition stops"). A prompt whose first turn the template refuses does count: nothing of it was answered,
+    rendered, not a failed request, so it does not count (bad input: nothing else in the
+    partition stops). A prompt whose first turn the template refuses does count: nothing of it was answered,
     exactly as for a request that failed for good, and when many prompts are refused so (a template that
     rejects the dataset's system prompts, a role it does not know) the cause is the choice of template or
     data, which the blocking check must stop before an empty or gutted partition goes downstream; a few such
@@ -83,8 +83,8 @@ def token_coverage(
     `conversation_rows`: the token rows of `turns: all` that train every turn of their conversation
     (tokens.parquet's `all_turns`); such a row `<id>#t<K>` also covers turns 1..K-1. A turn's own row covers
     that turn only, so a per-turn conversation missing an earlier turn's row is caught. None (a caller that
-    does not read the mark): every `#t<K>` row is taken to cover its earlier turns, as before the mark
-    existed."""
+    does not read the mark): every `#t<K>` row is taken to cover its earlier turns, as rows
+    written without the mark do."""
     covered = set(token_ids)
     expand = token_ids if conversation_rows is None else token_ids & conversation_rows
     for rid in expand:
