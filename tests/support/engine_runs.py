@@ -62,16 +62,16 @@ def run(
         **resource,
     )
     plan = make_plan(layout.key, max_tokens, budget_tokens, budget_usd)
-    settings = EngineSettings(
-        max_concurrency=concurrency,
-        max_retries=retries,
-        backoff_base_s=0.02,
-        backoff_max_s=0.1,
-        flush_interval_s=0.2,
-        progress_interval_s=0.5,
-        fatal_grace_s=2,
+    settings = fast_settings(
+        concurrency, retries, backoff_max_s=0.1, flush_interval_s=0.2, progress_interval_s=0.5
     )
     return generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
+
+
+def fast_settings(concurrency: int, retries: int, **kw) -> EngineSettings:
+    """Engine settings with the tests' short backoffs and flushes; any other field passed through `kw`."""
+    kw = {"backoff_base_s": 0.02, "fatal_grace_s": 2, **kw}
+    return EngineSettings(max_concurrency=concurrency, max_retries=retries, **kw)
 
 
 def drive(
@@ -89,16 +89,8 @@ def drive(
         request_timeout_s=60,
     )
     plan = make_plan(layout.key, max_tokens, budget_tokens, kw.pop("budget_usd", None))
-    settings = EngineSettings(
-        max_concurrency=concurrency,
-        max_retries=retries,
-        backoff_base_s=0.02,
-        backoff_max_s=0.2,
-        flush_interval_s=0.5,
-        progress_interval_s=1.0,
-        fatal_grace_s=2,
-        **kw,
-    )
+    kw = {"backoff_max_s": 0.2, "flush_interval_s": 0.5, "progress_interval_s": 1.0, **kw}
+    settings = fast_settings(concurrency, retries, **kw)
     return generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
 
 
