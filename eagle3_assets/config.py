@@ -24,8 +24,10 @@ BUILTIN_SMOLLM2 = "builtin:smollm2"
 BackendName = Literal["local", "openrouter", "sglang"]
 StorageDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
 _PARTITION_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-README_CONFIG = "README, section 'Configuration: eagle3.yaml'"
-README_BACKENDS = "README, section 'Backends: OpenRouter, SGLang, any OpenAI-compatible server'"
+# Where users read more, named in error messages (pages of the documentation site, paths in the repository).
+DOCS_CONFIG = "docs/configuration.md"
+DOCS_CONFIG_REFERENCE = "docs/reference/configuration.md"
+DOCS_BACKENDS = "docs/backends.md"
 
 
 def is_loopback(url: str) -> bool:
@@ -47,13 +49,29 @@ class Strict(BaseModel):
 
 
 class StorageConfig(Strict):
-    # A local folder (or a mounted shared volume), or an object store: s3://bucket/prefix (gs://, az:// too).
-    root: str = "data"
-    # For object stores: endpoint, region, allow_http, ... (obstore's options); credentials come from the
-    # environment (AWS_ACCESS_KEY_ID, ...), never from this file.
-    options: dict[str, Any] = Field(default_factory=dict)
-    # Where each step keeps its working copy of a partition when the root is an object store.
-    cache_dir: str = "~/.cache/eagle3-assets/storage"
+    """Where every output lands."""
+
+    root: str = Field(
+        "data",
+        description="Where every output lands, one folder per dataset: a local folder (a relative path is "
+        "relative to the config file's folder) or an object store, `s3://bucket/prefix` (also `gs://`, "
+        "`az://`, `abfs://`, `abfss://`, `memory://`). Point it at a shared volume or a bucket when steps "
+        "run on more than one machine.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the object-store client for a URL `root` (obstore's: `endpoint`, `region`, "
+        "`allow_http`, ...), and `retry` with the keys `max_retries`, `init_backoff_s`, `max_backoff_s`, "
+        "`base`, `retry_timeout_s`; unused for a local root. Credentials come from the environment "
+        "(`AWS_ACCESS_KEY_ID`, ...): a key that looks like one (secret, password, token, access_key) is "
+        "refused.",
+    )
+    cache_dir: str = Field(
+        "~/.cache/eagle3-assets/storage",
+        description="Where each step keeps its working copy of a partition when `root` is an object store "
+        "(unused for a local root). `~` is expanded; a relative path is taken from the process's working "
+        "directory, not from the config file's folder.",
+    )
 
     @field_validator("options")
     @classmethod
@@ -62,56 +80,180 @@ class StorageConfig(Strict):
         if secret:
             raise ValueError(
                 f"storage.options {secret} look like credentials: set them in the environment "
-                f"(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...), never in this file ({README_CONFIG})"
+                f"(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...), never in this file (see {DOCS_CONFIG})"
             )
         return v
 
 
 class TargetConfig(Strict):
-    tokenizer: str = BUILTIN_SMOLLM2
-    model: str = BUILTIN_SMOLLM2
-    trust_remote_code: bool = False
-    revision: str | None = None
-    # Passed to the chat template, e.g. {"thinking": true} for Kimi K2.5.
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # The end-of-turn token the template emits after an answer. Default: the tokenizer's eos token.
-    end_of_turn_token: str | None = None
-    # Optional hard-coded id (e.g. a serving stack's stop id); preflight checks it decodes to
-    # end_of_turn_token.
-    end_of_turn_id: int | None = None
-    # Used when the template has no reasoning field of its own: reasoning is rendered between these strings.
-    think_open: str = "<think>"
-    think_close: str = "</think>"
+    """The target model: its tokenizer and chat template, its weights, and how they are loaded."""
+
+    tokenizer: str = Field(
+        BUILTIN_SMOLLM2,
+        description="The target's tokenizer and chat template: a Hugging Face repo id, a local folder "
+        "(relative to the config file's folder) or `builtin:smollm2` (the embedded SmolLM2-135M-Instruct). "
+        "It renders every prompt and rebuilds every answer's token ids, so it must be the tokenizer of "
+        "`model`; preflight checks that the two belong together.",
+    )
+    model: str = Field(
+        BUILTIN_SMOLLM2,
+        description="The target's weights, in the same forms as `tokenizer`. The embedded backend generates "
+        "with them, the in-process engines extract hidden states and run the acceptance gate with them, and "
+        "with the vLLM engines this is the checkpoint served, of which pieces (embedding, head, final norm, "
+        "first layers) are read here for the checks.",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Run the code a hub repository ships for its tokenizer and model (Kimi K2 and K2.5 need "
+        "it). With a tokenizer or model from the hub, preflight then requires `revision`.",
+    )
+    revision: str | None = Field(
+        None,
+        description="The commit of the hub repositories of `tokenizer` and `model` to load (one pin for "
+        "both, their remote code included); null: the repository's default branch as it is now. Set it to "
+        "the commit whose code you reviewed: preflight refuses a placeholder such as "
+        "`REPLACE-WITH-A-COMMIT-SHA`.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables passed to the chat template wherever it renders (tokenization, and the "
+        "hidden-states servers' `/tokenize` check), e.g. `{thinking: true}` for Kimi K2.5. They change the "
+        "rendered tokens, so set them to the mode the answers are generated in.",
+    )
+    end_of_turn_token: str | None = Field(
+        None,
+        description="The token that ends an assistant turn, trained as each finished answer's last token. "
+        "Null: the control token the chat template writes after an answer (Kimi K2.5: `<|im_end|>`, not its "
+        "eos), or the tokenizer's eos token when the template writes none. Set it only when preflight asks "
+        "for it.",
+    )
+    end_of_turn_id: int | None = Field(
+        None,
+        description="Optional id of the end-of-turn token as a serving stack knows it (its stop id). It is "
+        "only checked: preflight fails unless it is the tokenizer's id of the end-of-turn token.",
+    )
+    think_open: str = Field(
+        "<think>",
+        description="Opening marker of reasoning, for chat templates without a `reasoning_content` field: an "
+        "answer's reasoning is rendered between `think_open` and `think_close` before its content, and "
+        "SGLang's raw output is split on them.",
+    )
+    think_close: str = Field(
+        "</think>",
+        description="Closing marker of reasoning; see `think_open`.",
+    )
 
 
 class SamplingConfig(Strict):
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    seed: int | None = None
+    """How the target samples its answers."""
+
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        description="Sampling temperature sent to the backend; 0 is greedy decoding. Use the target's "
+        "recommended value for the mode it answers in (Kimi K2.5 thinking: 1.0).",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus-sampling threshold sent to the backend (1.0: no cut); the embedded backend "
+        "applies it only when `temperature` is above 0.",
+    )
+    top_k: int | None = Field(
+        None,
+        ge=1,
+        description="Sample only among the k most likely tokens; null sends none, so the server's default "
+        "applies. The embedded backend applies it only when `temperature` is above 0.",
+    )
+    seed: int | None = Field(
+        None,
+        description="Random seed sent with each request (OpenRouter `seed`, SGLang `sampling_seed`; the "
+        "embedded backend seeds torch before each sampled batch); null sends none. Providers may ignore it.",
+    )
 
 
 class OpenRouterConfig(Strict):
-    base_url: str = "https://openrouter.ai/api/v1"
-    api_key_env: str = "OPENROUTER_API_KEY"
-    model: str = "moonshotai/kimi-k2.5"
-    provider: dict[str, Any] = Field(default_factory=dict)
-    # The ceiling: the engine finds the concurrency the provider sustains below it (adaptive window).
-    max_concurrency: int = Field(2000, ge=1)
-    # OpenRouter's reasoning request object; null sends none.
-    reasoning: dict[str, Any] | None = Field(default_factory=lambda: {"enabled": True})
-    extra_body: dict[str, Any] = Field(default_factory=dict)
-    request_timeout_s: float = Field(900.0, gt=0)
-    # Stream answers (server-sent events with usage): long reasoning answers survive proxies that cut idle
-    # connections, and the budget sees the tokens of each answer as they arrive.
-    stream: bool = True
-    stream_idle_timeout_s: float = Field(300.0, gt=0)
-    max_retries: int = Field(8, ge=0)
-    app_url: str = "https://github.com/eagle3-assets"
-    app_title: str = "eagle3-assets"
-    # The key is sent as a Bearer token: over plain http it is readable on the way, so a non-loopback http
-    # endpoint must be allowed explicitly.
-    allow_insecure_http: bool = False
+    """The `openrouter` backend: OpenRouter, or any OpenAI-compatible chat-completions server."""
+
+    base_url: str = Field(
+        "https://openrouter.ai/api/v1",
+        description="Root of an OpenAI-compatible API; requests go to `<base_url>/chat/completions`. Any "
+        "such server works (vLLM, SGLang's OpenAI API, `transformers serve`); plain `http://` is accepted "
+        "only on a loopback host unless `allow_insecure_http` is true.",
+    )
+    api_key_env: str = Field(
+        "OPENROUTER_API_KEY",
+        description="Name of the environment variable that holds the API key, sent as a Bearer token; the "
+        "key itself never appears in the config, logs or outputs. Preflight fails when it is unset for "
+        "openrouter.ai.",
+    )
+    model: str = Field(
+        "moonshotai/kimi-k2.5",
+        description="The model id sent with every request, in the endpoint's naming (OpenRouter: "
+        "`moonshotai/kimi-k2.5`); preflight checks that the endpoint lists it.",
+    )
+    provider: dict[str, Any] = Field(
+        default_factory=dict,
+        description="OpenRouter's provider-routing object (`order`, `allow_fallbacks`, `require_parameters`, "
+        "`data_collection`, ...), sent as is when not empty. Pin one provider to get every answer from the "
+        "same serving stack.",
+    )
+    max_concurrency: int = Field(
+        2000,
+        ge=1,
+        description="Ceiling of requests in flight: the engine's adaptive window finds what the provider "
+        "sustains below it. Lower it to cap the load on a provider; a launch may lower it further, never "
+        "raise it.",
+    )
+    reasoning: dict[str, Any] | None = Field(
+        default_factory=lambda: {"enabled": True},
+        description="OpenRouter's `reasoning` request object (e.g. `{enabled: true}` or `{effort: high}`), "
+        "sent as is; null sends none. The reasoning that comes back is stored in each row's `reasoning`.",
+    )
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further fields merged into every request body last, overriding those set from the other "
+        "keys (e.g. a parameter only one provider knows).",
+    )
+    request_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds one request may take from sending to its last byte, streamed or not. Raise it "
+        "for long reasoning answers (32k thinking tokens can take many minutes).",
+    )
+    stream: bool = Field(
+        True,
+        description="Stream answers (server-sent events, usage in the last one): long reasoning answers "
+        "survive proxies that cut idle connections, and the budget sees each answer's tokens as they arrive. "
+        "Turn it off only for a server that cannot stream.",
+    )
+    stream_idle_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds a stream may stay silent before it is cut and retried as a fault.",
+    )
+    max_retries: int = Field(
+        8,
+        ge=0,
+        description="Retries per prompt after faults (5xx, timeouts, resets, malformed bodies), with "
+        "jittered exponential backoff; then the prompt gets a retryable `failures` row. Backpressure (429, "
+        "or 503 and 402 with `Retry-After`) is waited out without using these.",
+    )
+    app_url: str = Field(
+        "https://github.com/eagle3-assets",
+        description="Sent as the `HTTP-Referer` header: OpenRouter's attribution of requests to an app.",
+    )
+    app_title: str = Field(
+        "eagle3-assets",
+        description="Sent as the `X-OpenRouter-Title` and `X-Title` headers: the app's name in OpenRouter's "
+        "attribution.",
+    )
+    allow_insecure_http: bool = Field(
+        False,
+        description="Accept a plain `http://` `base_url` on a host other than loopback. The key then crosses "
+        "the network unencrypted: set it only on a network you trust.",
+    )
 
     @model_validator(mode="after")
     def _key_only_over_tls(self) -> OpenRouterConfig:
@@ -120,7 +262,7 @@ class OpenRouterConfig(Strict):
             raise ValueError(
                 f"base_url {url!r} is plain http to another host: the API key would cross the network "
                 "unencrypted. Use https, or set backends.openrouter.allow_insecure_http: true for a trusted "
-                f"network ({README_BACKENDS})"
+                f"network (see {DOCS_BACKENDS})"
             )
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"base_url {url!r} must start with https:// (or http:// on loopback)")
@@ -128,108 +270,334 @@ class OpenRouterConfig(Strict):
 
 
 class SGLangConfig(Strict):
-    base_url: str = "http://127.0.0.1:30000"
-    max_concurrency: int = Field(512, ge=1)  # the ceiling of the adaptive window
-    request_timeout_s: float = Field(900.0, gt=0)
-    max_retries: int = Field(8, ge=0)
-    extra_sampling_params: dict[str, Any] = Field(default_factory=dict)
+    """The `sglang` backend: an SGLang server's native API, which returns the generated token ids."""
+
+    base_url: str = Field(
+        "http://127.0.0.1:30000",
+        description="Root of the SGLang server: prompts go to `<base_url>/generate` as token ids rendered "
+        "with the target's chat template, after `/health` and `/model_info` answered.",
+    )
+    max_concurrency: int = Field(
+        512,
+        ge=1,
+        description="Ceiling of requests in flight: the adaptive window finds what the server sustains below "
+        "it. A launch may lower it, never raise it.",
+    )
+    request_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds one request may take from sending to its answer.",
+    )
+    max_retries: int = Field(
+        8,
+        ge=0,
+        description="Retries per prompt after faults, with jittered exponential backoff; then the prompt "
+        "gets a retryable `failures` row.",
+    )
+    extra_sampling_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further entries merged into every request's `sampling_params` last, overriding those "
+        "set from `sampling` (e.g. `{repetition_penalty: 1.05}`).",
+    )
 
 
 class LocalConfig(Strict):
-    batch_size: int = Field(16, ge=1)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    max_retries: int = Field(1, ge=0)
+    """The `local` backend: `target.model` generating in this process with transformers."""
+
+    batch_size: int = Field(
+        16,
+        ge=1,
+        description="Prompts generated together in one batched `generate` call (those with the same "
+        "`max_tokens` and sampling); twice as many requests wait their turn. Lower it when memory runs "
+        "short.",
+    )
+    device: str = Field(
+        "auto",
+        description="Where the target generates: `auto` (`cuda` when a GPU is visible, else `cpu`), `cpu`, "
+        "`cuda` or `cuda:N`.",
+    )
+    max_retries: int = Field(
+        1,
+        ge=0,
+        description="Retries per prompt after a fault; then the prompt gets a retryable `failures` row.",
+    )
 
 
 class BackendsConfig(Strict):
-    openrouter: OpenRouterConfig = Field(default_factory=OpenRouterConfig)
-    sglang: SGLangConfig = Field(default_factory=SGLangConfig)
-    local: LocalConfig = Field(default_factory=LocalConfig)
+    """Settings of each backend, by name; only the one `backend` names is used."""
+
+    openrouter: OpenRouterConfig = Field(
+        default_factory=OpenRouterConfig,
+        description="The `openrouter` backend: OpenRouter, or any OpenAI-compatible chat-completions server.",
+    )
+    sglang: SGLangConfig = Field(
+        default_factory=SGLangConfig,
+        description="The `sglang` backend: an SGLang server's native API, which returns the generated token "
+        "ids (ground truth for the tokens stage).",
+    )
+    local: LocalConfig = Field(
+        default_factory=LocalConfig,
+        description="The `local` backend: `target.model` generating in this process with transformers (the "
+        "embedded demo model by default).",
+    )
 
 
 class InstructionFields(Strict):
-    instruction: str = "instruction"
-    input: str = "input"
-    system: str | None = None
-    # The source's own answer (kept as prompts.source_answer for the acceptance gate's comparison); default:
-    # the first of `response` (Magicoder) or `output` (Alpaca) that the row has.
-    response: str | None = None
+    """Field names of `format: instruction` rows."""
+
+    instruction: str = Field(
+        "instruction",
+        description="The field holding the instruction; a row without it is quarantined.",
+    )
+    input: str = Field(
+        "input",
+        description="The field holding optional further input, appended to the instruction after a blank "
+        "line.",
+    )
+    system: str | None = Field(
+        None,
+        description="The field holding a row's system prompt; null: rows have none (`system_prompt` can "
+        "still add one).",
+    )
+    response: str | None = Field(
+        None,
+        description="The field holding the source's own answer, kept as the prompt's `source_answer` for the "
+        "acceptance gate's comparison; null: the first of `response` (Magicoder) or `output` (Alpaca) that "
+        "the row has.",
+    )
 
 
 class DatasetConfig(Strict):
-    source: str
-    format: Literal["messages", "sharegpt", "instruction"]
-    budget_tokens: int = Field(10_000_000, ge=0)
-    budget_usd: float | None = Field(None, ge=0)
-    max_tokens: int = Field(4096, ge=1)
-    # last: the target answers the final turn (earlier assistant turns stay the source's); all: every
-    # assistant turn, in order, each request carrying the target's own earlier answers (a row per turn,
-    # `<id>#t<k>`).
-    turns: Literal["last", "all"] = "last"
-    fields: InstructionFields = Field(default_factory=InstructionFields)
-    system_prompt: str | None = None
-    sampling: SamplingConfig | None = None
-    description: str = ""
+    """One dataset: a partition of every asset."""
+
+    source: str = Field(
+        description="The dataset's prompt file: JSON Lines, JSON or Parquet (a relative path is relative to "
+        "the config file's folder). An `id` field, where rows have one, is kept as the prompt's stable id.",
+    )
+    format: Literal["messages", "sharegpt", "instruction"] = Field(
+        description="How rows are written: `messages` (OpenAI `{messages: [{role, content}]}`), `sharegpt` "
+        "(`{conversations: [{from, value}]}`) or `instruction` (`{instruction, input}`, names set in "
+        "`fields`). A trailing assistant turn is dropped: the target answers that turn afresh.",
+    )
+    budget_tokens: int = Field(
+        10_000_000,
+        ge=0,
+        description="Hard budget of completion tokens (reasoning included) for this dataset, over all "
+        "backends and runs together: dispatch stops before it would be exceeded, counting what is in flight. "
+        "Raise it to buy more answers.",
+    )
+    budget_usd: float | None = Field(
+        None,
+        ge=0,
+        description="Hard budget in US dollars for this dataset, over all backends and runs, from the cost "
+        "each answer reports (OpenRouter's `usage.cost`); null: none. Where answers report no cost (SGLang, "
+        "local, most vLLM servers) only `budget_tokens` applies.",
+    )
+    max_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Most completion tokens per request, reasoning included (OpenAI's `max_tokens`, SGLang's "
+        "`max_new_tokens`); an answer cut there has finish reason `length`. Reasoning models need room "
+        "(32768 for Kimi K2.5 thinking).",
+    )
+    turns: Literal["last", "all"] = Field(
+        "last",
+        description="`last`: the target answers the final user turn, earlier assistant turns stay the "
+        "source's. `all`: the target answers every assistant turn in order, each request carrying its own "
+        "earlier answers (a row per turn, id `<id>#t<k>`).",
+    )
+    fields: InstructionFields = Field(
+        default_factory=InstructionFields,
+        description="Field names of `format: instruction` rows (Alpaca, Magicoder and similar); ignored for "
+        "the other formats.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="A system prompt put first in every conversation of this dataset that has none (imported "
+        "answers are matched with it too); null adds none. Changing it changes the prompts, and so their "
+        "answers.",
+    )
+    sampling: SamplingConfig | None = Field(
+        None,
+        description="Sampling for this dataset, replacing the top-level `sampling` as a whole (keys left out "
+        "take their defaults, not the top-level values); null: the top-level `sampling`.",
+    )
+    description: str = Field(
+        "",
+        description="Free text for people reading the config (what the dataset holds); nothing reads it.",
+    )
 
 
 class TokensConfig(Strict):
-    # Train on every assistant turn of multi-turn prompts, not only the generated one.
-    train_all_assistant_turns: bool = False
-    # Where the backend returned the ids it generated, store those (ground truth) rather than the
-    # reconstruction.
-    prefer_reference_ids: bool = True
-    # Conversations per chunk; 2 x cores chunks are in flight, so this bounds memory (512: < 1 GB at 10 KB
-    # answers).
-    batch_size: int = Field(512, ge=1)
+    """The tokens stage: how each answer becomes `input_ids` and `loss_mask`."""
+
+    train_all_assistant_turns: bool = Field(
+        False,
+        description="Set the loss mask on every assistant turn of a multi-turn row, the source's earlier "
+        "turns included, not only on the answer the target generated. Rows of a `turns: all` dataset train "
+        "every turn whatever this says.",
+    )
+    prefer_reference_ids: bool = Field(
+        True,
+        description="Where the backend returned the token ids it generated (SGLang, the embedded backend), "
+        "store those rather than the ids rebuilt from the text; both are still compared for the "
+        "`tokens_reference_match` check.",
+    )
+    batch_size: int = Field(
+        512,
+        ge=1,
+        description="Conversations per tokenization chunk; two chunks per worker thread are in flight, so "
+        "this bounds the stage's memory (512 stays under 1 GB with 10 KB answers).",
+    )
 
 
 class ChecksConfig(Strict):
-    min_reference_match_rate: float = Field(0.99, ge=0, le=1)
-    # Answered prompts whose conversation cannot be tokenized exactly (tokens_errors), as a share: blocking
-    # above.
-    max_token_error_share: float = Field(0.05, ge=0, le=1)
-    # hidden_states: samples recomputed by an independent forward and compared with what is stored.
-    hidden_states_spot_samples: int = Field(3, ge=0)
-    max_truncated_share: float = Field(0.5, ge=0, le=1)
-    max_failure_share: float = Field(0.05, ge=0, le=1)
-    max_degenerate_share: float = Field(0.2, ge=0, le=1)
+    """Thresholds of the asset checks."""
+
+    min_reference_match_rate: float = Field(
+        0.99,
+        ge=0,
+        le=1,
+        description="Blocking check `tokens_reference_match`: the share of rows whose rebuilt ids equal the "
+        "ids the model produced (truncation tails excepted) must reach this; it fails when the rate's 95% "
+        "interval lies below it. With a text-only backend there is nothing to compare and it passes, marked "
+        "UNVERIFIED.",
+    )
+    max_token_error_share: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Blocking check `tokens_coverage`: the share of answered prompts whose conversation "
+        "cannot be tokenized exactly (rows of `tokens_errors.parquet`) may be at most this.",
+    )
+    hidden_states_spot_samples: int = Field(
+        3,
+        ge=0,
+        description="Samples the blocking check `hidden_states_spot_check` recomputes with an independent "
+        "forward and compares with what is stored: the shortest, the median and the longest, so at most 3 "
+        "count; 0 recomputes none.",
+    )
+    max_truncated_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Warning check `report_answer_quality`: the share of answers cut at `max_tokens` (finish "
+        "reason `length`) may be at most this. Raise it where `max_tokens` is deliberately small.",
+    )
+    max_failure_share: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Blocking check `responses_failure_share`: the share of prompts whose last attempt "
+        "failed may be at most this.",
+    )
+    max_degenerate_share: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Warning check `report_answer_quality`: the share of degenerate answers (400 characters "
+        "or more that compress to under 17% of their size: loops of the same phrase) may be at most this.",
+    )
 
 
 class VllmExtractionConfig(Strict):
     """Running vLLM servers that extract hidden states (`eagle3 vllm-serve` prints the command for the
     target)."""
 
-    # One or more data-parallel replicas (each may span GPUs and nodes with tensor/pipeline parallelism).
-    base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000/v1"], min_length=1)
-    model: str | None = None  # the served model name; null: the server's only model (GET /v1/models)
-    # Where the servers' connector writes (shared_storage_path): the extraction reads and removes the files
-    # there, so this process must see them at the path the server returns (a shared volume mounted at the same
-    # path).
-    storage_path: str = "/tmp/eagle3-hidden-states"
+    base_urls: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000/v1"],
+        min_length=1,
+        description="The OpenAI-compatible roots (`http://host:port/v1`) of one or more data-parallel vLLM "
+        "replicas, each started with the `extract_hidden_states` method and the hidden-states connector and "
+        "each possibly spanning GPUs and nodes; a request goes to the replica with the fewest in flight.",
+    )
+    model: str | None = Field(
+        None,
+        description="The served model name; null: the one model the servers list at `GET /v1/models`.",
+    )
+    storage_path: str = Field(
+        "/tmp/eagle3-hidden-states",
+        description="The folder the servers' connector writes to (its `shared_storage_path`): the extraction "
+        "reads and removes each sample's file there, so this process must see it at the same path (a shared "
+        "volume mounted alike).",
+    )
     max_concurrency: int = Field(
-        64, ge=1
-    )  # requests in flight over all replicas (the adaptive window's ceiling)
-    request_timeout_s: float = Field(1800.0, gt=0)
+        64,
+        ge=1,
+        description="Requests in flight over all replicas (the adaptive window's ceiling); as many again may "
+        "wait for their files.",
+    )
+    request_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Seconds one extraction request may take; a request with no progress this long is a "
+        "fault.",
+    )
     file_timeout_s: float = Field(
-        300.0, gt=0
-    )  # a connector file not complete this long after its answer: a fault
-    max_retries: int = Field(4, ge=0)
+        300.0,
+        gt=0,
+        description="Seconds a sample's connector file may stay incomplete after its answer arrived before "
+        "that is a fault.",
+    )
+    max_retries: int = Field(
+        4,
+        ge=0,
+        description="Retries per sample after faults, with exponential backoff (at most 30 s apart).",
+    )
 
 
 class HiddenStatesConfig(Strict):
-    # transformers: the target in this process (the default; one GPU or device_map); vllm: running vLLM
-    # servers.
-    engine: Literal["transformers", "vllm"] = "transformers"
-    vllm: VllmExtractionConfig = Field(default_factory=VllmExtractionConfig)
-    aux_layers: list[int] | None = None  # default: [1, L//2-1, L-4]
-    shard_bytes: int = Field(2 * 1024**3, ge=1024)
-    max_tokens_per_batch: int = Field(16384, ge=16)
-    max_seq_len: int = Field(32768, ge=16)
-    device: str = "auto"
-    # What the shards store (compute runs in the device's own dtype): bf16, what the training frameworks read;
-    # or float8_e4m3fn, half the bytes, with a float32 scale per token and layer. Changing it recomputes the
-    # shards.
-    storage_dtype: StorageDtype = "bfloat16"
+    """Extraction of the target's hidden states (the `hidden_states` asset)."""
+
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="`transformers`: the target runs in this process (one GPU, or its layers spread over the "
+        "visible GPUs); `vllm`: running vLLM servers extract the states (`hidden_states.vllm`), for targets "
+        "beyond one process.",
+    )
+    vllm: VllmExtractionConfig = Field(
+        default_factory=VllmExtractionConfig,
+        description="The vLLM servers that extract hidden states when `engine` is `vllm` (`eagle3 "
+        "vllm-serve` prints the command that starts one for the target).",
+    )
+    aux_layers: list[int] | None = Field(
+        None,
+        description="The decoder layers whose outputs are stored as `aux_hidden_states`, 0-based (vLLM and "
+        "speculators number them one higher); null: `[1, L//2-1, L-4]` for a target of L layers. Changing it "
+        "recomputes the shards.",
+    )
+    shard_bytes: int = Field(
+        2 * 1024**3,
+        ge=1024,
+        description="Target size of one safetensors shard in bytes (2147483648 is 2 GiB). Each shard is one "
+        "step, so smaller shards spread a partition over more GPU steps.",
+    )
+    max_tokens_per_batch: int = Field(
+        16384,
+        ge=16,
+        description="Tokens packed into one forward pass of the `transformers` engine; without "
+        "flash-attention it is capped at 4096 on CUDA and 1024 on CPU (the dense attention mask grows with "
+        "its square). Lower it when a GPU runs out of memory.",
+    )
+    max_seq_len: int = Field(
+        32768,
+        ge=16,
+        description="Samples longer than this many tokens are not extracted (the extraction plan lists them "
+        "as skipped); `eagle3 vllm-serve` starts the servers with this plus one as `--max-model-len`.",
+    )
+    device: str = Field(
+        "auto",
+        description="Where the `transformers` engine runs the target: `auto` (`cuda` when a GPU is visible, "
+        "else `cpu`), `cpu`, `cuda` (several GPUs: the layers spread over all) or `cuda:N`. The spot check "
+        "and the in-process acceptance gate load the target there too.",
+    )
+    storage_dtype: StorageDtype = Field(
+        "bfloat16",
+        description="What the shards store (compute runs in the device's own dtype): `bfloat16`, which the "
+        "training frameworks read; `float16` or `float32`; or `float8_e4m3fn`, half the bytes, with a "
+        "float32 scale per token and layer. Changing it recomputes the shards; `dtype` is accepted as its "
+        "earlier name.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -252,87 +620,295 @@ class HiddenStatesConfig(Strict):
 class AcceptanceVllmConfig(Strict):
     """The vLLM server the acceptance step starts itself: the target with the trained draft as EAGLE-3."""
 
-    cpu: bool = False  # vLLM's CPU build (tests, laptops), installed in a cached environment of its own
-    # Interpreter that runs vLLM (GPU builds): default the step's own Python. Ignored with cpu: true.
-    python: str | None = None
-    # GPUs: default every GPU the step sees (CUDA_VISIBLE_DEVICES) as tensor parallel.
-    tensor_parallel_size: int | None = Field(None, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    dtype: str = "auto"  # the server's --dtype; CPU: float32 (bf16 arithmetic is slow without AVX512-BF16)
-    max_model_len: int | None = Field(None, ge=16)  # default: the longest measured prompt plus max_new_tokens
-    kv_cache_gib: int = Field(2, ge=1)  # CPU only: VLLM_CPU_KVCACHE_SPACE
-    start_timeout_s: float = Field(1800.0, gt=0)  # a 1T target takes many minutes to load on 8 GPUs
-    request_timeout_s: float = Field(900.0, gt=0)
-    max_concurrency: int = Field(8, ge=1)  # measured prompts in flight at once
-    # Prompts decoded greedily by the target alone (no draft) and compared token for token with the drafted
-    # outputs: speculative decoding must not change a greedy answer.
-    greedy_check_prompts: int = Field(4, ge=0)
-    extra_args: list[str] = Field(default_factory=list)  # appended to the server command
+    cpu: bool = Field(
+        False,
+        description="Use vLLM's CPU build (tests, laptops), installed once in a cached environment of its "
+        "own; the server then runs without tensor parallelism.",
+    )
+    python: str | None = Field(
+        None,
+        description="The interpreter that runs vLLM's GPU build; null: the step's own Python. Ignored with "
+        "`cpu: true`.",
+    )
+    tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="The server's `--tensor-parallel-size`; null: every GPU the step sees "
+        "(`CUDA_VISIBLE_DEVICES`) divided by `pipeline_parallel_size`.",
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="The server's `--pipeline-parallel-size`.",
+    )
+    dtype: str = Field(
+        "auto",
+        description="The server's `--dtype`; `auto` on the CPU build means `float32` (bf16 arithmetic is "
+        "slow without AVX512-BF16).",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="The server's `--max-model-len`; null: the longest measured prompt plus "
+        "`max_new_tokens`, `draft_tokens` and 8.",
+    )
+    kv_cache_gib: int = Field(
+        2,
+        ge=1,
+        description="KV-cache size of the CPU build in GiB (`VLLM_CPU_KVCACHE_SPACE`); unused on GPUs.",
+    )
+    start_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Seconds the server may take to load and become ready before the step fails (a "
+        "1T-parameter target takes many minutes on 8 GPUs).",
+    )
+    request_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds one measured request may take.",
+    )
+    max_concurrency: int = Field(
+        8,
+        ge=1,
+        description="Measured prompts in flight at once.",
+    )
+    greedy_check_prompts: int = Field(
+        4,
+        ge=0,
+        description="Heldout prompts also decoded greedily by the target alone and compared token for token "
+        "with the drafted outputs: speculative decoding must not change a greedy answer. Both engines read "
+        "it.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Further arguments appended to the server's command line, e.g. "
+        "`[--gpu-memory-utilization, '0.85']`.",
+    )
 
 
 class AcceptanceConfig(Strict):
     """The acceptance gate (asset `acceptance`): a small EAGLE-3 draft trained on the partition, measured
     against the target with greedy speculative decoding."""
 
-    draft_tokens: int = Field(4, ge=1, le=16)  # k: draft tokens proposed per target forward
-    train_prompts: int = Field(24, ge=1)  # samples the draft trains on (a stable hash picks them)
-    heldout_prompts: int = Field(8, ge=1)  # kept out of training (at most a quarter of the partition)
-    train_steps: int = Field(150, ge=1)  # the fixed training budget, in optimizer steps
-    ttt_steps: int | None = Field(None, ge=1)  # training-time-test depth; default: draft_tokens
-    learning_rate: float = Field(3e-3, gt=0)
-    batch_tokens: int = Field(512, ge=16)  # tokens per optimizer step (packed samples)
-    draft_vocab_size: int = Field(4096, ge=16)
-    max_new_tokens: int = Field(64, ge=2)  # tokens generated per measured prompt
-    min_train_share: float = Field(0.8, gt=0, le=1)  # gate: train acceptance length >= share x (k + 1)
-    compare_source_answers: bool = True  # also train on the dataset's own answers, where the source has them
-    device: str = "auto"
-    seed: int = 0
-    # transformers: the target in this process measures the draft with a speculative loop of this project's
-    # (the target must fit the step); vllm: the step starts vLLM serving the target with the draft as EAGLE-3
-    # and reads the engine's own counters (the target never enters this process).
-    engine: Literal["transformers", "vllm"] = "transformers"
-    vllm: AcceptanceVllmConfig = Field(default_factory=AcceptanceVllmConfig)
+    draft_tokens: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="k: draft tokens proposed per target forward, in measurement (and by default the "
+        "training-time-test depth).",
+    )
+    train_prompts: int = Field(
+        24,
+        ge=1,
+        description="Samples the draft trains on, taken after the heldout ones in an order fixed by a hash "
+        "of their ids (the same on every run and machine).",
+    )
+    heldout_prompts: int = Field(
+        8,
+        ge=1,
+        description="Samples kept out of training and measured (at most a quarter of the partition); as many "
+        "training prompts are measured beside them.",
+    )
+    train_steps: int = Field(
+        150,
+        ge=1,
+        description="Optimizer steps of the draft's training, the gate's fixed training budget (AdamW, a "
+        "short warm-up, then cosine decay).",
+    )
+    ttt_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Training-time-test depth: how many steps the draft is trained to draft in a row on its "
+        "own outputs; null: `draft_tokens`.",
+    )
+    learning_rate: float = Field(
+        3e-3,
+        gt=0,
+        description="Peak learning rate of the draft's training.",
+    )
+    batch_tokens: int = Field(
+        512,
+        ge=16,
+        description="Tokens per optimizer step (samples packed up to this many).",
+    )
+    draft_vocab_size: int = Field(
+        4096,
+        ge=16,
+        description="Size of the draft's vocabulary: the target tokens seen most often in the training "
+        "answers (at most the target's vocabulary).",
+    )
+    max_new_tokens: int = Field(
+        64,
+        ge=2,
+        description="Tokens generated per measured prompt; the draft trains on the same opening window of "
+        "each answer.",
+    )
+    min_train_share: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="The gate's threshold: the acceptance length on training prompts must reach this share "
+        "of its maximum, k + 1 (the heldout prompts must also beat an untrained draft).",
+    )
+    compare_source_answers: bool = Field(
+        True,
+        description="Also train the same draft on the dataset's own answers, where at least half the "
+        "training prompts have one, and measure it on the heldout prompts: the difference is what "
+        "regenerating the answers buys.",
+    )
+    device: str = Field(
+        "auto",
+        description="Where the `transformers` engine runs its decoding loop: `auto`, `cpu`, `cuda` or "
+        "`cuda:N`. The target itself is loaded on `hidden_states.device`, so keep the two alike; unused with "
+        "`engine: vllm`.",
+    )
+    seed: int = Field(
+        0,
+        description="Seed of the draft's initialisation and of the training order, so a partition's gate is "
+        "reproducible.",
+    )
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="`transformers`: this process measures the draft with its own speculative decoding loop "
+        "(the target must fit the step); `vllm`: the step starts vLLM serving the target with the draft as "
+        "EAGLE-3 and reads the engine's own counters (the target never enters this process).",
+    )
+    vllm: AcceptanceVllmConfig = Field(
+        default_factory=AcceptanceVllmConfig,
+        description="The vLLM server the step starts when `engine` is `vllm`.",
+    )
 
 
 class AutomationConfig(Strict):
-    # Every cron tick, datasets under budget with work left are topped up (one backfill); later stages follow.
-    top_up_cron: str = "0 */6 * * *"
-    enabled: bool = False  # the automation sensor's default state (it can always be started in the UI)
-    hidden_states: bool = False  # let hidden_states follow tokens automatically (needs GPUs in production)
+    """Scheduled top-ups and the automation sensor."""
+
+    top_up_cron: str = Field(
+        "0 */6 * * *",
+        description="Cron schedule (UTC) of the top-ups: at each tick, datasets under budget with prompts "
+        "left get one backfill and sources changed since their ingestion are ingested again; later stages "
+        "follow when their inputs change.",
+    )
+    enabled: bool = Field(
+        False,
+        description="Whether the automation sensor starts running; false leaves it stopped until it is "
+        "started in the UI (top-ups buy answers).",
+    )
+    hidden_states: bool = Field(
+        False,
+        description="Let `hidden_states` follow new tokens automatically (it needs GPUs where its steps "
+        "run); false leaves extraction to explicit materialisations.",
+    )
 
 
 class ExecutionConfig(Strict):
-    # in_process: one process runs a partition's steps in turn, sharing the loaded model and tokenizer
-    # (laptops, the demo); multiprocess: a process per step; k8s: a pod per step (k8s_job_executor, needs
-    # dagster-k8s).
-    executor: Literal["in_process", "multiprocess", "k8s"] = "in_process"
-    max_concurrent_steps: int = Field(4, ge=1)
-    # With executor k8s: the Kubernetes secret holding the API key, mounted only into the pods of responses
-    # steps.
-    k8s_api_key_secret: str = "eagle3-openrouter"
+    """How Dagster executes a run's steps."""
+
+    executor: Literal["in_process", "multiprocess", "k8s"] = Field(
+        "in_process",
+        description="`in_process`: one process runs a run's steps in turn, sharing the loaded model and "
+        "tokenizer (laptops, the demo); `multiprocess`: a process per step; `k8s`: a pod per step "
+        "(`k8s_job_executor`, needs dagster-k8s).",
+    )
+    max_concurrent_steps: int = Field(
+        4,
+        ge=1,
+        description="Steps of one run that execute at once with `multiprocess` or `k8s`; `in_process` runs "
+        "one at a time.",
+    )
+    k8s_api_key_secret: str = Field(
+        "eagle3-openrouter",
+        description="With `executor: k8s`: the Kubernetes secret holding the API key, mounted as environment "
+        "variables into the pods of `responses` steps only.",
+    )
 
 
 class PoolsConfig(Strict):
-    llm_api: int = Field(1, ge=1)
-    gpu: int = Field(1, ge=1)
+    """Concurrency limits of the Dagster pools; `eagle3 instance` (run by `make dev` and `make demo`) writes
+    them to the instance."""
+
+    llm_api: int = Field(
+        1,
+        ge=1,
+        description="Steps at once in the pool `llm_api`, which the `responses` steps use: 1 keeps one "
+        "generating step at a time (it may serve every dataset).",
+    )
+    gpu: int = Field(
+        1,
+        ge=1,
+        description="Steps at once in the pool `gpu`, which the `hidden_states` shard steps and the "
+        "`acceptance` steps use: raise it to as many GPU steps as the machines can run at once (an "
+        "acceptance server with vLLM takes a whole node).",
+    )
 
 
 class ProjectConfig(Strict):
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    target: TargetConfig = Field(default_factory=TargetConfig)
-    backend: BackendName = "local"
-    backends: BackendsConfig = Field(default_factory=BackendsConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    datasets: dict[str, DatasetConfig]
-    tokens: TokensConfig = Field(default_factory=TokensConfig)
-    checks: ChecksConfig = Field(default_factory=ChecksConfig)
-    hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
-    acceptance: AcceptanceConfig = Field(default_factory=AcceptanceConfig)
-    automation: AutomationConfig = Field(default_factory=AutomationConfig)
-    pools: PoolsConfig = Field(default_factory=PoolsConfig)
-    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
-    # Folder of the config file; relative paths resolve against it. Set by the loader.
-    base_dir: str = Field("", exclude=True)
+    """The whole config file."""
+
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig,
+        description="Where every output lands: a local folder or an object store.",
+    )
+    target: TargetConfig = Field(
+        default_factory=TargetConfig,
+        description="The target model: its tokenizer and chat template, its weights, and how they are "
+        "loaded.",
+    )
+    backend: BackendName = Field(
+        "local",
+        description="Which backend answers the prompts: `local` (the target in this process), `openrouter` "
+        "(OpenRouter or any OpenAI-compatible server) or `sglang` (an SGLang server). The environment "
+        "variable `EAGLE3_BACKEND` overrides it; answers from every backend count toward the same budgets.",
+    )
+    backends: BackendsConfig = Field(
+        default_factory=BackendsConfig,
+        description="Settings of each backend, by name; only the one `backend` names is used.",
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig,
+        description="How the target samples its answers, for every dataset that sets no `sampling` of its "
+        "own.",
+    )
+    datasets: dict[str, DatasetConfig] = Field(
+        description="The datasets by key, at least one. Each key is a partition key of every asset (letters, "
+        "digits, `_`, `.` and `-`, at most 64 characters).",
+    )
+    tokens: TokensConfig = Field(
+        default_factory=TokensConfig,
+        description="The tokens stage: how each answer becomes `input_ids` and `loss_mask`.",
+    )
+    checks: ChecksConfig = Field(
+        default_factory=ChecksConfig,
+        description="Thresholds of the asset checks.",
+    )
+    hidden_states: HiddenStatesConfig = Field(
+        default_factory=HiddenStatesConfig,
+        description="Extraction of the target's hidden states (the `hidden_states` asset).",
+    )
+    acceptance: AcceptanceConfig = Field(
+        default_factory=AcceptanceConfig,
+        description="The acceptance gate (the `acceptance` asset): a small EAGLE-3 draft trained on the "
+        "partition and measured against the target with greedy speculative decoding.",
+    )
+    automation: AutomationConfig = Field(
+        default_factory=AutomationConfig,
+        description="Scheduled top-ups and the automation sensor.",
+    )
+    pools: PoolsConfig = Field(
+        default_factory=PoolsConfig,
+        description="Concurrency limits of the Dagster pools; `eagle3 instance` (run by `make dev` and `make "
+        "demo`) writes them to the instance.",
+    )
+    execution: ExecutionConfig = Field(
+        default_factory=ExecutionConfig,
+        description="How Dagster executes a run's steps.",
+    )
+    base_dir: str = Field(
+        "",
+        exclude=True,
+        description="Folder of the config file, set by the loader (not a key of the file): relative paths "
+        "resolve against it.",
+    )
 
     @field_validator("datasets")
     @classmethod
@@ -385,8 +961,8 @@ def _format_error(err: ValidationError, path: Path) -> str:
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(
-                f"{path}: unknown key '{loc}' (check the spelling; the keys are listed in the "
-                f"{README_CONFIG})"
+                f"{path}: unknown key '{loc}' (check the spelling; every key is listed in "
+                f"{DOCS_CONFIG_REFERENCE})"
             )
         elif e["type"] == "missing":
             lines.append(f"{path}: missing required key '{loc}'")

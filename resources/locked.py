@@ -15,7 +15,7 @@ from typing import Any
 
 import dagster as dg
 
-from eagle3_assets.config import README_CONFIG
+from eagle3_assets.config import DOCS_CONFIG
 
 
 class LaunchOverrideRefused(dg.Failure):
@@ -28,7 +28,7 @@ def _refuse(name: str, config_path: str, section: str, given: dict[str, Any]) ->
         description=(
             f"run config may not set resources.{name} ({keys}): endpoints, API key variables, tokenizer and "
             f"model references, remote code and storage come from the config file only. Edit {section} in "
-            f"{config_path} and reload the code location ({README_CONFIG}). Per run you may set the "
+            f"{config_path} and reload the code location (see {DOCS_CONFIG}). Per run you may set the "
             "responses asset's limit, retry_permanent_failures and a lower max_concurrency."
         )
     )

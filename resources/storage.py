@@ -1,5 +1,5 @@
 """Where outputs land: one sub-folder per partition under `storage.root`, a local folder or an object store
-(the README's Outputs section). Stages work in the partition's local folder; with an object-store root that
+(docs/outputs.md). Stages work in the partition's local folder; with an object-store root that
 folder is a working copy synchronised around each stage (`eagle3_assets.core.storage.remote`)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from eagle3_assets.config import ConfigError, load_config
+from eagle3_assets.config import DOCS_CONFIG, DOCS_CONFIG_REFERENCE, ConfigError, load_config
 
 from .support.projects import REPO, make_project, user_rows
 
@@ -69,11 +69,15 @@ def test_object_store_roots_are_accepted_and_credentials_kept_out_of_the_file(tm
         load_config(make_project(tmp_path, {"B1": {"rows": user_rows(["hi"])}}, storage=storage))
 
 
-def test_errors_name_the_readme_section_not_a_document_users_lack(tmp_path):
+def test_errors_name_the_documentation_page_not_a_document_users_lack(tmp_path):
     path = make_project(tmp_path, {"B1": {"rows": user_rows(["x"])}}, storage={"root": "data", "rooot": 1})
     with pytest.raises(ConfigError) as e:
         load_config(path)
-    assert "README, section 'Configuration: eagle3.yaml'" in str(e.value) and "design" not in str(e.value)
+    assert DOCS_CONFIG_REFERENCE in str(e.value) and "design" not in str(e.value)
+    assert (REPO / DOCS_CONFIG_REFERENCE).is_file()  # the page that lists every key ships with the code
+    secrets = {"root": "data", "options": {"secret_key": "x"}}
+    with pytest.raises(ConfigError, match=DOCS_CONFIG):
+        load_config(make_project(tmp_path, {"B1": {"rows": user_rows(["x"])}}, storage=secrets))
 
 
 def test_the_key_goes_over_plain_http_only_to_loopback_or_when_allowed(tmp_path):

@@ -3,7 +3,7 @@ engine."""
 
 from __future__ import annotations
 
-from eagle3_assets.config import README_CONFIG, ProjectConfig
+from eagle3_assets.config import DOCS_BACKENDS, ProjectConfig
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.protocol import InferenceBackend
 from eagle3_assets.core.target.chat import ChatTokenizer
@@ -34,7 +34,7 @@ class Inference:
         if max_concurrency is not None and max_concurrency > ceiling:
             raise ValueError(
                 f"max_concurrency {max_concurrency} is above the ceiling of backends.{self.name} "
-                f"({ceiling}); raise it in the config file ({README_CONFIG}) or launch with a lower value"
+                f"({ceiling}); raise it in the config file (see {DOCS_BACKENDS}) or launch with a lower value"
             )
         return EngineSettings(
             max_concurrency=max_concurrency or ceiling, max_retries=self.section.max_retries

