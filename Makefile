@@ -8,7 +8,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster
 HOST ?= 127.0.0.1
 PORT ?= 3000
 
-.PHONY: setup instance demo dev test lint bench clean
+.PHONY: setup instance demo dev test lint docs code-layout bench clean
 
 setup: $(STAMP)
 
@@ -36,18 +36,29 @@ dev: instance
 
 # The end-to-end tests start a real PostgreSQL server and a real Chromium: scripts/test-deps.sh installs Debian's
 # postgresql and chromium when they are missing.
-# Style and types first (a minute): a failure there stops before the suite's half hour.
-test: setup lint
+# Style, types and the documentation first (a minute): a failure there stops before the suite's half hour.
+test: setup lint docs
 	@./scripts/test-deps.sh
 	$(PY) -m pytest -q -ra
 
 lint: setup
-	$(VENV)/bin/ruff check eagle3_assets resources tests bench
-	$(VENV)/bin/ruff format --check eagle3_assets resources tests bench
+	$(VENV)/bin/ruff check eagle3_assets resources tests bench scripts
+	$(VENV)/bin/ruff format --check eagle3_assets resources tests bench scripts
 	$(VENV)/bin/mypy
+
+# The documentation site (docs/, mkdocs.yml) into site/, offline; --strict: a broken link, anchor or nav entry
+# fails, and so does a broken relative link of README.md. The code-layout page must list exactly the modules that
+# exist (`make code-layout` writes it again).
+docs: setup
+	$(PY) scripts/code_layout.py --check
+	$(PY) scripts/readme_links.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+code-layout: setup
+	$(PY) scripts/code_layout.py --write
 
 bench: setup
 	$(PY) -m bench
 
 clean:
-	rm -rf data .dagster artifacts
+	rm -rf data .dagster artifacts site

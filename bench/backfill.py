@@ -193,7 +193,7 @@ def engine_only(spec: ProviderSpec, prompts: int) -> dict:
 
 
 def through_dagster(spec: ProviderSpec, prompts: int) -> dict:
-    """`dagster dev` on a fresh DAGSTER_HOME prepared as the README says; one backfill of `responses` over
+    """`dagster dev` on a fresh DAGSTER_HOME prepared as `make instance` does; one backfill of `responses` over
     B1..B8 through GraphQL, executed by the daemon."""
     from tests.support.dagster_dev import DagsterDev
 

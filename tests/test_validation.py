@@ -79,7 +79,9 @@ def test_degenerate_answers_are_detected():
         "migrate upstream, birds nest in reeds and people fish, swim and trade along the banks."
     )
     assert not is_degenerate(natural)
-    paragraphs = (REPO / "README.md").read_text().split("\n\n")
+    # Natural prose: the long paragraphs of the documentation pages (tables and code blocks left out).
+    pages = "\n\n".join(page.read_text() for page in sorted((REPO / "docs").glob("*.md")))
+    paragraphs = [p for p in pages.split("\n\n") if not p.lstrip().startswith(("|", "```"))]
     long_prose = "\n\n".join(p for p in paragraphs if len(p) > 200)[:12000]
     code = (REPO / "eagle3_assets" / "core" / "target" / "chat.py").read_text()[:12000]
     assert len(long_prose) > 5000 and not is_degenerate(long_prose) and not is_degenerate(code)
