@@ -193,8 +193,8 @@ def engine_only(spec: ProviderSpec, prompts: int) -> dict:
 
 
 def through_dagster(spec: ProviderSpec, prompts: int) -> dict:
-    """`dagster dev` on a fresh DAGSTER_HOME prepared as `make instance` does; one backfill of `responses` over
-    B1..B8 through GraphQL, executed by the daemon."""
+    """`dagster dev` on a fresh DAGSTER_HOME prepared as `make instance` does; one backfill of `responses`
+    over B1..B8 through GraphQL, executed by the daemon."""
     from tests.support.dagster_dev import DagsterDev
 
     os.environ.setdefault(KEY_ENV, "bench-key-0123456789")

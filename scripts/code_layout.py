@@ -28,12 +28,13 @@ with one package per stage. Each stage imports only the stages before it (`tests
 module to that order), and nothing under `eagle3_assets/core/` imports Dagster. Every outside system (an
 inference service, the target tokenizer, storage, vLLM) has one adapter under `resources/`.
 
-This page is generated from the modules' own docstrings by `make code-layout`; `make docs` fails when it does not
-list exactly the modules that exist.
+This page is generated from the modules' own docstrings by `make code-layout`; `make docs` fails when it does
+not list exactly the modules that exist.
 
 Beside the packages: `bench/` (the [benchmarks](benchmarks.md)), `configs/` (the Kimi-K2.5 recipe), `deploy/`
 (instance files, Helm values, the vLLM Deployment: [operations](operations.md)), `prompts/` (the demo datasets
-B1..B8), `scripts/` (the system packages the tests need; this page's generator) and `tests/` ([tests](tests.md)).
+B1..B8), `scripts/` (the system packages the tests need; this page's generator) and `tests/`
+([tests](tests.md)).
 """
 
 
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     missing, gone = sorted(exist - on_page), sorted(on_page - exist)
     if missing or gone:
         print(
-            f"{PAGE.relative_to(REPO)} does not match the code: not listed {missing}, listed but gone {gone}. "
-            "Run `make code-layout`.",
+            f"{PAGE.relative_to(REPO)} does not match the code: not listed {missing}, listed but gone "
+            f"{gone}. Run `make code-layout`.",
             file=sys.stderr,
         )
         return 1

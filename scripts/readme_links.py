@@ -1,5 +1,5 @@
-"""Check the relative links of README.md (the documentation site's build checks its own pages): every linked file
-exists, and every anchor into a Markdown file names one of its headings.
+"""Check the relative links of README.md (the documentation site's build checks its own pages): every linked
+file exists, and every anchor into a Markdown file names one of its headings.
 
     python scripts/readme_links.py
 """
