@@ -24,7 +24,7 @@ class Target:
 
     def deferred_chat_tokenizer(self) -> ChatTokenizer:
         """The same tokenizer, loaded only when something uses it (DeferredChat says when that is never)."""
-        return DeferredChat(self._recipe())  # type: ignore[return-value]
+        return DeferredChat(self._recipe())  # type: ignore[return-value]  # a lazy stand-in with its interface
 
     def _recipe(self) -> ChatRecipe:
         t = self.cfg

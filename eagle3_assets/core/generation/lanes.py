@@ -13,16 +13,51 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .report import EngineReport
 
 if TYPE_CHECKING:
-    from .budget import Budget
-    from .journal import JournalWriter
     from .ledger import DispatchLedger
     from .limiter import DispatchToken
     from .protocol import Completion, CompletionRequest, InferenceError
+
+
+class LaneBudget(Protocol):
+    """What the engine asks of a lane's budget (`budget.Budget`; extraction's is always open)."""
+
+    def open(self, request: CompletionRequest) -> Any: ...
+
+    def settle(
+        self,
+        ticket: Any,
+        completion_tokens: int | None,
+        cost_usd: float | None,
+        latency_s: float | None = None,
+    ) -> None: ...
+
+    def can_dispatch(self) -> bool: ...
+
+    def spent_share(self) -> float: ...
+
+    def committed_share(self) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+class LaneSink(Protocol):
+    """Where a lane's answers and failures go (`journal.JournalWriter`; extraction's shard assembler)."""
+
+    @property
+    def pending(self) -> int: ...
+
+    def add_completion(self, request_id: str, c: Completion) -> None: ...
+
+    def add_failure(
+        self, request_id: str, kind: str, message: str, attempts: int, permanent: bool, status: int | None
+    ) -> None: ...
+
+    async def flush(self) -> None: ...
 
 
 class PendingPrompt:
@@ -59,8 +94,8 @@ class Lane:
         key: str,
         requests: Iterable[CompletionRequest],
         total: int,
-        budget: Budget,
-        writer: JournalWriter,
+        budget: LaneBudget,
+        writer: LaneSink,
         ledger: DispatchLedger | None = None,
         follow: Callable[[CompletionRequest, Completion], CompletionRequest | None] | None = None,
     ):

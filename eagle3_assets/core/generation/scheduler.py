@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .budget import Budget
     from .engine import EngineSettings
-    from .lanes import Lane, PendingPrompt
+    from .lanes import Lane, LaneBudget, PendingPrompt
 
 # A lane whose budget blocks dispatch once this share of it is committed (spent, or expected from what is in
 # flight) and at least CLOSE_OUT_SPENT of it spent sends nothing more. The spent floor keeps a reservation
@@ -34,7 +33,7 @@ BURST = 16
 IDLE_LOOK_S = 1.0  # the longest the dispatcher sleeps with nothing to wake it
 
 
-def closing_out(budget: Budget) -> bool:
+def closing_out(budget: LaneBudget) -> bool:
     """Whether a lane whose budget just refused a dispatch, with answers still in flight, sends nothing
     more."""
     return budget.spent_share() >= CLOSE_OUT_SPENT and budget.committed_share() >= CLOSE_OUT_SHARE

@@ -23,7 +23,7 @@ import contextlib
 import contextvars
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -94,14 +94,14 @@ def _restore(loop: asyncio.AbstractEventLoop, previous: dict[int, Any]) -> None:
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def _new_loop_runner() -> Callable[[Awaitable[T]], T]:
+def _new_loop_runner() -> Callable[[Coroutine[Any, Any, T]], T]:
     """uvloop where it is installed (its C event loop halves the loop's own cost per socket read, which is
     most of a streamed event's), else asyncio's."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover
-        return asyncio.run  # type: ignore[return-value]
-    return uvloop.run  # type: ignore[return-value]
+        return asyncio.run
+    return uvloop.run
 
 
 def run_loop(coro: Awaitable[T], on_stop: Callable[[], None] | None = None) -> T:

@@ -53,9 +53,8 @@ class NoBudget:
 class ServedResult:
     stats: ExtractionStats
     too_long: dict[str, str] = field(default_factory=dict)  # id -> the server's reason (context length)
-    failed: dict[str, str] = field(
-        default_factory=dict
-    )  # id -> last error (retryable: planned again next run)
+    # id -> last error (retryable: planned again next run)
+    failed: dict[str, str] = field(default_factory=dict)
     unfinished_shards: list[str] = field(default_factory=list)
 
 
@@ -258,7 +257,7 @@ def extract_served(
             return
         await backend.start()
         try:
-            lane = Lane("hidden_states", requests_for(plans, samples), total, NoBudget(), assembler)  # type: ignore[arg-type]
+            lane = Lane("hidden_states", requests_for(plans, samples), total, NoBudget(), assembler)
             await runner.run([lane])
         finally:
             await backend.close()

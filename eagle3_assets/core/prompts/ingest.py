@@ -67,9 +67,8 @@ class IngestResult:
     quarantine: pl.DataFrame
     n_source_rows: int
     outcomes: Counter = field(default_factory=Counter)
-    set_aside: list[Quarantined] = field(
-        default_factory=list
-    )  # damaged earlier outputs, moved to quarantine/
+    # damaged earlier outputs, moved to quarantine/
+    set_aside: list[Quarantined] = field(default_factory=list)
 
 
 # -- reading

@@ -54,6 +54,13 @@ class Struct:
     def get(self, fid: int) -> Field | None:
         return next((f for f in self.fields if f.id == fid), None)
 
+    def required(self, fid: int) -> Field:
+        """A field every Parquet footer holds (schema, row groups, row count)."""
+        found = self.get(fid)
+        if found is None:
+            raise ValueError(f"cannot append: the Parquet footer has no field {fid}")
+        return found
+
 
 class _Reader:
     def __init__(self, buf: bytes) -> None:
@@ -145,16 +152,16 @@ class _Writer:
 
     def value(self, t: int, v: object) -> None:
         if t in (_TRUE, _FALSE, _BYTE):
-            self.out.append(v)  # type: ignore[arg-type]
+            self.out.append(cast(int, v))
         elif t in (_I16, _I32, _I64):
-            self.zigzag(v)  # type: ignore[arg-type]
+            self.zigzag(cast(int, v))
         elif t in (_DOUBLE, _UUID):
             self.out += cast(bytes, v)
         elif t == _BINARY:
-            self.varint(len(v))  # type: ignore[arg-type]
+            self.varint(len(cast(bytes, v)))
             self.out += cast(bytes, v)
         elif t in (_LIST, _SET):
-            lv: ListValue = v  # type: ignore[assignment]
+            lv = cast(ListValue, v)
             n = len(lv.items)
             if n < 15:
                 self.out.append((n << 4) | lv.elem_type)
@@ -164,7 +171,7 @@ class _Writer:
             for item in lv.items:
                 self.value(lv.elem_type, item)
         elif t == _MAP:
-            mv: MapValue = v  # type: ignore[assignment]
+            mv = cast(MapValue, v)
             self.varint(len(mv.items))
             if mv.items:
                 self.out.append((mv.key_type << 4) | mv.value_type)
@@ -172,7 +179,7 @@ class _Writer:
                     self.value(mv.key_type, k)
                     self.value(mv.value_type, x)
         elif t == _STRUCT:
-            self.struct(v)  # type: ignore[arg-type]
+            self.struct(cast(Struct, v))
         else:
             raise ValueError(f"unknown Thrift compact type {t}")
 
@@ -247,8 +254,8 @@ def append_file(base: Path, extra: Path, out: Path) -> int:
     if base_footer.get(_FMD_SCHEMA) != extra_footer.get(_FMD_SCHEMA):
         raise ValueError("cannot append: the two files' schemas differ")
     delta = base_end - len(MAGIC)  # extra's bytes [4, extra_end) land at base_end
-    base_groups: ListValue = base_footer.get(_FMD_ROW_GROUPS).value  # type: ignore[union-attr,assignment]
-    extra_groups: ListValue = extra_footer.get(_FMD_ROW_GROUPS).value  # type: ignore[union-attr,assignment]
+    base_groups = cast(ListValue, base_footer.required(_FMD_ROW_GROUPS).value)
+    extra_groups = cast(ListValue, extra_footer.required(_FMD_ROW_GROUPS).value)
     for k, group in enumerate(extra_groups.items):
         _shift(group, (_RG_FILE_OFFSET,), delta)
         ordinal = group.get(_RG_ORDINAL)
@@ -261,9 +268,11 @@ def append_file(base: Path, extra: Path, out: Path) -> int:
             meta = chunk.get(_CC_META)
             _shift(meta.value if meta is not None else None, _CM_OFFSETS, delta)
     merged = Struct([Field(f.id, f.type, f.value) for f in extra_footer.fields])
-    merged.get(_FMD_ROW_GROUPS).value = ListValue(_STRUCT, base_groups.items + extra_groups.items)  # type: ignore[union-attr]
-    rows = base_footer.get(_FMD_NUM_ROWS).value + extra_footer.get(_FMD_NUM_ROWS).value  # type: ignore[union-attr,operator]
-    merged.get(_FMD_NUM_ROWS).value = rows  # type: ignore[union-attr]
+    merged.required(_FMD_ROW_GROUPS).value = ListValue(_STRUCT, base_groups.items + extra_groups.items)
+    rows = cast(int, base_footer.required(_FMD_NUM_ROWS).value) + cast(
+        int, extra_footer.required(_FMD_NUM_ROWS).value
+    )
+    merged.required(_FMD_NUM_ROWS).value = rows
     footer = encode_footer(merged)
     shutil.copyfile(base, out)  # sendfile / copy_file_range: no Python in the copy
     with open(out, "r+b") as dst, open(extra, "rb") as src:

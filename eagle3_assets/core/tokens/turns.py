@@ -157,11 +157,12 @@ def row_prompts(
             continue
         source = row["messages"]
         slots = assistant_slots(source)
-        history = [answers.get(turn_id(cid, j)) for j in range(1, k)]
-        if k > len(slots) or any(a is None for a in history):
+        found = [answers.get(turn_id(cid, j)) for j in range(1, k)]
+        history = [a for a in found if a is not None]
+        if k > len(slots) or len(history) < len(found):
             continue
         out[rid] = {
-            "messages": turn_messages(source, k, history, keep_reasoning),  # type: ignore[arg-type]
+            "messages": turn_messages(source, k, history, keep_reasoning),
             "source_answer": source[slots[k - 1]]["content"]
             if slots[k - 1] < len(source)
             else row.get("source_answer"),
