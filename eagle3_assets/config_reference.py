@@ -341,12 +341,13 @@ def _plain(text: str) -> str:
 def render(root: type[BaseModel] = ProjectConfig) -> str:
     """The whole reference page, as Markdown."""
     lines = [
-        f"<!-- Generated from eagle3_assets/config.py: do not edit. Regenerate with `{REGENERATE}`. -->",
+        "<!-- Generated from the config model in eagle3_assets/config/: do not edit. "
+        f"Regenerate with `{REGENERATE}`. -->",
         "",
         "# Configuration reference",
         "",
         "Every key of `eagle3.yaml` (or of the file `EAGLE3_CONFIG` names), with its type, its default and "
-        "what it does. This page is generated from the config model in `eagle3_assets/config.py`: change a "
+        "what it does. This page is generated from the config model in `eagle3_assets/config/`: change a "
         f"key's description there and regenerate it with `{REGENERATE}`; a test fails when the two differ.",
         "",
         "Unknown keys are errors that name the key. A relative path is relative to the config file's folder "

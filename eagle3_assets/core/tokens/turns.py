@@ -39,23 +39,11 @@ HISTORY_REF = pl.Struct({"output_ids": pl.List(pl.Int64), "finished": pl.Boolean
 TURN_COLUMNS: dict[str, pl.DataType] = {"all_turns": pl.Boolean(), "history_refs": pl.List(HISTORY_REF)}
 
 
-def with_turn_prompts(
-    prompts: pl.DataFrame, layout: DatasetLayout, chat: ChatTokenizer | None = None
-) -> pl.DataFrame:
-    """`prompts` (id, messages) plus the rows of regenerated conversations (a turn is rebuilt from its
-    predecessors' answers, so only the stored turns 1..K without a gap count), with `all_turns` (train
-    every assistant turn of the row) and `history_refs` (the earlier turns' produced ids, for a
-    conversation row)."""
-    base = prompts.select(
-        "id", pl.col("messages").list.eval(pl.element().struct.with_fields(reasoning=pl.lit(None, pl.String)))
-    ).with_columns(
-        pl.lit(False).alias("all_turns"),
-        pl.lit(None, dtype=TURN_COLUMNS["history_refs"]).alias("history_refs"),
-    )
+def _stored_turns(layout: DatasetLayout, ids: set[str]) -> dict[str, dict[int, tuple]]:
+    """The stored answers of later turns, by conversation id and turn: (answer, finish reason, output ids)."""
     table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
     if not table.files():
-        return base
-    ids = set(prompts["id"].to_list())
+        return {}
     stored = (
         table.scan(["id", "content", "reasoning", "finish_reason", "output_ids"])
         .unique(subset=["id"], keep="first")
@@ -72,6 +60,23 @@ def with_turn_prompts(
                 finish,
                 out_ids,
             )
+    return turns
+
+
+def with_turn_prompts(
+    prompts: pl.DataFrame, layout: DatasetLayout, chat: ChatTokenizer | None = None
+) -> pl.DataFrame:
+    """`prompts` (id, messages) plus the rows of regenerated conversations (a turn is rebuilt from its
+    predecessors' answers, so only the stored turns 1..K without a gap count), with `all_turns` (train
+    every assistant turn of the row) and `history_refs` (the earlier turns' produced ids, for a
+    conversation row)."""
+    base = prompts.select(
+        "id", pl.col("messages").list.eval(pl.element().struct.with_fields(reasoning=pl.lit(None, pl.String)))
+    ).with_columns(
+        pl.lit(False).alias("all_turns"),
+        pl.lit(None, dtype=TURN_COLUMNS["history_refs"]).alias("history_refs"),
+    )
+    turns = _stored_turns(layout, set(prompts["id"].to_list()))
     if not turns:
         return base
     source = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
@@ -157,9 +162,8 @@ def row_prompts(
             continue
         source = row["messages"]
         slots = assistant_slots(source)
-        found = [answers.get(turn_id(cid, j)) for j in range(1, k)]
-        history = [a for a in found if a is not None]
-        if k > len(slots) or len(history) < len(found):
+        history = [a for j in range(1, k) if (a := answers.get(turn_id(cid, j))) is not None]
+        if k > len(slots) or len(history) < k - 1:
             continue
         out[rid] = {
             "messages": turn_messages(source, k, history, keep_reasoning),

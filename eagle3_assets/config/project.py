@@ -1,0 +1,191 @@
+"""The whole file (`ProjectConfig`) with its operational tables: automation, execution and pools."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .acceptance import AcceptanceConfig
+from .backends import BackendsConfig, SamplingConfig
+from .base import _PARTITION_KEY, BackendName, ConfigError, Strict
+from .datasets import ChecksConfig, DatasetConfig, TokensConfig
+from .hidden_states import HiddenStatesConfig
+from .storage_target import StorageConfig, TargetConfig
+
+
+class AutomationConfig(Strict):
+    """Scheduled top-ups and the automation sensor."""
+
+    top_up_cron: str = Field(
+        "0 */6 * * *",
+        description="Cron schedule (UTC) of the top-ups: at each tick, datasets under budget with prompts "
+        "left get one backfill and sources changed since their ingestion are ingested again; later stages "
+        "follow when their inputs change.",
+    )
+    enabled: bool = Field(
+        False,
+        description="Whether the automation sensor starts running; false leaves it stopped until it is "
+        "started in the UI (top-ups buy answers).",
+    )
+    hidden_states: bool = Field(
+        False,
+        description="Let `hidden_states` follow new tokens automatically (it needs GPUs where its steps "
+        "run); false leaves extraction to explicit materialisations.",
+    )
+
+
+class ExecutionConfig(Strict):
+    """How Dagster executes a run's steps."""
+
+    executor: Literal["in_process", "multiprocess", "k8s"] = Field(
+        "in_process",
+        description="`in_process`: one process runs a run's steps in turn, sharing the loaded model and "
+        "tokenizer (laptops, the demo); `multiprocess`: a process per step; `k8s`: a pod per step "
+        "(`k8s_job_executor`, needs dagster-k8s).",
+    )
+    max_concurrent_steps: int = Field(
+        4,
+        ge=1,
+        description="Steps of one run that execute at once with `multiprocess` or `k8s`; `in_process` runs "
+        "one at a time.",
+    )
+    k8s_api_key_secret: str = Field(
+        "eagle3-openrouter",
+        description="With `executor: k8s`: the Kubernetes secret holding the API key, mounted as environment "
+        "variables into the pods of `responses` steps only.",
+    )
+
+
+class PoolsConfig(Strict):
+    """Concurrency limits of the Dagster pools; `eagle3 instance` (run by `make dev` and `make demo`) writes
+    them to the instance."""
+
+    llm_api: int = Field(
+        1,
+        ge=1,
+        description="Steps at once in the pool `llm_api`, which the `responses` steps use: 1 keeps one "
+        "generating step at a time (it may serve every dataset).",
+    )
+    gpu: int = Field(
+        1,
+        ge=1,
+        description="Steps at once in the pool `gpu`, which the `hidden_states` shard steps and the "
+        "`acceptance` steps use: raise it to as many GPU steps as the machines can run at once (an "
+        "acceptance server with vLLM takes a whole node).",
+    )
+
+
+class ProjectConfig(Strict):
+    """The whole config file."""
+
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig,
+        description="Where every output lands: a local folder or an object store.",
+    )
+    target: TargetConfig = Field(
+        default_factory=TargetConfig,
+        description="The target model: its tokenizer and chat template, its weights, and how they are "
+        "loaded.",
+    )
+    backend: BackendName = Field(
+        "local",
+        description="Which backend answers the prompts: `local` (the target in this process), `openrouter` "
+        "(OpenRouter or any OpenAI-compatible server) or `sglang` (an SGLang server). The environment "
+        "variable `EAGLE3_BACKEND` overrides it; answers from every backend count toward the same budgets.",
+    )
+    backends: BackendsConfig = Field(
+        default_factory=BackendsConfig,
+        description="Settings of each backend, by name; only the one `backend` names is used.",
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig,
+        description="How the target samples its answers, for every dataset that sets no `sampling` of its "
+        "own.",
+    )
+    datasets: dict[str, DatasetConfig] = Field(
+        description="The datasets by key, at least one. Each key is a partition key of every asset (letters, "
+        "digits, `_`, `.` and `-`, at most 64 characters).",
+    )
+    tokens: TokensConfig = Field(
+        default_factory=TokensConfig,
+        description="The tokens stage: how each answer becomes `input_ids` and `loss_mask`.",
+    )
+    checks: ChecksConfig = Field(
+        default_factory=ChecksConfig,
+        description="Thresholds of the asset checks.",
+    )
+    hidden_states: HiddenStatesConfig = Field(
+        default_factory=HiddenStatesConfig,
+        description="Extraction of the target's hidden states (the `hidden_states` asset).",
+    )
+    acceptance: AcceptanceConfig = Field(
+        default_factory=AcceptanceConfig,
+        description="The acceptance gate (the `acceptance` asset): a small EAGLE-3 draft trained on the "
+        "partition and measured against the target with greedy speculative decoding.",
+    )
+    automation: AutomationConfig = Field(
+        default_factory=AutomationConfig,
+        description="Scheduled top-ups and the automation sensor.",
+    )
+    pools: PoolsConfig = Field(
+        default_factory=PoolsConfig,
+        description="Concurrency limits of the Dagster pools; `eagle3 instance` (run by `make dev` and `make "
+        "demo`) writes them to the instance.",
+    )
+    execution: ExecutionConfig = Field(
+        default_factory=ExecutionConfig,
+        description="How Dagster executes a run's steps.",
+    )
+    base_dir: str = Field(
+        "",
+        exclude=True,
+        description="Folder of the config file, set by the loader (not a key of the file): relative paths "
+        "resolve against it.",
+    )
+
+    @field_validator("datasets")
+    @classmethod
+    def _keys_are_partition_keys(cls, v: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:
+        if not v:
+            raise ValueError("at least one dataset is required")
+        for key in v:
+            if not _PARTITION_KEY.match(key):
+                raise ValueError(
+                    f"dataset key {key!r} must match {_PARTITION_KEY.pattern} (it is a partition key)"
+                )
+        return v
+
+    # -- derived values -------------------------------------------------------------------------------------
+    def resolve_path(self, p: str) -> Path:
+        path = Path(os.path.expanduser(p))
+        return path if path.is_absolute() else Path(self.base_dir) / path
+
+    @property
+    def storage_is_remote(self) -> bool:
+        return self.storage.root.startswith(("s3://", "gs://", "az://", "abfs://", "abfss://", "memory://"))
+
+    @property
+    def storage_root(self) -> Path:
+        """The local folder of every partition: the root itself, or the working copies of an object-store
+        root."""
+        if self.storage_is_remote:
+            from ..core.storage.remote import RemoteRoot
+
+            return RemoteRoot.cache_folder(
+                self.storage.root, Path(os.path.expanduser(self.storage.cache_dir))
+            )
+        return self.resolve_path(self.storage.root)
+
+    def dataset(self, key: str) -> DatasetConfig:
+        try:
+            return self.datasets[key]
+        except KeyError:
+            raise ConfigError(
+                f"unknown dataset {key!r}; the config defines {', '.join(self.datasets)}"
+            ) from None
+
+    def sampling_for(self, key: str) -> SamplingConfig:
+        return self.dataset(key).sampling or self.sampling
