@@ -23,7 +23,9 @@ import aiohttp
 import pytest
 
 from eagle3_assets.config import OpenRouterConfig
+from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceError
+from eagle3_assets.core.generation.run import PreflightError, generate_responses
 from eagle3_assets.core.storage import proxy as proxies
 from eagle3_assets.core.storage.proxy import Proxies, ProxyConfigError, bypassed, is_loopback, proxy_for
 from eagle3_assets.core.storage.remote_writes import make_store
@@ -31,6 +33,7 @@ from resources.inference.http import HttpSession, get_json, post_json
 from resources.inference.openrouter import OpenRouterBackend
 from resources.vllm.server import free_port
 
+from .support.engine_runs import dataset, make_plan
 from .support.fake_servers import FakeOpenRouter
 from .support.http_proxy import PASSWORD, USER, RecordingProxy
 from .support.object_store import BUCKET
@@ -398,12 +401,19 @@ def test_a_refusing_proxy_is_named_and_stops_the_run(
     assert proxy.records() == []  # nothing went past the proxy
 
 
-def test_preflight_names_the_proxy_that_refuses(proxy, https_origin, monkeypatch):
+def test_a_run_behind_a_refusing_proxy_fails_at_preflight_naming_it(
+    proxy, https_origin, chat, tmp_path, monkeypatch
+):
     monkeypatch.setenv("HTTPS_PROXY", proxy.url_with(USER, "wrong-password"))
+    layout = dataset(tmp_path, ["fourteen", "fifteen"])
     b = backend(f"https://upstream.test:{https_origin.port}/api/v1", True)
-    problems = asyncio.run(b.preflight())
-    assert len(problems) == 1 and "HTTPS_PROXY" in problems[0] and "407" in problems[0]
-    assert "wrong-password" not in problems[0]
+    settings = EngineSettings(max_concurrency=2)
+    with pytest.raises(PreflightError) as e:
+        generate_responses(layout, make_plan("B1", 32, 10_000), b, chat, settings, log=lambda m: None)
+    message = str(e.value)
+    assert f"the proxy {proxy.url} (HTTPS_PROXY) refused upstream.test:{https_origin.port}: 407" in message
+    assert "wrong-password" not in message
+    assert https_origin.hits_for("fourteen") == []
 
 
 def test_an_unreachable_proxy_is_a_retried_connection_fault_that_names_it(monkeypatch):
