@@ -3,7 +3,8 @@ package.
 
 Stages, in the order data flows, each importing only the ones listed before it (and `eagle3_assets.config`):
 
-    storage        paths of a partition, crash-safe files, append-only tables, object stores, data versions
+    storage        paths of a partition, crash-safe files, append-only tables, object stores, data versions,
+                   the HTTP proxy of every outbound request
     target         the target model, its tokenizer and chat template (shared by every stage after prompts)
     prompts        dataset sources -> chat prompts with stable ids, bad rows quarantined
     generation     the engine that answers prompts through any backend: budget, journal, limiter, imports

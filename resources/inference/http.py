@@ -1,7 +1,9 @@
 """HTTP plumbing shared by the server backends: one aiohttp session, error classification, Retry-After.
 
 One `ClientSession` per run with an unlimited connector: the engine's worker count is the concurrency limit,
-and aiohttp's own pool limit (100 by default) would silently cap 2000 workers at 100 requests in flight.
+and aiohttp's own pool limit (100 by default) would silently cap 2000 workers at 100 requests in flight. Each
+request goes through the proxy `core.storage.proxy` names for its URL (read once per session); aiohttp's own
+`trust_env` stays off, so it neither decides differently (it would proxy loopback) nor reads ~/.netrc.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import aiohttp
 import orjson
 
 from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError, describe
+from eagle3_assets.core.storage.proxy import Proxies, Proxy, refusal, target_of
 
 # orjson parses a response body 2-4x faster than json: at thousands of answers a second it is the client's
 # cost.
@@ -34,17 +37,66 @@ CONTEXT_MARKERS = (
 )
 
 
-def make_session(timeout_s: float, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
+class HttpSession:
+    """An aiohttp session, the headers of its requests and the proxy settings they follow, made once per run.
+
+    The headers go with each request, never as the session's defaults: aiohttp merges a session's default
+    headers into a CONNECT and sends a default `Authorization` to the proxy as `Proxy-Authorization` (3.14),
+    which would hand the API key to every proxy on the way."""
+
+    def __init__(
+        self, client: aiohttp.ClientSession, proxies: Proxies, headers: Mapping[str, str] | None = None
+    ):
+        self.client = client
+        self.proxies = proxies
+        self.headers = dict(headers or {})
+
+    def route(self, url: str) -> tuple[Proxy | None, dict[str, Any]]:
+        """The proxy for `url` and the request arguments that send it there: a CONNECT tunnel for https
+        (credentials on the CONNECT), absolute-form for http (credentials on the request, which the proxy
+        takes)."""
+        proxy = self.proxies.for_url(url)
+        if proxy is None:
+            return None, {"headers": self.headers}
+        kwargs: dict[str, Any] = {"proxy": proxy.url, "headers": self.headers}
+        auth = proxy.authorization()
+        if auth is not None:
+            if url.lower().startswith("https:"):
+                kwargs["proxy_headers"] = {"Proxy-Authorization": auth}
+            else:
+                kwargs["headers"] = {**self.headers, "Proxy-Authorization": auth}
+        return proxy, kwargs
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def __aenter__(self) -> HttpSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def make_session(timeout_s: float, headers: dict[str, str] | None = None) -> HttpSession:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30)
-    return aiohttp.ClientSession(
+    client = aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
-        # Bodies go out as pre-encoded bytes, which get no content type of their own; strict servers
-        # (FastAPI's, behind `transformers serve` and vLLM) refuse a body without one.
-        headers={"Content-Type": "application/json", **(headers or {})},
         json_serialize=lambda o: dumps(o).decode(),
+        trust_env=False,
     )
+    # Bodies go out as pre-encoded bytes, which get no content type of their own; strict servers
+    # (FastAPI's, behind `transformers serve` and vLLM) refuse a body without one.
+    return HttpSession(client, Proxies(), {"Content-Type": "application/json", **(headers or {})})
+
+
+def proxy_refused(proxy: Proxy, target: str, status: int, reason: str) -> InferenceError:
+    """A proxy's refusal to reach `target` (host:port): its 5xx (it could not reach the target) is a
+    connection fault, retried; anything else (407 credentials, 403 policy) stops the run, since every request
+    would meet it."""
+    kind = ErrorKind.CONNECTION if status >= 500 else ErrorKind.PROXY
+    return InferenceError(kind, refusal(proxy, target, status, reason), status=status)
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -148,16 +200,23 @@ def redact(raw: bytes, secrets: tuple[bytes, ...]) -> bytes:
     return raw
 
 
-def _transport_error(e: BaseException) -> InferenceError:
+def _transport_error(e: BaseException, url: str, proxy: Proxy | None) -> InferenceError:
     if isinstance(e, TimeoutError):
         return InferenceError(ErrorKind.TIMEOUT, "no response within the request timeout")
     if isinstance(e, aiohttp.ClientPayloadError):
         return InferenceError(ErrorKind.CONNECTION, f"response cut off: {e}")
+    if isinstance(e, aiohttp.ClientHttpProxyError) and proxy is not None:
+        return proxy_refused(proxy, target_of(url), e.status, e.message)
+    if isinstance(e, aiohttp.ClientProxyConnectionError) and proxy is not None:
+        return InferenceError(
+            ErrorKind.CONNECTION, f"cannot connect to the proxy {proxy} ({proxy.source}): {e}"
+        )
     return InferenceError(ErrorKind.CONNECTION, f"{type(e).__name__}: {e}")
 
 
 _TRANSPORT_ERRORS = (
     TimeoutError,
+    aiohttp.ClientHttpProxyError,
     aiohttp.ClientPayloadError,
     aiohttp.ClientConnectionError,
     ConnectionError,
@@ -177,23 +236,24 @@ def _error_response(status: int, raw: bytes, headers: Mapping[str, str]) -> Infe
     return classify(status, body, headers)
 
 
-async def post_json(
-    session: aiohttp.ClientSession, url: str, payload: dict, secrets: tuple[bytes, ...] = ()
-) -> dict:
+async def post_json(session: HttpSession, url: str, payload: dict, secrets: tuple[bytes, ...] = ()) -> dict:
     """POST and return the decoded JSON body of a 200, or raise a classified InferenceError.
 
     `secrets` (the API key in the forms `secret_forms` lists) are cut out of the body before anything reads
     it: a server that echoes the request's headers into an error must not put the key into failures.parquet or
     the logs.
     """
+    proxy, via = session.route(url)
     try:
-        async with session.post(url, data=dumps(payload)) as resp:
+        async with session.client.post(url, data=dumps(payload), **via) as resp:
             raw = await resp.read()
-            status = resp.status
+            status, reason = resp.status, resp.reason or ""
             headers = resp.headers
     except _TRANSPORT_ERRORS as e:
-        raise _transport_error(e) from None
+        raise _transport_error(e, url, proxy) from None
     raw = redact(raw, secrets)
+    if status == 407 and proxy is not None:  # only a proxy sends 407: an http request it would not forward
+        raise proxy_refused(proxy, target_of(url), 407, reason)
     if status != 200:
         raise _error_response(status, raw, headers)
     if not raw.strip():
@@ -211,10 +271,21 @@ async def post_json(
     return body
 
 
-async def get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 15.0) -> tuple[int, Any]:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        raw = await resp.read()
-        try:
-            return resp.status, loads(raw) if raw.strip() else None
-        except ValueError:
-            return resp.status, raw.decode("utf-8", "replace")
+async def get_json(session: HttpSession, url: str, timeout_s: float = 15.0) -> tuple[int, Any]:
+    """GET; the status and the decoded body. A proxy's refusal raises its classified InferenceError (a status
+    the caller would otherwise blame on the server)."""
+    proxy, via = session.route(url)
+    try:
+        async with session.client.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s), **via) as resp:
+            raw = await resp.read()
+            status, reason = resp.status, resp.reason or ""
+    except aiohttp.ClientHttpProxyError as e:
+        if proxy is None:
+            raise
+        raise _transport_error(e, url, proxy) from None
+    if status == 407 and proxy is not None:
+        raise proxy_refused(proxy, target_of(url), 407, reason)
+    try:
+        return status, loads(raw) if raw.strip() else None
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-import aiohttp
-
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.protocol import (
     Completion,
@@ -25,7 +23,7 @@ from eagle3_assets.core.generation.protocol import (
 )
 from eagle3_assets.core.target.chat import ChatTokenizer
 
-from .http import classify, dumps, get_json, make_session, post_json, secret_forms
+from .http import HttpSession, classify, dumps, get_json, make_session, post_json, secret_forms
 from .streaming import StreamClient
 
 TokenCounter = Callable[[str], int]
@@ -234,7 +232,7 @@ class OpenRouterBackend:
         self.count_tokens: TokenCounter | None = (
             (lambda text: chat.count_tokens(text)) if chat is not None else None
         )
-        self._session: aiohttp.ClientSession | None = None
+        self._session: HttpSession | None = None
         self._streams: StreamClient | None = None  # streamed answers (streaming.py says why not aiohttp)
         self._secrets: tuple[bytes, ...] = ()
 
@@ -284,6 +282,7 @@ class OpenRouterBackend:
                 idle_timeout_s=self.cfg.stream_idle_timeout_s,
                 total_timeout_s=self.cfg.request_timeout_s,
                 secrets=self._secrets,
+                proxies=self._session.proxies,  # the route the session's requests take
             )
 
     async def preflight(self) -> list[str]:

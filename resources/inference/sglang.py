@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
-
 from eagle3_assets.config import SGLangConfig
 from eagle3_assets.core.generation.protocol import (
     Completion,
@@ -21,7 +19,7 @@ from eagle3_assets.core.generation.protocol import (
 )
 from eagle3_assets.core.target.chat import ChatTokenizer
 
-from .http import CONTEXT_MARKERS, get_json, make_session, post_json
+from .http import CONTEXT_MARKERS, HttpSession, get_json, make_session, post_json
 
 
 def split_reasoning(
@@ -46,7 +44,7 @@ class SGLangBackend:
         self.chat = chat
         self.base = cfg.base_url.rstrip("/")
         self.model = "sglang"
-        self._session: aiohttp.ClientSession | None = None
+        self._session: HttpSession | None = None
         self._think_open_id = chat.encoder.control_ids.get(chat.think_open)
 
     async def start(self) -> None:

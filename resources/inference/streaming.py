@@ -16,6 +16,11 @@ visited.
 Connections are HTTP/1.1 keep-alive, per origin, reused for the next request; TLS through the standard
 library. The rest of the backend (non-streamed requests, preflight, error bodies' classification) stays on
 aiohttp; an error status here is read whole and classified by the same `http._error_response`.
+
+Behind a proxy (`core.storage.proxy` decides, once per client, so its pool holds connections of one route
+only): an https origin is reached through a CONNECT tunnel opened on a plain socket, then TLS with the
+origin's name; an http origin gets absolute-form requests sent to the proxy, as curl does. A proxy that
+refuses (407, 403) is named in the error, its credentials never.
 """
 
 from __future__ import annotations
@@ -27,19 +32,21 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
 
 from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError
+from eagle3_assets.core.storage.proxy import Proxies
 
-from .http import _error_response, redact
+from .http import _error_response, proxy_refused, redact
 from .sse import EventBatches, OnEvents, Response
 
 KEEPALIVE_S = 30.0  # an idle connection older than this is closed, not reused (servers drop them around 60 s)
 MIN_TICK_S, MAX_TICK_S, FIRST_TICK_S = 0.005, 0.25, 0.01
 TIMEOUT_CHECK_S = 1.0  # how often the pump looks for silent or overlong streams
+MAX_PROXY_HEAD = 64 * 1024  # a CONNECT answer's head longer than this is not a proxy speaking
 
 
 class _Connection(asyncio.Protocol):
@@ -72,9 +79,15 @@ class _Connection(asyncio.Protocol):
         self.response = self.parser = self.head_ready = self.events = None
         self.idle_since = time.monotonic()
 
+    @property
+    def wire(self) -> asyncio.Transport:
+        """The transport, on a connection asyncio has made (every use after `connect`)."""
+        assert self.transport is not None
+        return self.transport
+
     # -- asyncio.Protocol ---------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a socket connection's
 
     def data_received(self, data: bytes) -> None:
         r = self.response
@@ -85,7 +98,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
-            self.transport.close()  # type: ignore[union-attr]  # a parser that failed cannot read on
+            self.wire.close()  # a parser that failed cannot read on
             if r.complete:
                 return  # bytes after the response: this connection is not reused, the answer stands
             r.error = InferenceError(ErrorKind.MALFORMED, f"bad HTTP response: {e}", status=200)
@@ -97,7 +110,7 @@ class _Connection(asyncio.Protocol):
             self.client._service(self)  # the last chunk: finish now
         elif not self.queued:
             self.queued = True
-            self.transport.pause_reading()  # type: ignore[union-attr]  # the pump reads on at its tick
+            self.wire.pause_reading()  # the pump reads on at its tick
             self.client._ready.append(self)
 
     def eof_received(self) -> bool:
@@ -120,9 +133,10 @@ class _Connection(asyncio.Protocol):
 
     def _head_complete(self) -> None:
         r = self.response
-        chunked = "chunked" in r.headers.get("transfer-encoding", "").lower()  # type: ignore[union-attr]
-        r.close_delimited = not chunked and "content-length" not in r.headers  # type: ignore[union-attr]
-        r.keep_alive = self.parser.should_keep_alive()  # type: ignore[union-attr]  # (llhttp forgets it at the end)
+        assert r is not None  # the parser calls back only while a response is being read
+        chunked = "chunked" in r.headers.get("transfer-encoding", "").lower()
+        r.close_delimited = not chunked and "content-length" not in r.headers
+        r.keep_alive = self.parser.should_keep_alive()  # (llhttp forgets it at the end)
         if self.head_ready is not None and not self.head_ready.done():  # the caller may have been cancelled
             self.head_ready.set_result(None)
 
@@ -151,13 +165,17 @@ class StreamClient:
         total_timeout_s: float = 900.0,
         secrets: tuple[bytes, ...] = (),
         ssl_context: ssl.SSLContext | None = None,
+        proxies: Proxies | None = None,
     ):
         parts = urlsplit(url)
         self.tls = parts.scheme == "https"
         self.host = parts.hostname or "localhost"
         self.port = parts.port or (443 if self.tls else 80)
         self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host_header = self.host if parts.port is None else f"{self.host}:{parts.port}"
+        name = f"[{self.host}]" if ":" in self.host else self.host
+        host_header = name if parts.port is None else f"{name}:{parts.port}"
+        self.proxy = (proxies or Proxies()).for_url(url)
+        auth = self.proxy.authorization() if self.proxy is not None else None
         base = {
             "Host": host_header,
             "Accept": "text/event-stream",
@@ -166,13 +184,24 @@ class StreamClient:
             "Content-Type": "application/json",
             **headers,
         }
+        if self.proxy is not None and not self.tls:
+            # Absolute-form to the proxy, which takes its credentials from the request itself.
+            self.path = f"http://{host_header}{self.path}"
+            if auth is not None:
+                base["Proxy-Authorization"] = auth
         self._head = "".join(f"{k}: {v}\r\n" for k, v in base.items()).encode("latin-1")
+        self._target = f"{name}:{self.port}"
+        self._connect = (
+            f"CONNECT {self._target} HTTP/1.1\r\nHost: {self._target}\r\n"
+            + (f"Proxy-Authorization: {auth}\r\n" if auth is not None else "")
+            + "\r\n"
+        ).encode("latin-1")
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.total_timeout_s = total_timeout_s
         self.secrets = secrets
         self._ssl = (ssl_context or ssl.create_default_context()) if self.tls else None
-        self._addr: tuple[Any, ...] | None = None
+        self._addr: tuple[int, Any] | None = None  # (family, address) of the origin or of the proxy
         self._idle: deque[_Connection] = deque()
         self._active: set[_Connection] = set()
         self._ready: list[_Connection] = []  # paused with something to decode
@@ -223,40 +252,97 @@ class StreamClient:
                 return conn
             if conn.transport is not None:
                 conn.transport.close()
-        loop = asyncio.get_running_loop()
-        if self._addr is None:
-            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-            self._addr = infos[0][4]
         conn = _Connection(self)
+        via = "" if self.proxy is None else f" to the proxy {self.proxy} ({self.proxy.source})"
         try:
-            await asyncio.wait_for(
-                loop.create_connection(
-                    lambda: conn,
-                    host=self._addr[0],
-                    port=self._addr[1],
-                    ssl=self._ssl,
-                    server_hostname=self.host if self.tls else None,
-                ),
-                self.connect_timeout_s,
-            )
+            await asyncio.wait_for(self._open(conn), self.connect_timeout_s)
         except TimeoutError:
-            raise InferenceError(ErrorKind.TIMEOUT, "could not connect within the connect timeout") from None
+            raise InferenceError(
+                ErrorKind.TIMEOUT, f"could not connect{via} within the connect timeout"
+            ) from None
         except OSError as e:
             self._addr = None  # resolve again next time
-            raise InferenceError(ErrorKind.CONNECTION, f"{type(e).__name__}: {e}") from None
+            raise InferenceError(ErrorKind.CONNECTION, f"connecting{via}: {type(e).__name__}: {e}") from None
         return conn
+
+    async def _open(self, conn: _Connection) -> None:
+        """A new connection for `conn`: to the origin, to the proxy (http), or through the proxy's tunnel
+        (https)."""
+        loop = asyncio.get_running_loop()
+        if self._addr is None:
+            host, port = (self.host, self.port) if self.proxy is None else (self.proxy.host, self.proxy.port)
+            info = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+            self._addr = (int(info[0]), info[4])
+        family, addr = self._addr
+        if self.proxy is not None and self.tls:
+            sock = await self._tunnel(family, addr)
+            try:
+                await loop.create_connection(
+                    lambda: conn, sock=sock, ssl=self._ssl, server_hostname=self.host
+                )
+            except BaseException:
+                sock.close()
+                raise
+            return
+        await loop.create_connection(
+            lambda: conn,
+            host=str(addr[0]),
+            port=int(addr[1]),
+            ssl=self._ssl,
+            server_hostname=self.host if self.tls else None,
+        )
+
+    async def _tunnel(self, family: int, addr: Any) -> socket.socket:
+        """A socket connected to the proxy with a CONNECT tunnel to the origin established on it."""
+        assert self.proxy is not None
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, addr)
+            await loop.sock_sendall(sock, self._connect)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = await loop.sock_recv(sock, 4096)
+                if not chunk:
+                    raise ConnectionResetError(
+                        f"the proxy closed the connection before answering CONNECT {self._target}"
+                    )
+                head += chunk
+                if len(head) > MAX_PROXY_HEAD:
+                    break
+            status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            version, _, rest = status_line.partition(" ")
+            code, _, reason = rest.partition(" ")
+            if not version.startswith("HTTP/") or not code.isdigit():
+                raise InferenceError(
+                    ErrorKind.CONNECTION,
+                    f"the proxy {self.proxy} ({self.proxy.source}) answered CONNECT with "
+                    f"{status_line[:80]!r}",
+                )
+            if int(code) != 200:
+                raise proxy_refused(self.proxy, self._target, int(code), reason)
+            if not head.endswith(b"\r\n\r\n"):  # the origin speaks only after the client's TLS hello
+                raise InferenceError(
+                    ErrorKind.CONNECTION, f"the proxy {self.proxy} sent bytes after its CONNECT answer"
+                )
+            return sock
+        except BaseException:
+            sock.close()
+            raise
 
     async def _send(self, conn: _Connection, body: bytes) -> None:
         if conn.closed:
             raise ConnectionResetError("the server closed the connection")
-        conn.begin(asyncio.get_running_loop().create_future())
-        conn.transport.resume_reading()  # type: ignore[union-attr]
-        conn.transport.write(  # type: ignore[union-attr]
+        head_ready = asyncio.get_running_loop().create_future()
+        conn.begin(head_ready)
+        conn.wire.resume_reading()
+        conn.wire.write(
             b"POST " + self.path.encode() + b" HTTP/1.1\r\n" + self._head + b"Content-Length: "
             + str(len(body)).encode() + b"\r\n\r\n" + body
         )  # fmt: skip
         try:
-            await asyncio.wait_for(conn.head_ready, self.idle_timeout_s)  # type: ignore[arg-type]
+            await asyncio.wait_for(head_ready, self.idle_timeout_s)
         except TimeoutError:
             raise InferenceError(ErrorKind.TIMEOUT, "no response head within the idle timeout") from None
 
@@ -281,11 +367,13 @@ class StreamClient:
             raise events.error
         if events.collect is not None:
             self._discard(conn)
+            if status == 407 and self.proxy is not None:  # absolute-form: the proxy's own refusal
+                raise proxy_refused(self.proxy, self._target, 407, "Proxy Authentication Required")
             raise _error_response(status, redact(bytes(events.collect), self.secrets), r.headers)
         self._durations.append(time.monotonic() - conn.started_at)
         if conn.reusable():
             conn.idle()
-            conn.transport.resume_reading()  # type: ignore[union-attr]  # to notice the server closing it
+            conn.wire.resume_reading()  # to notice the server closing it
             self._idle.append(conn)
         else:
             self._discard(conn)

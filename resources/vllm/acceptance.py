@@ -27,6 +27,7 @@ import numpy as np
 
 from eagle3_assets.config import AcceptanceConfig, ProjectConfig, VllmExtractionConfig
 from eagle3_assets.core.acceptance.measure import Measured, PartMeasure, PromptSet, SpecCounters
+from eagle3_assets.core.storage.proxy import urlopen
 from eagle3_assets.core.target.loading import resolve
 
 from ..side_env import clean_env
@@ -228,7 +229,7 @@ class VllmMeasurer:
             server.base_url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.settings.vllm.request_timeout_s) as r:
+            with urlopen(req, timeout=self.settings.vllm.request_timeout_s) as r:
                 return json.loads(r.read())
         except (OSError, urllib.error.HTTPError, ValueError) as e:
             raise self._failure(server, f"POST {path}: {type(e).__name__}: {e}") from e
@@ -236,7 +237,7 @@ class VllmMeasurer:
     def _counters(self, server: RunningServer) -> SpecCounters:
         root = server.base_url.removesuffix("/v1")
         try:
-            with urllib.request.urlopen(f"{root}/metrics", timeout=60) as r:
+            with urlopen(f"{root}/metrics", timeout=60) as r:
                 return read_counters(r.read().decode())
         except OSError as e:
             raise self._failure(server, f"GET /metrics: {type(e).__name__}: {e}") from e

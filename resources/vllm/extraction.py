@@ -29,8 +29,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from eagle3_assets.config import VllmExtractionConfig
 from eagle3_assets.core.generation.protocol import (
     Completion,
@@ -41,7 +39,7 @@ from eagle3_assets.core.generation.protocol import (
 )
 from eagle3_assets.core.hidden_states.fp8 import QuantizedStates
 
-from ..inference.http import get_json, make_session, post_json
+from ..inference.http import HttpSession, get_json, make_session, post_json
 
 OPT_IN = "save_hidden_states"  # the connector's switch (plugin/eagle3_hidden_states_connector.py)
 
@@ -62,7 +60,7 @@ class VllmHiddenStates:
         self.prefix = request_prefix(partition)
         self.n_layer_ids = n_layer_ids  # aux layers + the last one: what each file must hold per token
         self._in_flight = dict.fromkeys(self.bases, 0)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: HttpSession | None = None
         self._slots = asyncio.Semaphore(cfg.max_concurrency)
         self._locks = LockWatcher()
         self._started_wall = time.time()

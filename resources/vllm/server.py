@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle3_assets.core.hidden_states.layer_ids import output_hidden_states_ids
+from eagle3_assets.core.storage.proxy import urlopen
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
 CONNECTOR_MODULE = "eagle3_hidden_states_connector"
@@ -222,7 +223,7 @@ def launch(
             if proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {proc.returncode} (log: {log}):\n{server.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{url}/models", timeout=2) as r:
+                with urlopen(f"{url}/models", timeout=2) as r:
                     if r.status == 200:
                         models = json.loads(r.read())["data"]
                         _warm_up(url, models[0]["id"])
@@ -240,5 +241,5 @@ def _warm_up(url: str, model: str) -> None:
     """The first request after start takes ~20 s on CPU (kernels, caches)."""
     body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
     req = urllib.request.Request(f"{url}/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urlopen(req, timeout=300) as r:
         r.read()

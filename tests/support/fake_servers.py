@@ -18,6 +18,7 @@ import asyncio
 import json
 import random
 import re
+import ssl
 import threading
 import time
 import zlib
@@ -47,6 +48,7 @@ class _ThreadedApp:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self.ssl_context: ssl.SSLContext | None = None  # set before start to serve https
 
     def _app(self) -> web.Application:
         raise NotImplementedError
@@ -59,7 +61,7 @@ class _ThreadedApp:
     async def _start(self) -> None:
         self.runner = web.AppRunner(self._app(), access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0, backlog=4096)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, backlog=4096, ssl_context=self.ssl_context)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 

@@ -69,6 +69,8 @@ FATAL_ADVICE = {
     "(backends.<name>.api_key_env) and that it is active",
     ErrorKind.OUT_OF_CREDITS: "the account is out of credits: add credits (or raise the key's limit), then "
     "materialise again; every response already received is stored and will not be requested again",
+    ErrorKind.PROXY: "the HTTP proxy refused the connection: fix HTTPS_PROXY / HTTP_PROXY (address, user, "
+    "password) or list the host in NO_PROXY, then materialise again",
 }
 
 

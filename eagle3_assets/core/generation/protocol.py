@@ -63,6 +63,7 @@ class ErrorKind(StrEnum):
     CONTEXT_LENGTH = "context_length"  # prompt + max_tokens too long: permanent for this prompt
     AUTH = "auth"  # 401: stop the run
     OUT_OF_CREDITS = "out_of_credits"  # 402 without Retry-After: stop the run
+    PROXY = "proxy"  # the HTTP proxy refused the connection (407, 403): stop the run
     INTERNAL = "internal"  # our bug while handling a response: not retried in this run, never permanent
 
     @property
@@ -76,7 +77,7 @@ class ErrorKind(StrEnum):
 
     @property
     def fatal(self) -> bool:
-        return self in (ErrorKind.AUTH, ErrorKind.OUT_OF_CREDITS)
+        return self in (ErrorKind.AUTH, ErrorKind.OUT_OF_CREDITS, ErrorKind.PROXY)
 
 
 _RETRYABLE = {
@@ -121,7 +122,7 @@ class InferenceError(Exception):
 
 
 class FatalRunError(RuntimeError):
-    """The run cannot go on (bad key, out of credits); the message says what to do."""
+    """The run cannot go on (bad key, out of credits, a proxy that refuses); the message says what to do."""
 
 
 @runtime_checkable

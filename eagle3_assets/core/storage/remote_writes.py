@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from .proxy import object_store_options
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -82,7 +84,8 @@ class RetryPolicy:
 
 def make_store(url: str, options: dict[str, Any], retry: RetryPolicy | None = None) -> Any:
     """An obstore store for `url` (its path is the prefix); credentials come from the environment (AWS_*,
-    ...). `retry` (default: `options["retry"]`) is its retry policy."""
+    ...). `retry` (default: `options["retry"]`) is its retry policy. Its proxy is the one `proxy` decides for
+    every HTTP path, unless `client_options` names proxy settings of its own."""
     from obstore.store import from_url
 
     retry = retry or RetryPolicy.from_options(options.get("retry"))
@@ -94,8 +97,21 @@ def make_store(url: str, options: dict[str, Any], retry: RetryPolicy | None = No
         client["allow_http"] = True
     if "endpoint_url" in opts:
         opts["endpoint"] = opts.pop("endpoint_url")
+    if not any(str(k).startswith("proxy_") for k in client):  # the user's own proxy settings stand as given
+        client.update(object_store_options(_endpoint(url, opts)))
     kwargs: dict[str, Any] = {**opts, "client_options": client or None, "retry_config": retry.obstore()}
     return from_url(url, **kwargs)
+
+
+def _endpoint(url: str, opts: dict[str, Any]) -> str | None:
+    """Where the store's requests go, when the configuration says (None: the provider's own https
+    endpoint)."""
+    if url.startswith(("http://", "https://")):
+        return url
+    for key in ("endpoint", "aws_endpoint", "aws_endpoint_url", "azure_endpoint", "azure_storage_endpoint"):
+        if opts.get(key):
+            return str(opts[key])
+    return None
 
 
 _STATUS = re.compile(r"status code: (\d{3})")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ...config import ProjectConfig, TargetConfig
+from ..storage.proxy import urlopen
 from .loading import cache_root, is_hub_reference, load_tokenizer, pin_problems, resolve, tokenizer_files_key
 
 PAIRING_FIX = (
@@ -345,7 +346,7 @@ def _tokenize(root: str, body: dict[str, Any], timeout: float) -> list[int]:
     request = urllib.request.Request(
         f"{root}/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    with urlopen(request, timeout=timeout) as response:
         tokens = json.loads(response.read()).get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(i, int) for i in tokens):
         raise ValueError("the answer has no list of token ids under 'tokens'")
