@@ -1,8 +1,8 @@
 """Damaged files: found before a stage reads them, moved aside with their reason, never fatal.
 
 The project's own writes are atomic, but a copy interrupted, a disk or an object store that loses a tail, or a
-person who drops the wrong file into a folder can leave a file no reader can open. One such file used to fail
-every run of its partition until someone deleted it by hand. Now each stage checks the files it owns before it
+person who drops the wrong file into a folder can leave a file no reader can open, and such a file would fail
+every run of its partition until someone deleted it by hand. So each stage checks the files it owns before it
 reads them (`parquet_problem`, `safetensors_problem`): the footer, the schema, the declared sizes. A damaged
 one moves to `<partition>/quarantine/<stage>/` with a JSON record beside it (where it was, why, when, what it
 held when known), so nothing is deleted and a person can put it back; the stage then goes on as if the file
