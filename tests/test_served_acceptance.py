@@ -171,13 +171,25 @@ def test_terminate_mid_part_stops_the_server_the_step_started(tmp_path):
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt_when_serving, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
+    with python_sigint_handler(), pytest.raises(KeyboardInterrupt):
         measurer.greedy(PromptSet(["a"], [[1, 2]]))
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.1)
     assert not _alive(pid), "the acceptance server outlived the terminated step"
+
+
+@contextlib.contextmanager
+def python_sigint_handler():
+    """SIGINT raising KeyboardInterrupt, as Dagster's own handler raises in a step. A process started in the
+    background by a non-interactive shell (`nohup make test &`) inherits SIGINT ignored, and Python then keeps
+    it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _alive(pid: int) -> bool:
