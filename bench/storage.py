@@ -192,6 +192,7 @@ class FastBackend:
     name = "openrouter"
     model = "bench"
     wants_prompt_ids = False
+    served = None  # timed is the platform's storage, not what it accepts
 
     def __init__(self) -> None:
         self.rng = np.random.default_rng(2)

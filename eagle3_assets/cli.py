@@ -51,6 +51,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from .core.generation.binding import IMPORTED, served_models
     from .core.generation.importer import import_responses
 
     cfg, res = _resources(args)
@@ -66,6 +67,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             layout,
             Path(args.file),
             res["target"].chat_tokenizer(),
+            served_models(cfg)[IMPORTED],
             model=args.model,
             system_prompt=ds.system_prompt,
         )
@@ -250,7 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
         "import-responses", help="import a JSONL of responses produced elsewhere into a dataset"
     )
     imp.add_argument("--dataset", required=True)
-    imp.add_argument("--model", default="imported", help="model name stored when a row names none")
+    imp.add_argument(
+        "--model",
+        default=None,
+        help="the model that wrote rows naming none; it must be one the config accepts as the target",
+    )
     imp.add_argument("file")
     exp = sub.add_parser("export", help="write a dataset's hidden states in a training framework's layout")
     exp.add_argument("--dataset", required=True)

@@ -128,7 +128,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     )
     return dg.Definitions(
         assets=assets,
-        asset_checks=build_checks(partitions),
+        asset_checks=build_checks(partitions, reference_ids=cfg.backend != "openrouter"),
         jobs=[training_data, hidden_states_job, acceptance_job],
         sensors=[automation_sensor(cfg.automation.enabled)],
         resources=build_resources(cfg, config_path),

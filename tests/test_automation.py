@@ -16,6 +16,7 @@ from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.definitions import build_definitions
 
+from .support.engine_runs import IMPORTED_AS_TARGET, SMOLLM2
 from .support.projects import make_project, user_rows
 
 T0 = dt.datetime(2026, 11, 29, 10, 1, tzinfo=dt.UTC)
@@ -36,7 +37,7 @@ def answer_all(layout, chat, tmp_path, tokens_each=3, output_ids=None):
         for r in rows:
             r["output_ids"] = output_ids
     src.write_text("\n".join(json.dumps(r) for r in rows))
-    import_responses(layout, src, chat)
+    import_responses(layout, src, chat, IMPORTED_AS_TARGET, model=SMOLLM2)
 
 
 def requested(result, asset: str) -> set[str]:
@@ -61,7 +62,7 @@ def test_top_up_requests_datasets_under_budget_and_downstream_follows(tmp_path, 
     b4 = ingest(cfg, "B4")
     first = pl.read_parquet(b4.prompts)["id"][0]
     (tmp_path / "b4.jsonl").write_text(json.dumps({"id": first, "response": "x"}))
-    import_responses(b4, tmp_path / "b4.jsonl", chat)
+    import_responses(b4, tmp_path / "b4.jsonl", chat, IMPORTED_AS_TARGET, model=SMOLLM2)
 
     defs = build_definitions(cfg, str(path))
     with dg.instance_for_test() as instance:

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import polars as pl
 
-from eagle3_assets.config import OpenRouterConfig, SGLangConfig
+from eagle3_assets.config import BUILTIN_SMOLLM2, OpenRouterConfig, SGLangConfig
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.protocol import Sampling
 from eagle3_assets.core.generation.run import generate_responses
+from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 from eagle3_assets.core.tokens.build import build_tokens
 from resources.inference.openrouter import OpenRouterBackend, parse_chat_completion
 from resources.inference.sglang import SGLangBackend, split_reasoning
 
-from .support.engine_runs import KEY_ENV, dataset, make_plan
+from .support.engine_runs import IMPORTED_AS_TARGET, KEY_ENV, SMOLLM2, dataset, make_plan
 from .support.fake_servers import FakeOpenRouter, FakeSGLang
 
 SETTINGS = dict(backoff_base_s=0.01, backoff_max_s=0.05, flush_interval_s=0.2, progress_interval_s=1)
@@ -26,7 +28,9 @@ def test_sglang_native_generate_with_exact_prompt_ids(tmp_path, chat, smol_tok):
     texts = ["What is 6 times 7?", "List two colours.", "Why is the sky blue?"]
     layout = dataset(tmp_path, texts)
     with FakeSGLang(smol_tok, chat.eot_id, fail_first=2) as server:
-        backend = SGLangBackend(SGLangConfig(base_url=server.base_url, max_concurrency=4), chat)
+        backend = SGLangBackend(
+            SGLangConfig(base_url=server.base_url, max_concurrency=4), chat, BUILTIN_SMOLLM2
+        )
         plan = make_plan("B1", 64, 10_000, sampling=Sampling(temperature=0.7, top_p=0.9, top_k=20))
         summary = generate_responses(
             layout,
@@ -100,23 +104,32 @@ def test_import_counts_toward_budget_and_serves_as_reference(tmp_path, chat, smo
                 {"role": "assistant", "content": "From messages.", "reasoning": "r"},
             ]
         },
-        {"prompt": "gamma question", "content": "By prompt text.", "model": "other/model"},
+        {"prompt": "gamma question", "content": "By prompt text.", "model": "smollm2-135m-instruct"},
         {"prompt": "no such prompt", "content": "x"},
         {"id": ids[0], "response": "twice"},
+        {"prompt": "gamma question", "content": "Another model's answer.", "model": "evil/other-model-7b"},
         "not json",
     ]
     src = tmp_path / "import.jsonl"
     src.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    s = import_responses(layout, src, chat, model="teammate/model")
-    assert s.imported == 3 and sum(s.rejected.values()) == 3
+    # The operator says the rows that name no model are the target's; a row naming another model is refused.
+    s = import_responses(layout, src, chat, IMPORTED_AS_TARGET, model=SMOLLM2)
+    assert s.imported == 3 and sum(s.rejected.values()) == 4
     rejected = pl.read_parquet(s.rejected_path)["reason"].to_list()
     assert any("no prompt has this text" in r for r in rejected)
     assert any("already has a response" in r for r in rejected)
+    assert any("'evil/other-model-7b', not the target" in r for r in rejected)
     responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).read()
     by_id = {r["id"]: r for r in responses.iter_rows(named=True)}
     assert by_id[ids[0]]["completion_tokens"] == 400 and by_id[ids[0]]["source"] == "imported:import.jsonl"
-    assert by_id[ids[1]]["reasoning"] == "r" and by_id[ids[1]]["model"] == "teammate/model"
-    assert by_id[ids[2]]["model"] == "other/model" and by_id[ids[2]]["completion_tokens"] > 0
+    assert by_id[ids[1]]["reasoning"] == "r" and by_id[ids[1]]["model"] == SMOLLM2
+    assert by_id[ids[2]]["model"] == "smollm2-135m-instruct" and by_id[ids[2]]["completion_tokens"] > 0
+    assert all(r["prompt_fingerprint"] for r in by_id.values())  # each bound to the prompt it matched
+    # Without a model for rows that name none, those rows are refused (the operator must say whose they are).
+    layout2 = DatasetLayout(tmp_path / "other", "B1").ensure()
+    shutil.copy(layout.prompts, layout2.prompts)
+    s = import_responses(layout2, src, chat, IMPORTED_AS_TARGET)
+    assert any("names no model" in r for r in pl.read_parquet(s.rejected_path)["reason"].to_list())
     tokens = build_tokens(layout, chat, log=lambda m: None)
     assert tokens.n_reference == 1 and tokens.n_match == 1
 

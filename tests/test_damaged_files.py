@@ -64,6 +64,7 @@ class _Backend:
     """Answers at once and records what was asked."""
 
     name, model, wants_prompt_ids = "openrouter", "m", False
+    served = None
 
     def __init__(self) -> None:
         self.asked: list[str] = []

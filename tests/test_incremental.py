@@ -16,6 +16,7 @@ from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.parquet_append import read_footer
 from eagle3_assets.core.tokens.build import STATE_KEY, build_tokens
 
+from .support.engine_runs import IMPORTED_AS_TARGET, SMOLLM2
 from .support.projects import user_rows, write_jsonl
 
 
@@ -29,7 +30,7 @@ def partition(tmp_path, texts: list[str]) -> DatasetLayout:
 def answer(layout, tmp_path, chat, ids: list[str], name: str, text: str = "An answer.") -> None:
     src = tmp_path / f"{name}.jsonl"
     src.write_text("\n".join(json.dumps({"id": i, "response": f"{text} ({i})"}) for i in ids))
-    import_responses(layout, src, chat)
+    import_responses(layout, src, chat, IMPORTED_AS_TARGET, model=SMOLLM2)
 
 
 def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):

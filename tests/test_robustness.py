@@ -24,7 +24,7 @@ from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, JournalTable
 from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
 from resources.inference.sglang import split_reasoning
 
-from .support.engine_runs import KEY, KEY_ENV, dataset, run
+from .support.engine_runs import IMPORTED_AS_TARGET, KEY, KEY_ENV, SMOLLM2, dataset, run
 from .support.fake_servers import FakeOpenRouter
 
 QWEN3_LIKE = (
@@ -92,6 +92,7 @@ def test_a_failed_journal_write_keeps_the_rows(tmp_path):
 
 class _InstantBackend:
     name, model, wants_prompt_ids = "openrouter", "m", False
+    served = None
 
     def __init__(self):
         self.calls = 0
@@ -166,7 +167,7 @@ def test_a_dataset_stopped_by_its_budget_is_not_topped_up_again(tmp_path, chat):
     src.write_text(
         "\n".join(json.dumps({"id": i, "response": "x", "usage": {"completion_tokens": 30}}) for i in ids[:3])
     )
-    import_responses(layout, src, chat)
+    import_responses(layout, src, chat, IMPORTED_AS_TARGET, model=SMOLLM2)
     section = DatasetConfig(source="(in code)", format="messages", budget_tokens=100, max_tokens=64)
     assert not top_up_status(layout, section).needed
     assert top_up_status(layout, section.model_copy(update={"budget_tokens": 100_000})).needed
@@ -189,7 +190,12 @@ def test_importing_by_messages_matches_a_dataset_with_a_system_prompt(tmp_path, 
             {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
         )
     )
-    assert import_responses(layout, src, chat, system_prompt="Be brief.").imported == 1
+    assert (
+        import_responses(
+            layout, src, chat, IMPORTED_AS_TARGET, model=SMOLLM2, system_prompt="Be brief."
+        ).imported
+        == 1
+    )
 
 
 def test_an_answer_cut_off_while_thinking_is_all_reasoning():

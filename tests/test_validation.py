@@ -14,6 +14,7 @@ from eagle3_assets.core.report.summary import build_report, render_markdown, wil
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
 from eagle3_assets.core.tokens.answer_quality import is_degenerate
 
+from .support.engine_runs import IMPORTED_AS_TARGET, SMOLLM2
 from .support.projects import REPO, make_project, run_training_data_job, user_rows
 
 
@@ -63,8 +64,12 @@ def test_reference_match_rule_allows_noise_and_truncation_tails_but_not_defects(
     assert validation.reference_match(frame(27, 1), 0.99).passed  # 96% of 28: within noise of 99%
     assert not validation.reference_match(frame(900, 100), 0.99).passed  # 90% of 1000: a defect
     assert validation.reference_match(frame(900, 100, "truncation_tail"), 0.99).passed
-    no_refs = tokens_frame([{"reference_match": None, "match_explained": None}])
-    assert validation.reference_match(no_refs, 0.99).passed
+    # Nothing to compare (a text backend): the check could not run, so it does not pass; it says why.
+    no_refs = validation.reference_match(
+        tokens_frame([{"reference_match": None, "match_explained": None}]), 0.99
+    )
+    assert not no_refs.passed and no_refs.metadata["verified"] is False
+    assert "UNVERIFIED" in no_refs.metadata["note"]
     low, high = wilson_interval(27, 28)
     assert low < 27 / 28 < high
 
@@ -157,7 +162,7 @@ def test_a_failing_blocking_check_keeps_the_report_from_being_built(tmp_path, sm
         src.write_text(
             "\n".join(json.dumps({"id": i, "response": "The answer.", "output_ids": wrong}) for i in ids)
         )
-        assert import_responses(layout, src, chat).imported == 12
+        assert import_responses(layout, src, chat, IMPORTED_AS_TARGET, model=SMOLLM2).imported == 12
         result = run_training_data_job(path, "B1", instance)
         assert not result.success
         evaluations = {

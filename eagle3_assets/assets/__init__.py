@@ -22,11 +22,14 @@ __all__ = [
 ]
 
 
-def build_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
-    """Every stage's checks, per partition."""
+def build_checks(
+    partitions: dg.PartitionsDefinition, reference_ids: bool = True
+) -> list[dg.AssetChecksDefinition]:
+    """Every stage's checks, per partition. `reference_ids`: the configured backend returns the ids it
+    generated (`build_tokens_checks`)."""
     return [
         *build_responses_checks(partitions),
-        *build_tokens_checks(partitions),
+        *build_tokens_checks(partitions, reference_ids),
         *build_report_checks(partitions),
         *build_hidden_states_checks(partitions),
         *build_acceptance_checks(partitions),

@@ -18,6 +18,9 @@ import polars as pl
 from resources import Inference, Project, Storage, Target
 
 from ..config import ProjectConfig
+from ..core.generation.binding import ASKED_AGAIN, AnswerRules
+from ..core.generation.identity import TargetIdentity, read_identity
+from ..core.generation.journal import ResponseJournal
 from ..core.generation.run import DatasetJob, GenerationPlan, GenerationSummary, generate_datasets
 from ..core.generation.stopping import watching
 from ..core.prompts.ingest import ensure_prompts
@@ -36,6 +39,9 @@ class ResponsesRunConfig(dg.Config):
     limit: int | None = None  # answer at most this many new prompts in this run
     retry_permanent_failures: bool = False  # send prompts again that failed with a permanent error
     max_concurrency: int | None = None  # a lower ceiling for this run (never above the configured one)
+    # The config's target is another model than the one the partition's answers came from: set those answers
+    # aside (kept in set_aside/, never trained) and answer every prompt afresh. Without it such a run refuses.
+    fresh_answers: bool = False
 
 
 def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
@@ -58,6 +64,12 @@ def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
         "damaged_files_set_aside": len(s.set_aside.files) if s.set_aside else 0,
         "answers_asked_again": s.set_aside.answers if s.set_aside else 0,
         "set_aside_tokens_charged": round(s.set_aside.charged_tokens) if s.set_aside else 0,
+        # Stored answers that no longer answered their prompt as it stands (or came from another model or an
+        # earlier target): set aside before anything was sent, their prompts asked again.
+        "answers_set_aside_before_sending": counts_table(s.answers_set_aside, "reason"),
+        "asked_again": sum(n for k, n in s.answers_set_aside.items() if k in ASKED_AGAIN),
+        "answers_restored": s.answers_restored,
+        "answers_without_fingerprint": s.answers_unbound,
     }
     if r:
         md.update(
@@ -80,6 +92,11 @@ def summary_metadata(s: GenerationSummary, max_concurrency: int | None) -> dict:
                 ),
                 "unanswered_after_backpressure": r.unanswered,
                 "usage_counted_locally": r.usage_estimated,
+                # The budget charges the larger of the two, answer by answer.
+                "completion_tokens_reported_by_provider": r.reported_completion_tokens,
+                "completion_tokens_counted_here": r.counted_completion_tokens,
+                "answers_cut_at_max_tokens": r.cut_at_max_tokens,
+                "answers_from_another_model": r.refused_answers,
                 "tokens_per_s": round(r.completion_tokens / r.elapsed_s, 1) if r.elapsed_s else 0.0,
                 "mean_in_flight_key": round(r.mean_in_flight, 1),
                 "elapsed_s": round(r.elapsed_s, 1),
@@ -153,6 +170,9 @@ def _dataset_job(
         sampling=cfg.sampling_for(key),
         retry_permanent_failures=config.retry_permanent_failures,
         limit=config.limit,
+        rules=AnswerRules.from_config(cfg, key),
+        target=TargetIdentity.from_config(cfg),
+        fresh_answers=config.fresh_answers,
     )
     return DatasetJob(layout, plan, storage.lock(key), storage.flusher(key))
 
@@ -274,4 +294,34 @@ def build_responses_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asset
 
         return check_each_partition(context, evaluate)
 
-    return [responses_unique_ids, responses_failure_share]
+    @dg.asset_check(
+        asset="responses",
+        blocking=True,
+        partitions_def=partitions,
+        description="Every stored answer is the target's own: served by a model the config accepts as the "
+        "target, and the partition's answers recorded as the config's target's (target.json). Answers set "
+        "aside (edited or removed prompts, another model) are counted, never trained.",
+    )
+    def responses_from_target(
+        context: dg.AssetCheckExecutionContext,
+        project: dg.ResourceParam[Project],
+        storage: dg.ResourceParam[Storage],
+    ) -> dg.AssetCheckResult:
+        def evaluate(key: str) -> dg.AssetCheckResult:
+            cfg = project.cfg
+            layout = storage.checkout(key, "responses")
+            journal = ResponseJournal(layout)
+            models = journal.responses.scan(["backend", "model"]).collect()
+            return check_result(
+                validation.answers_from_target(
+                    models,
+                    AnswerRules.from_config(cfg, key),
+                    read_identity(layout.target_identity),
+                    TargetIdentity.from_config(cfg),
+                    journal.aside_counts(),
+                )
+            )
+
+        return check_each_partition(context, evaluate)
+
+    return [responses_unique_ids, responses_failure_share, responses_from_target]

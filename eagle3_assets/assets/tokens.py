@@ -5,10 +5,12 @@ import polars as pl
 
 from resources import Project, Storage, Target
 
+from ..core.generation.binding import AnswerRules
+from ..core.generation.identity import TargetIdentity, TargetMismatch, answers_target_problem
+from ..core.generation.journal import ResponseJournal
 from ..core.prompts.ingest import ensure_prompts
 from ..core.report import validation
 from ..core.storage.layout import DatasetLayout
-from ..core.storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..core.storage.versions import rows_version
 from ..core.tokens.build import build_tokens
 from .common import GROUP, MISSING, check_result, counts_table, scan_tokens
@@ -50,7 +52,18 @@ def build_tokens_asset(
             for q in ensure_prompts(cfg.resolve_path(ds.source), prompts_layout, ds):
                 context.log.warning(f"{key}: set aside {q.describe()}; written again from the source")
         with storage.stage(key, "tokens") as layout:
-            s = build_tokens(layout, chat, cfg.tokens, log=context.log.info)
+            problem = answers_target_problem(layout.target_identity, TargetIdentity.from_config(cfg), key)
+            if problem is not None:
+                raise TargetMismatch(problem)
+            # Answers that no longer answer their prompt as it stands are never trained (the responses stage
+            # sets them aside and asks again).
+            standing = ResponseJournal(layout).standing(AnswerRules.from_config(cfg, key))
+            if standing.aside:
+                context.log.warning(
+                    f"{key}: {len(standing.aside):,} stored answers no longer stand and are not trained "
+                    f"({standing.counts()}); materialise responses to set them aside and ask again"
+                )
+            s = build_tokens(layout, chat, cfg.tokens, log=context.log.info, exclude=standing.aside)
         rate = s.match_rate
         context.log.info(
             f"{key}: {s.n_rows} conversations ({s.n_tokenized:,} new or changed tokenized), {s.n_tokens:,} "
@@ -71,6 +84,7 @@ def build_tokens_asset(
                 "mismatch_kinds": counts_table(dict(s.mismatch_kinds), "mismatch"),
                 "ids_source": counts_table(dict(s.ids_source), "source"),
                 "template_check": template_check,
+                "answers_not_trained": counts_table(standing.counts(), "reason"),
                 # Damaged earlier outputs moved to quarantine/tokens/ and rebuilt in this run.
                 "damaged_files_set_aside": len(s.set_aside),
                 "path": dg.MetadataValue.path(str(layout.tokens)),
@@ -80,8 +94,10 @@ def build_tokens_asset(
     return tokens
 
 
-def _token_coverage(layout: DatasetLayout, limit: float) -> validation.Verdict:
-    responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).keys()
+def _token_coverage(layout: DatasetLayout, rules: AnswerRules, limit: float) -> validation.Verdict:
+    """Over the answers that stand: one set aside (or waiting to be) has no token row, by design."""
+    journal = ResponseJournal(layout)
+    responses = journal.responses.keys() - set(journal.standing(rules).aside)
     tokens, conversations = validation.token_rows(layout.tokens)
     errors = (
         set(pl.read_parquet(layout.tokens_errors, columns=["id"])["id"].to_list())
@@ -91,7 +107,12 @@ def _token_coverage(layout: DatasetLayout, limit: float) -> validation.Verdict:
     return validation.token_coverage(responses, tokens, errors, limit, conversations)
 
 
-def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+def build_tokens_checks(
+    partitions: dg.PartitionsDefinition, reference_ids: bool = True
+) -> list[dg.AssetChecksDefinition]:
+    """`reference_ids`: the configured backend returns the ids it generated (local, sglang), so the reference
+    comparison blocks; a text backend's answers have none to compare (the check then warns, UNVERIFIED)."""
+
     @dg.asset_check(
         asset="tokens",
         blocking=True,
@@ -106,11 +127,12 @@ def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChe
 
     @dg.asset_check(
         asset="tokens",
-        blocking=True,
+        blocking=reference_ids,
         partitions_def=partitions,
         description="Rebuilt ids equal the model's own output ids for at least "
         "checks.min_reference_match_rate of the rows that have them (truncation tails excepted; fails "
-        "when the 95% interval of the rate lies below the threshold).",
+        "when the 95% interval of the rate lies below the threshold). With no produced ids to compare "
+        "(a text backend) it cannot run: a failed warning marked UNVERIFIED, never a pass.",
     )
     def tokens_reference_match(
         context: dg.AssetCheckExecutionContext,
@@ -123,11 +145,12 @@ def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChe
             return MISSING
         v = validation.reference_match(lf.collect(), threshold)
         if not v.metadata["verified"]:
-            # Nothing to compare against. Not a bare pass: the result says UNVERIFIED in its description and
-            # metadata. (A failed result, even at WARN severity, would hold every later stage of a text-only
-            # backend back for good: Dagster's automation treats any failed blocking check as blocking.)
+            # Nothing to compare against: the check could not run, so it does not pass. A warning: in a run
+            # nothing downstream stops on it, and with a text backend the check does not block automation
+            # either (`reference_ids`), since such a backend never has ids to compare.
             return dg.AssetCheckResult(
-                passed=True,
+                passed=False,
+                severity=dg.AssetCheckSeverity.WARN,
                 metadata=v.metadata,
                 description="UNVERIFIED: the backend returned no token ids (text only), so the rebuilt ids "
                 "could not be compared with what the model produced",
@@ -149,7 +172,10 @@ def build_tokens_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChe
         layout = storage.checkout(context.partition_key, "tokens")
         if not layout.tokens.exists():
             return MISSING
-        return check_result(_token_coverage(layout, project.cfg.checks.max_token_error_share))
+        cfg, key = project.cfg, context.partition_key
+        return check_result(
+            _token_coverage(layout, AnswerRules.from_config(cfg, key), cfg.checks.max_token_error_share)
+        )
 
     @dg.asset_check(
         asset="tokens",

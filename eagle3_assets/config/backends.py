@@ -56,7 +56,17 @@ class OpenRouterConfig(Strict):
     model: str = Field(
         "moonshotai/kimi-k2.5",
         description="The model id sent with every request, in the endpoint's naming (OpenRouter: "
-        "`moonshotai/kimi-k2.5`); preflight checks that the endpoint lists it.",
+        "`moonshotai/kimi-k2.5`); preflight checks that the endpoint lists it. Every answer must come back "
+        "served as this model (or one `accepted_models` names): an answer from another model is never "
+        "stored as an answer.",
+    )
+    accepted_models: list[str] = Field(
+        default_factory=list,
+        description="Other names under which the endpoint may report serving `model` (compared without case; "
+        "`*` and `?` globs allowed), such as a dated snapshot you have checked is the target: "
+        "`[moonshotai/kimi-k2.5-20260115]`. An answer served under any other name is a `foreign_model` "
+        "failure, set aside and asked again, never trained. Keep it empty unless a provider reports another "
+        "name for the very same weights.",
     )
     provider: dict[str, Any] = Field(
         default_factory=dict,
@@ -141,6 +151,12 @@ class SGLangConfig(Strict):
         "http://127.0.0.1:30000",
         description="Root of the SGLang server: prompts go to `<base_url>/generate` as token ids rendered "
         "with the target's chat template, after `/health` and `/model_info` answered.",
+    )
+    accepted_models: list[str] = Field(
+        default_factory=list,
+        description="Model paths the server's `/model_info` may report besides `target.model` (a path whose "
+        "last component is the target's name, such as `/models/Kimi-K2.5`, is accepted anyway; `*` and `?` "
+        "globs allowed). Answers of a server serving anything else are never stored as answers.",
     )
     max_concurrency: int = Field(
         512,

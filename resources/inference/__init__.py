@@ -45,7 +45,7 @@ class Inference:
         if self.name == "openrouter":
             return OpenRouterBackend(self.section, chat)
         if self.name == "sglang":
-            return SGLangBackend(self.section, chat)
+            return SGLangBackend(self.section, chat, self._cfg.target.model)
         return LocalBackend(self.section, self._cfg.target, self._cfg.base_dir, chat)
 
 

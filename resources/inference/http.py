@@ -236,17 +236,25 @@ def _error_response(status: int, raw: bytes, headers: Mapping[str, str]) -> Infe
     return classify(status, body, headers)
 
 
-async def post_json(session: HttpSession, url: str, payload: dict, secrets: tuple[bytes, ...] = ()) -> dict:
+async def post_json(
+    session: HttpSession,
+    url: str,
+    payload: dict,
+    secrets: tuple[bytes, ...] = (),
+    max_bytes: int | None = None,
+    billed_tokens: int | None = None,
+) -> dict:
     """POST and return the decoded JSON body of a 200, or raise a classified InferenceError.
 
     `secrets` (the API key in the forms `secret_forms` lists) are cut out of the body before anything reads
     it: a server that echoes the request's headers into an error must not put the key into failures.parquet or
-    the logs.
+    the logs. A body longer than `max_bytes` is not read past that (memory stays bounded whatever a server
+    sends): an `oversized` fault, charged `billed_tokens`.
     """
     proxy, via = session.route(url)
     try:
         async with session.client.post(url, data=dumps(payload), **via) as resp:
-            raw = await resp.read()
+            raw = await _read_body(resp, max_bytes, billed_tokens)
             status, reason = resp.status, resp.reason or ""
             headers = resp.headers
     except _TRANSPORT_ERRORS as e:
@@ -269,6 +277,23 @@ async def post_json(session: HttpSession, url: str, payload: dict, secrets: tupl
     if body.get("error"):
         raise classify(200, body, headers)
     return body
+
+
+async def _read_body(resp: aiohttp.ClientResponse, max_bytes: int | None, billed_tokens: int | None) -> bytes:
+    if max_bytes is None:
+        return await resp.read()
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > max_bytes:
+            resp.close()
+            raise InferenceError(
+                ErrorKind.OVERSIZED,
+                f"the answer's body passed {max_bytes:,} bytes, more than max_tokens allows; not read on",
+                status=resp.status,
+                billed_tokens=billed_tokens,
+            )
+    return bytes(body)
 
 
 async def get_json(session: HttpSession, url: str, timeout_s: float = 15.0) -> tuple[int, Any]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3_assets.config import LocalConfig, TargetConfig
+from eagle3_assets.core.generation.binding import local_model_name, local_served
 from eagle3_assets.core.generation.protocol import (
     Completion,
     CompletionRequest,
@@ -88,7 +89,8 @@ class LocalBackend:
         self.device = cfg.device
         self.batch_size = cfg.batch_size
         self.chat = chat
-        self.model = "SmolLM2-135M-Instruct" if target.model == "builtin:smollm2" else target.model
+        self.model = local_model_name(target.model)
+        self.served = local_served(target.model)
         self.trust_remote_code = target.trust_remote_code
         self.revision = target.revision
         self._queue: asyncio.Queue | None = None
@@ -179,6 +181,7 @@ class LocalBackend:
                     finish_reason="stop" if seq.finished else "length",
                     prompt_tokens=len(request.prompt_ids or []),
                     completion_tokens=len(seq.ids),
+                    counted_tokens=len(seq.ids),  # generated here: our own count
                     model=self.model,
                     output_ids=seq.ids,
                 )

@@ -8,12 +8,15 @@ files.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
 from eagle3_assets.config import OpenRouterConfig
+from eagle3_assets.core.generation.binding import openrouter_served
 from eagle3_assets.core.generation.protocol import (
     Completion,
     CompletionRequest,
@@ -29,18 +32,13 @@ from .streaming import StreamClient
 TokenCounter = Callable[[str], int]
 
 
-def _usage_tokens(
-    usage: dict, content: str, reasoning: str | None, count: TokenCounter | None
-) -> tuple[int, bool]:
-    """completion_tokens from usage; without usage, counted with the target tokenizer (never 0 for a real
-    answer)."""
+def _usage_tokens(usage: dict, content: str, reasoning: str | None) -> tuple[int, bool]:
+    """completion_tokens from usage, and whether the server sent none for a real answer (the backend's own
+    count stands in: `OpenRouterBackend._own_count`)."""
     value = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if isinstance(value, int | float) and (value > 0 or not (content or reasoning)):
         return int(value), False
-    text = (reasoning or "") + content
-    if not text:
-        return 0, False
-    return (count(text) if count is not None else max(1, len(text) // 4)), True
+    return 0, bool(content or reasoning)
 
 
 def _completion(
@@ -55,12 +53,12 @@ def _completion(
     provider: Any,
     request_id: Any,
     output_ids: list[int] | None,
-    count: TokenCounter | None,
+    quantization: Any = None,
 ) -> Completion:
     if finish == "error":
         raise InferenceError(ErrorKind.SERVER, "the provider ended the answer with an error", status=200)
     usage = usage if isinstance(usage, dict) else {}
-    completion_tokens, estimated = _usage_tokens(usage, content, reasoning, count)
+    completion_tokens, estimated = _usage_tokens(usage, content, reasoning)
     if not content and not reasoning and completion_tokens == 0:
         # OpenRouter does not bill these (zero-completion insurance); a retry usually gets a real answer.
         raise InferenceError(ErrorKind.SERVER, f"empty completion (finish_reason={finish!r})", status=200)
@@ -82,10 +80,18 @@ def _completion(
         request_id=request_id,
         output_ids=output_ids,
         usage_estimated=estimated,
+        quantization=str(quantization) if isinstance(quantization, str) and quantization else None,
     )
 
 
-def parse_chat_completion(body: dict, fallback_model: str, count: TokenCounter | None = None) -> Completion:
+def _quantization(body: dict) -> Any:
+    """Which quantization served the answer, where the provider says so (a top-level `quantization`, or in
+    OpenRouter's `openrouter_metadata`); the chat-completion schema itself has no such field."""
+    meta = body.get("openrouter_metadata")
+    return body.get("quantization") or (meta.get("quantization") if isinstance(meta, dict) else None)
+
+
+def parse_chat_completion(body: dict, fallback_model: str) -> Completion:
     """An OpenAI-style chat completion body as a Completion, or a classified error."""
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -105,7 +111,7 @@ def parse_chat_completion(body: dict, fallback_model: str, count: TokenCounter |
         provider=body.get("provider"),
         request_id=body.get("id"),
         output_ids=_token_ids(choice.get("token_ids")),
-        count=count,
+        quantization=_quantization(body),
     )
 
 
@@ -116,24 +122,48 @@ def _token_ids(ids: Any) -> list[int] | None:
     return None
 
 
+class StopReading(Exception):
+    """The answer is already longer than `max_tokens` could make it: reading stops (the connection is closed,
+    which ends the generation where the provider honours it) and what arrived is kept up to the limit."""
+
+
+# Characters past which a streamed answer is counted with the target tokenizer: first at this many per token
+# of `max_tokens` (real text runs about 4), then at each doubling. A provider that ignores max_tokens is
+# caught within twice its limit, and memory holds at most that much of an answer.
+CHECK_CHARS_PER_TOKEN = 8
+# Without a tokenizer yet (the first answers of a run), reading stops here whatever the text.
+HARD_CHARS_PER_TOKEN = 64
+
+
+def over_limit(tokens: int, max_tokens: int) -> bool:
+    """Longer than `max_tokens` by our own count, beyond the few tokens a re-tokenization may differ by."""
+    return tokens > max_tokens + max(8, max_tokens // 50)
+
+
 class StreamedAnswer:
-    """Folds the chunks of a streamed chat completion into one answer, counting tokens as they arrive."""
+    """Folds the chunks of a streamed chat completion into one answer, counting tokens as they arrive, and
+    stops reading an answer that grows past what `max_tokens` allows (`StopReading`)."""
 
     __slots__ = (
+        "chars",
         "content",
+        "count",
         "finish",
         "ids",
         "model",
         "native_finish",
+        "next_check",
         "provider",
         "reasoning",
         "request",
         "request_id",
+        "stopped",
         "usage",
     )
 
-    def __init__(self, request: CompletionRequest):
+    def __init__(self, request: CompletionRequest, count: TokenCounter | None = None):
         self.request = request
+        self.count = count  # the target tokenizer's count, once it is loaded
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.ids: list[int] | None = None
@@ -143,11 +173,14 @@ class StreamedAnswer:
         self.model: Any = None
         self.provider: Any = None
         self.request_id: Any = None
+        self.chars = 0
+        self.next_check = CHECK_CHARS_PER_TOKEN * request.max_tokens + 1024
+        self.stopped = False  # reading stopped at the limit
 
     def __call__(self, events: list[dict], headers: Any) -> None:
         # Called with each batch of a stream's events (tens of thousands of events a second over all streams):
         # the common case (a delta of content) first, with as few lookups as it takes; the rare fields after.
-        content, tokens = self.content, 0
+        content, tokens, chars = self.content, 0, 0
         try:
             for event in events:
                 choices = event.get("choices")
@@ -158,11 +191,13 @@ class StreamedAnswer:
                         text = delta.get("content")
                         if text:
                             content.append(text)
+                            chars += len(text)
                             tokens += 1  # ≥ one token per non-empty chunk: a floor for the budget
                         if len(delta) > 1 or not text:
                             thought = delta.get("reasoning") or delta.get("reasoning_content")
                             if thought:
                                 self.reasoning.append(thought)
+                                chars += len(thought)
                                 if not text:
                                     tokens += 1
                     if len(choice) > 2 and (choice.get("finish_reason") or "token_ids" in choice):
@@ -180,6 +215,23 @@ class StreamedAnswer:
                     self.usage = usage
         finally:
             self.request.streamed_tokens += tokens  # the budget sees what arrived, even up to an error
+            self.chars += chars
+        if self.chars >= self.next_check:
+            self._check_length()
+
+    def _check_length(self) -> None:
+        """Count what arrived; stop reading when it is past the limit, else look again at twice the size."""
+        limit = self.request.max_tokens
+        if self.count is not None:
+            n = self.count("".join(self.reasoning) + "".join(self.content))
+            self.request.streamed_tokens = max(self.request.streamed_tokens, n)
+            past = over_limit(n, limit)
+        else:
+            past = self.chars > HARD_CHARS_PER_TOKEN * limit + 65536
+        if past:
+            self.stopped = True
+            raise StopReading(f"more than max_tokens={limit} arrived; reading stopped")
+        self.next_check *= 2
 
     def _finish(self, choice: dict) -> None:
         ids = choice.get("token_ids")
@@ -191,24 +243,45 @@ class StreamedAnswer:
             self.finish = choice["finish_reason"]
             self.native_finish = choice.get("native_finish_reason")
 
-    def completion(self, fallback_model: str, count: TokenCounter | None) -> Completion:
-        if self.finish is None:
+    def completion(self, fallback_model: str) -> Completion:
+        if self.finish is None and not self.stopped:
             raise InferenceError(
                 ErrorKind.CONNECTION, "the stream ended before the answer finished", status=200
             )
         return _completion(
             content="".join(self.content),
             reasoning="".join(self.reasoning) or None,
-            finish=self.finish,
+            finish="length" if self.stopped else self.finish,
             native_finish=self.native_finish,
             usage=self.usage,
             body_model=self.model,
             fallback_model=fallback_model,
             provider=self.provider,
             request_id=self.request_id,
-            output_ids=_token_ids(self.ids),
-            count=count,
+            output_ids=None if self.stopped else _token_ids(self.ids),
         )
+
+
+# Answers shorter than this are counted on the event loop; longer ones in a worker thread (the tokenizers
+# release the GIL), so that one long answer does not hold up every stream.
+COUNT_INLINE_CHARS = 2048
+
+
+def max_answer_bytes(max_tokens: int) -> int:
+    """The largest body a non-streamed answer of `max_tokens` may have: HARD_CHARS_PER_TOKEN characters a
+    token, each up to 6 bytes of escaped JSON, and room for the envelope. A larger body is not read."""
+    return HARD_CHARS_PER_TOKEN * 6 * max_tokens + 1_048_576
+
+
+def _cut(chat: ChatTokenizer, reasoning: str | None, content: str, limit: int) -> tuple[str | None, str]:
+    """The answer up to `limit` tokens, reasoning first (it comes first), decoded from the target tokenizer's
+    ids of each part."""
+    encode, decode = chat.encoder.encode_texts, chat.encoder.decode
+    thought = encode([reasoning])[0] if reasoning else []
+    if len(thought) >= limit:
+        return decode(list(thought[:limit])), ""
+    rest = limit - len(thought)
+    return reasoning, decode(list(encode([content])[0][:rest])) if content else ""
 
 
 def _wire(message: dict[str, Any]) -> dict[str, Any]:
@@ -223,15 +296,15 @@ class OpenRouterBackend:
     name = "openrouter"
     wants_prompt_ids = False
 
-    def __init__(self, cfg: OpenRouterConfig, chat: ChatTokenizer | None = None):
+    def __init__(self, cfg: OpenRouterConfig, chat: ChatTokenizer):
         self.cfg = cfg
         self.model = cfg.model
+        self.served = openrouter_served(cfg)
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
-        # Answers that come without usage are counted with the target tokenizer, never as 0 (looked up at the
-        # first such answer: a deferred tokenizer is loaded only then).
-        self.count_tokens: TokenCounter | None = (
-            (lambda text: chat.count_tokens(text)) if chat is not None else None
-        )
+        # Every answer is counted with the target tokenizer (the budget charges the larger of that and the
+        # provider's usage); a deferred tokenizer is loaded in a worker thread when the run starts.
+        self.chat = chat
+        self._tokenizer: asyncio.Future | None = None
         self._session: HttpSession | None = None
         self._streams: StreamClient | None = None  # streamed answers (streaming.py says why not aiohttp)
         self._secrets: tuple[bytes, ...] = ()
@@ -271,6 +344,8 @@ class OpenRouterBackend:
         return body
 
     async def start(self) -> None:
+        if self._tokenizer is None:  # loads while the first requests are out
+            self._tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.chat.encoder))
         if self._session is None:
             self._secrets = secret_forms(os.environ.get(self.cfg.api_key_env))
             self._session = make_session(self.cfg.request_timeout_s, self._headers())
@@ -332,12 +407,39 @@ class OpenRouterBackend:
     async def complete(self, request: CompletionRequest) -> Completion:
         assert self._session is not None, "start() was not called"
         if not self.cfg.stream:
-            body = await post_json(self._session, self.url, self._payload(request), self._secrets)
-            return parse_chat_completion(body, self.cfg.model, self.count_tokens)
+            body = await post_json(
+                self._session,
+                self.url,
+                self._payload(request),
+                self._secrets,
+                max_bytes=max_answer_bytes(request.max_tokens),
+                billed_tokens=request.max_tokens,
+            )
+            return await self._own_count(parse_chat_completion(body, self.cfg.model), request)
         assert self._streams is not None
-        answer = StreamedAnswer(request)
-        await self._streams.post(dumps(self._payload(request)), answer)
-        return answer.completion(self.cfg.model, self.count_tokens)
+        loaded = self._tokenizer is not None and self._tokenizer.done() and not self._tokenizer.exception()
+        answer = StreamedAnswer(request, self.chat.count_tokens if loaded else None)
+        with contextlib.suppress(StopReading):  # the connection is closed; what arrived is kept to the limit
+            await self._streams.post(dumps(self._payload(request)), answer)
+        return await self._own_count(answer.completion(self.cfg.model), request)
+
+    async def _own_count(self, c: Completion, request: CompletionRequest) -> Completion:
+        """Our own count of what arrived (reasoning included); an answer past `max_tokens` by it is cut at
+        the limit (the budget charges the larger of this count and the provider's usage)."""
+        if self._tokenizer is not None:
+            await self._tokenizer
+        text = (c.reasoning or "") + c.content
+        count = self.chat.count_tokens
+        n = count(text) if len(text) < COUNT_INLINE_CHARS else await asyncio.to_thread(count, text)
+        if c.usage_estimated:
+            c.completion_tokens = n
+        if over_limit(n, request.max_tokens):
+            c.reasoning, c.content = _cut(self.chat, c.reasoning, c.content, request.max_tokens)
+            c.finish_reason, c.cut_at_max_tokens, c.output_ids = "length", True, None
+            c.native_finish_reason = f"cut here: {n:,} tokens arrived for max_tokens={request.max_tokens:,}"
+            n = request.max_tokens
+        c.counted_tokens = n
+        return c
 
     async def close(self) -> None:
         if self._streams is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3_assets.config import SGLangConfig
+from eagle3_assets.core.generation.binding import sglang_served
 from eagle3_assets.core.generation.protocol import (
     Completion,
     CompletionRequest,
@@ -39,11 +40,12 @@ class SGLangBackend:
     name = "sglang"
     wants_prompt_ids = True
 
-    def __init__(self, cfg: SGLangConfig, chat: ChatTokenizer):
+    def __init__(self, cfg: SGLangConfig, chat: ChatTokenizer, target_model: str):
         self.cfg = cfg
         self.chat = chat
         self.base = cfg.base_url.rstrip("/")
         self.model = "sglang"
+        self.served = sglang_served(cfg, target_model)
         self._session: HttpSession | None = None
         self._think_open_id = chat.encoder.control_ids.get(chat.think_open)
 
@@ -66,6 +68,12 @@ class SGLangBackend:
             if status != 200 or not isinstance(info, dict):
                 return [f"SGLang at {self.base}/model_info answered HTTP {status}; is this an SGLang server?"]
             self.model = str(info.get("model_path") or "sglang")
+        if not self.served.accepts(self.model):
+            return [
+                f"SGLang at {self.base} serves {self.model!r}, not the target ({self.served.describe()}): "
+                "serve target.model, or list the path in backends.sglang.accepted_models if it is the "
+                "target's checkpoint"
+            ]
         return []
 
     def _payload(self, request: CompletionRequest) -> dict[str, Any]:
@@ -104,6 +112,9 @@ class SGLangBackend:
                 raise InferenceError(ErrorKind.CONTEXT_LENGTH, message, status=200)
             raise InferenceError(ErrorKind.SERVER, f"request aborted: {message}", status=200)
         ids = [int(i) for i in ids]
+        cut = len(ids) > request.max_tokens  # a server that ignores max_new_tokens: kept up to the limit
+        if cut:
+            ids, kind = ids[: request.max_tokens], "length"
         # The text is decoded from ids here, where special tokens are known (the server may drop or keep
         # them).
         text_ids = ids[:-1] if kind == "stop" and ids and ids[-1] == self.chat.eot_id else ids
@@ -123,6 +134,8 @@ class SGLangBackend:
             native_finish_reason=describe(finish, 200) if finish else None,
             prompt_tokens=int(meta.get("prompt_tokens") or len(request.prompt_ids)),
             completion_tokens=int(meta.get("completion_tokens") or len(ids)),
+            counted_tokens=len(ids),
+            cut_at_max_tokens=cut,
             cached_tokens=meta.get("cached_tokens"),
             model=self.model,
             request_id=str(meta.get("id")) if meta.get("id") is not None else None,

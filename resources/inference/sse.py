@@ -12,6 +12,10 @@ from eagle3_assets.core.generation.protocol import ErrorKind, InferenceError, de
 
 from .http import loads, redact
 
+# One event's most bytes: a stream whose event runs past this is cut (memory stays bounded whatever a server
+# sends; real events are a token or a few, and a whole long answer in one event is far below it).
+MAX_EVENT_BYTES = 32 * 1024 * 1024
+
 # Called with each batch of a stream's events, in order (it may raise a classified error to end the stream).
 OnEvents = Callable[[list[dict], Mapping[str, str]], None]
 
@@ -97,6 +101,12 @@ class EventBatches:
             if cut == 1:
                 cut = buf.rfind(b"\n") + 1  # no blank line yet (or `\r\n` line ends): complete lines
                 if cut == 0:
+                    if len(buf) > MAX_EVENT_BYTES:
+                        raise InferenceError(
+                            ErrorKind.MALFORMED,
+                            f"an event passed {MAX_EVENT_BYTES:,} bytes without ending; not read on",
+                            status=200,
+                        )
                     self.pending = buf
                     return
         text, self.pending = buf[:cut], buf[cut:]

@@ -52,6 +52,7 @@ def request_prefix(partition: str) -> str:
 class VllmHiddenStates:
     name = "vllm"
     wants_prompt_ids = True
+    served = None  # the states of the served target: nothing is stored as an answer
 
     def __init__(self, cfg: VllmExtractionConfig, partition: str, n_layer_ids: int):
         self.cfg = cfg

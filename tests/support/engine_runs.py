@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from eagle3_assets.config import DatasetConfig, OpenRouterConfig, SamplingConfig
+from eagle3_assets.config import BUILTIN_SMOLLM2, DatasetConfig, OpenRouterConfig, SamplingConfig
+from eagle3_assets.core.generation.binding import local_model_name, local_served
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
 from eagle3_assets.core.prompts.ingest import write_prompts
@@ -18,6 +19,9 @@ from .projects import user_rows, write_jsonl
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
 KEY = "test-key-" + "x" * 24
+# The embedded target's name as its answers carry it, and the names an import of its answers may give.
+SMOLLM2 = local_model_name(BUILTIN_SMOLLM2)
+IMPORTED_AS_TARGET = local_served(BUILTIN_SMOLLM2)
 
 
 def make_plan(
@@ -114,6 +118,7 @@ class NeverCalledBackend:
     name = "openrouter"
     model = "m"
     wants_prompt_ids = False
+    served = None
 
     async def start(self):
         raise AssertionError("a finished partition must not start the backend")

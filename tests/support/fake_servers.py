@@ -329,7 +329,11 @@ class FakeSGLang(_ThreadedApp):
     """Native SGLang API over a real tokenizer: answers "Echo <n tokens>" and returns its output ids."""
 
     def __init__(
-        self, tokenizer: Any, eot_id: int, fail_first: int = 0, model_path: str = "HuggingFaceTB/SmolLM2"
+        self,
+        tokenizer: Any,
+        eot_id: int,
+        fail_first: int = 0,
+        model_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct",
     ):
         super().__init__()
         self.tok = tokenizer

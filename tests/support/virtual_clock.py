@@ -108,6 +108,7 @@ class VirtualProvider:
     name = "openrouter"
     model = "sim/model"
     wants_prompt_ids = False
+    served = None  # the engine's control law is measured here, not what is stored
 
     def __init__(self, spec: ProviderSpec, stream: bool, round_trip_s: float, fault_s: float):
         self.spec = spec

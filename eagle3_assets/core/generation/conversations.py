@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
+from .fingerprints import prompt_fingerprint
 from .protocol import Completion, CompletionRequest, Sampling
 
 if TYPE_CHECKING:
@@ -79,6 +80,12 @@ def turn_messages(
         else:
             out.append(m)
     return out
+
+
+def turn_fingerprint(source: list[dict], k: int, answers: list[TurnAnswer]) -> str:
+    """Turn k's request, fingerprinted: the source before slot k with the target's own answers to turns
+    1..k-1 (and their reasoning, whether or not the template shows it to the model)."""
+    return prompt_fingerprint(turn_messages(source, k, answers[: k - 1], keep_reasoning=True))
 
 
 @dataclass
@@ -159,7 +166,14 @@ class Chains:
                 self.chains.pop(chain.id, None)
                 return None
             prompt_ids = rendered
-        return CompletionRequest(turn_id(chain.id, k), msgs, self.max_tokens, self.sampling, prompt_ids)
+        return CompletionRequest(
+            turn_id(chain.id, k),
+            msgs,
+            self.max_tokens,
+            self.sampling,
+            prompt_ids,
+            fingerprint=turn_fingerprint(chain.messages, k, chain.answers),
+        )
 
 
 def stored_turn_answers(responses: JournalTable, ids: Collection[str]) -> dict[str, TurnAnswer]:

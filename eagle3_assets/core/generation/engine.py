@@ -17,7 +17,9 @@ prompts in order). Each attempt is a task; its outcome reopens the gates. Outcom
   `streak_limit` times with no answer in between from a request sent after it began: that is a configuration
   problem (routing, model access, extra_body), so the run stops and those prompts stay retryable (`guards`);
 - our own bug (INTERNAL): recorded, not retried in this run, never permanent;
-- bad key, no credits: the run stops at once.
+- an answer served by another model than the target: paid for, set aside (never stored as an answer), asked
+  again within the fault allowance; a streak of them stops the run;
+- bad key, no credits, no room left where answers are stored: the run stops at once.
 
 Every attempt is written to the dispatch ledger before it is sent (`ledger.DispatchLedger`), so what a crash
 leaves in flight is charged on resume.
@@ -202,6 +204,8 @@ class GenerationEngine:
             return
         if self._stop.is_set():
             grace = self.settings.terminate_grace_s if self.terminated else self.settings.fatal_grace_s
+            if self.flusher.error is not None:
+                grace = 0.0  # nothing can be stored: every answer still streaming in is cut off now
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
             for t in pending:
                 t.cancel()
@@ -224,6 +228,8 @@ class GenerationEngine:
         limiter, scheduler = self.limiter, self.scheduler
         while not self._stop.is_set():
             now = self.clock()
+            if self._no_room(now):
+                return
             scheduler.start_pass()
             burst = scheduler.burst(limiter.window)
             sent = 0
@@ -243,6 +249,17 @@ class GenerationEngine:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), scheduler.next_timer(now, limiter.paused_until))
+
+    def _no_room(self, now: float) -> bool:
+        """The storage cannot take what is at stake: stop buying before a write fails."""
+        for lane in self.lanes:
+            problem = lane.storage_problem(now, self.limiter.window)
+            if problem is not None:
+                self._stop_run(
+                    InferenceError(ErrorKind.STORAGE, f"{lane.key}: {problem}"), "stopping the run"
+                )
+                return True
+        return False
 
     def _stalled(self, now: float) -> bool:
         error = self.stall.stalled(now, self.progress.refused)
@@ -280,8 +297,8 @@ class GenerationEngine:
             self.limiter.on_done()
             raise
         except InferenceError as e:
-            lane.budget.settle(ticket, None, None)
-            if lane.ledger is not None:
+            lane.budget.settle(ticket, e.billed_tokens, None)
+            if lane.ledger is not None and e.billed_tokens is None:
                 lane.ledger.unbilled(p.request.id)
             self._on_error(p, e, token)
         except Exception as e:  # a bug while handling an answer must not kill its siblings; it was paid for
@@ -299,10 +316,15 @@ class GenerationEngine:
                     now - token.sent_at,
                     self.heartbeat.latency_to_learn(now, token.sent_at),
                 )
-            lane.budget.settle(ticket, c.completion_tokens, c.cost_usd, learned)
+            lane.budget.settle(ticket, c.charged_tokens, c.cost_usd, learned)
             self.limiter.on_success(token, grow=not p.accepted)
             self.ramp.on_answer(p)
-            self._succeed(p, c, token.sent_at)
+            c.prompt_fingerprint = p.request.fingerprint
+            refused = lane.refuse(p.request, c)
+            if refused is None:
+                self._succeed(p, c, token.sent_at)
+            else:
+                self._on_refused_answer(p, refused, token.sent_at)
         finally:
             lane.in_flight -= 1
             self.ramp.on_end(token)
@@ -316,6 +338,21 @@ class GenerationEngine:
         self.progress.succeeded += 1
         self.stall.on_answer(self.clock(), self.progress.refused)
         self.streak.on_answer(dispatched_at)
+
+    def _on_refused_answer(self, p: PendingPrompt, e: InferenceError, dispatched_at: float) -> None:
+        """An answer that is not the target's (the lane set it aside): paid for, never stored as an answer.
+        Asked again within the prompt's fault allowance (a router may serve it right next time); a streak of
+        them stops the run as a configuration problem."""
+        r = p.lane.report
+        r.errors[e.kind.value] += 1
+        r.refused_answers += 1
+        p.last_error = e
+        p.faults += 1
+        if p.faults > self.settings.max_retries:
+            self._fail(p, e, permanent=False)
+        else:
+            self.scheduler.retry_faulted(p, e.retry_after, self.clock())
+        self._count_streak(p, e, dispatched_at)
 
     def _on_error(self, p: PendingPrompt, e: InferenceError, token: DispatchToken) -> None:
         r = p.lane.report

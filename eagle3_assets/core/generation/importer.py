@@ -4,8 +4,11 @@ Each JSONL row names its prompt by `id`, by `messages` (a trailing assistant tur
 `prompt` string (the prompt's last user turn), and carries the answer as `response`/`content`, with optional
 `reasoning`, `output_ids`, `usage` {prompt_tokens, completion_tokens, cost}, `finish_reason`, `model`,
 `provider`. Imported rows count toward the budget like generated ones and their output ids serve as references
-for tokens. Rows that match no prompt, or a prompt already answered, are reported and written to imports/ with
-the reason.
+for tokens. Every row must name the model that wrote it (its `model`, or the import's default), and that model
+must be one the config accepts as the target: another model's answers are never trained. Rows that match no
+prompt, a prompt already answered, or another model are reported and written to imports/ with the reason.
+Each imported answer is bound to the prompt it matched as it stands (`binding`): edited later, it is asked
+again.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from ..storage.files import write_parquet
 from ..storage.layout import DatasetLayout
 from ..storage.tables import IMPORT_REJECTED_SCHEMA
 from ..target.chat import ChatTokenizer
+from .binding import IMPORTED, ServedModels
+from .fingerprints import prompt_fingerprint
 from .journal import JournalWriter, ResponseJournal
 from .protocol import Completion
 
@@ -43,12 +48,17 @@ class _PromptIndex:
     def __init__(self, prompts: pl.DataFrame, system_prompt: str | None = None):
         self.system_prompt = system_prompt  # the dataset's own, added to imported messages as ingest adds it
         self.ids = set(prompts["id"].to_list())
+        self.messages = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
         self.by_hash: dict[str, str] = {}
         last_user: dict[str, list[str]] = {}
         for pid, msgs in zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True):
             self.by_hash[content_id(msgs)] = pid
             last_user.setdefault(msgs[-1]["content"], []).append(pid)
         self.by_last_user = last_user
+
+    def fingerprint(self, pid: str) -> str:
+        """The prompt an imported answer is bound to: as it stands now."""
+        return prompt_fingerprint(self.messages[pid])
 
     def match(self, row: dict) -> tuple[str, dict]:
         """(prompt id, answer fields) of one import row, or RowError."""
@@ -87,7 +97,7 @@ class _PromptIndex:
         raise RowError("a row needs one of: id, messages, prompt")
 
 
-def _completion(answer: dict, chat: ChatTokenizer, default_model: str) -> Completion:
+def _completion(answer: dict, chat: ChatTokenizer, default_model: str | None, served: ServedModels) -> Completion:
     content = answer.get("response", answer.get("content"))
     if not isinstance(content, str):
         raise RowError("missing answer text (response or content)")
@@ -106,14 +116,21 @@ def _completion(answer: dict, chat: ChatTokenizer, default_model: str) -> Comple
         else:  # count with the target tokenizer so the budget is honest
             tokens = len(chat.encoder.encode_texts([(reasoning or "") + content])[0]) + (finish == "stop")
     cost = usage.get("cost")
+    model = answer.get("model") or default_model
+    if not model:
+        raise RowError("the row names no model: give the model that wrote the answers (a `model` field, or --model)")
+    if not served.accepts(str(model)):
+        raise RowError(f"answer from model {model!r}, not the target (accepted: {served.describe()})")
+    counted = len(ids) if ids is not None else len(chat.encoder.encode_texts([(reasoning or "") + content])[0])
     return Completion(
         content=content,
         reasoning=reasoning or None,
         finish_reason=finish,
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         completion_tokens=int(tokens),
+        counted_tokens=counted,
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
-        model=str(answer.get("model") or default_model),
+        model=str(model),
         provider=answer.get("provider"),
         output_ids=ids,
     )
@@ -123,9 +140,12 @@ def import_responses(
     layout: DatasetLayout,
     source: Path,
     chat: ChatTokenizer,
-    model: str = "imported",
+    served: ServedModels,
+    model: str | None = None,
     system_prompt: str | None = None,
 ) -> ImportSummary:
+    """Import `source` into the dataset's journal. `served`: the names the config accepts as the target
+    (`binding.served_models(cfg)[IMPORTED]`); `model`: the model of rows that name none."""
     prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
     index = _PromptIndex(prompts, system_prompt)
     journal = ResponseJournal(layout)
@@ -135,7 +155,7 @@ def import_responses(
         journal.finalize()
         done = journal.done_ids()
         writer = JournalWriter(
-            journal, "imported", run_id=f"import-{int(time.time())}", source=f"imported:{source.name}"
+            journal, IMPORTED, run_id=f"import-{int(time.time())}", source=f"imported:{source.name}"
         )
         seen: set[str] = set()
         for row_no, row, error in iter_source_rows(source):
@@ -148,7 +168,8 @@ def import_responses(
                 pid, answer = index.match(row)
                 if pid in done or pid in seen:
                     raise RowError(f"prompt {pid} already has a response")
-                c = _completion(answer, chat, model)
+                c = _completion(answer, chat, model, served)
+                c.prompt_fingerprint = index.fingerprint(pid)
             except RowError as e:
                 rejected.append({"source_row": row_no, "reason": str(e)})
                 summary.rejected[str(e).split(" (")[0][:60]] += 1

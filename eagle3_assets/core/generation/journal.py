@@ -17,12 +17,14 @@ from ..storage.tables import (
     FAILURE_SCHEMA,
     IMPORT_REJECTED_SCHEMA,
     RESPONSE_SCHEMA,
+    SET_ASIDE_SCHEMA,
     JournalTable,
     empty_columns,
 )
+from .binding import FOREIGN_MODEL, STANDING_COLUMNS, AnswerRules, AsideReason, Standing, standing_answers
 from .budget import CostFit, LengthHistory, PriorUsage
 from .ledger import LOST_SCHEMA, DispatchLedger, bought_and_unstored, lost_rows
-from .protocol import Completion
+from .protocol import Completion, CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class LostCharge:
 RESPONSE_REQUIRED = ("id", "content", "finish_reason", "completion_tokens")
 FAILURE_REQUIRED = ("id", "error_kind", "permanent")
 LOST_REQUIRED = ("run_id", "estimated_tokens", "estimated_usd")
+ASIDE_REQUIRED = ("id", "aside_key", "aside_reason", "completion_tokens")
 STAGE = "responses"  # the quarantine folder of what the journal sets aside
 
 
@@ -88,6 +91,15 @@ class ResponseJournal:
             tally_file=tally / "tally-lost.json",
             tally=("estimated_tokens", "estimated_usd"),
         )
+        # Answers that are not trained (edited or removed prompts, another model, an earlier target): kept.
+        self.aside = JournalTable(
+            layout.set_aside_dir,
+            SET_ASIDE_SCHEMA,
+            key="aside_key",
+            required=ASIDE_REQUIRED,
+            tally_file=tally / "tally-aside.json",
+            tally=("completion_tokens", "cost_usd"),
+        )
         self.quarantined: list[Quarantined] = []  # what `sweep` set aside so far
         self._charged = [0.0, 0.0]
 
@@ -101,6 +113,7 @@ class ResponseJournal:
         set-aside part of `lost/` is charged again from its tally. Call with the dataset's lock held."""
         d = self.layout.dir
         found = self.responses.sweep(d, STAGE, self._charge_lost_answers)
+        found += self.aside.sweep(d, STAGE, self._charge_lost_answers)
         found += self.lost.sweep(d, STAGE, self._carry_lost_charges)
         found += self.failures.sweep(d, STAGE)
         imports = (
@@ -109,6 +122,7 @@ class ResponseJournal:
         found += sweep_parquet(d, imports, STAGE, IMPORT_REJECTED_SCHEMA, list(IMPORT_REJECTED_SCHEMA))
         self.quarantined.extend(found)
         self.responses.fill_tally()  # so that a part damaged later can still be accounted for
+        self.aside.fill_tally()
         self.lost.fill_tally()
         return found
 
@@ -188,12 +202,101 @@ class ResponseJournal:
         )
         return set(latest.filter(pl.col("permanent")).collect()["id"].to_list())
 
-    def prior_usage(self) -> PriorUsage:
-        df = (
-            self.responses.scan(["id", "completion_tokens", "cost_usd", "latency_s"])
+    # -- answers set aside -----------------------------------------------------------------------------------
+    def stored_answers(self) -> pl.DataFrame:
+        """The stored answers as `binding.standing_answers` reads them: one row per id."""
+        return self.responses.scan(STANDING_COLUMNS).unique(subset=["id"], keep="first").collect()
+
+    def standing(self, rules: AnswerRules) -> Standing:
+        """Which stored answers stand under `rules`, read without the lock (nothing is moved): what the tokens
+        stage trains and the checks count."""
+        prompts = (
+            pl.read_parquet(self.layout.prompts, columns=["id", "messages"])
+            if self.layout.prompts.exists()
+            else pl.DataFrame(schema={"id": pl.String, "messages": pl.List(pl.Struct({"role": pl.String}))})
+        )
+        return standing_answers(prompts, self.stored_answers(), rules)
+
+    def aside_answers(self) -> pl.DataFrame:
+        """Every answer set aside, oldest first (`binding.standing_answers` decides which fit again)."""
+        columns = [*STANDING_COLUMNS, "aside_key"]
+        if not self.aside.files():
+            return pl.DataFrame(schema={c: SET_ASIDE_SCHEMA[c] for c in columns})
+        return (
+            self.aside.scan([*columns, "set_aside_at"])
+            .unique(subset=["aside_key"], keep="first")
+            .sort("set_aside_at")
+            .select(columns)
+            .collect()
+        )
+
+    def set_answers_aside(self, reasons: dict[str, AsideReason]) -> int:
+        """Move the stored answers of `reasons` to set_aside/ with their reason. The copy is written before
+        the answers leave responses/, so a crash in between leaves an answer in both (the next run sets it
+        aside again, as the same `aside_key`), never in neither. Call with the dataset's lock held."""
+        if not reasons:
+            return 0
+        rows = (
+            self.responses.scan()
+            .filter(pl.col("id").is_in(list(reasons)))
             .unique(subset=["id"], keep="first")
             .collect()
         )
+        now = time.time()
+        rows = rows.with_columns(
+            aside_key=_aside_key(),
+            aside_reason=pl.Series([reasons[i].kind for i in rows["id"]], dtype=pl.String),
+            aside_detail=pl.Series([reasons[i].detail for i in rows["id"]], dtype=pl.String),
+            set_aside_at=pl.lit(now, dtype=pl.Float64),
+        )
+        self.aside.append(rows.select(list(SET_ASIDE_SCHEMA)))
+        self.responses.compact(keep="first", drop_keys=reasons)
+        self.aside.compact(keep="first")
+        return rows.height
+
+    def restore_answers(self, keys: list[str]) -> int:
+        """Bring set-aside answers back (their prompt is again what they answered): appended to responses/
+        before they leave set_aside/ (a crash in between charges them twice, never loses one)."""
+        if not keys:
+            return 0
+        rows = (
+            self.aside.scan()
+            .filter(pl.col("aside_key").is_in(keys))
+            .unique(subset=["aside_key"], keep="first")
+            .unique(subset=["id"], keep="last", maintain_order=True)
+            .collect()
+        )
+        self.responses.append(rows.select(list(RESPONSE_SCHEMA)))
+        self.aside.compact(keep="first", drop_keys=keys)
+        return rows.height
+
+    def aside_counts(self) -> dict[str, int]:
+        """Answers set aside so far, by reason."""
+        df = self.aside.scan(["aside_key", "aside_reason"]).unique(subset=["aside_key"]).collect()
+        return dict(df["aside_reason"].value_counts().rows()) if df.height else {}
+
+    def clear_failures(self) -> int:
+        """Forget every failure row (a fresh answer set: the earlier target's failures say nothing of the new
+        one's); returns how many there were."""
+        n = self.failures.row_count()[1]
+        self.failures.compact(keep="last", drop_keys=self.failures.keys())
+        return n
+
+    def prior_usage(self) -> PriorUsage:
+        # Answers set aside were paid for all the same: their tokens and dollars count toward the budget.
+        aside = (
+            self.aside.scan(["aside_key", "completion_tokens", "cost_usd", "latency_s"])
+            .unique(subset=["aside_key"], keep="first")
+            .drop("aside_key")
+        )
+        df = pl.concat(
+            [
+                self.responses.scan(["id", "completion_tokens", "cost_usd", "latency_s"])
+                .unique(subset=["id"], keep="first")
+                .drop("id"),
+                aside,
+            ]
+        ).collect()
         tokens = df["completion_tokens"].fill_null(0).to_numpy().astype(float)
         history = LengthHistory()
         history.add_many(tokens, df["latency_s"].fill_null(0.0).to_numpy())
@@ -237,6 +340,18 @@ class ResponseJournal:
         )
 
 
+def _aside_key() -> pl.Expr:
+    """One answer, wherever it is copied: its id, the run that stored it and when."""
+    return pl.concat_str(
+        [
+            pl.col("id"),
+            pl.col("run_id").fill_null("-"),
+            pl.col("created_at").cast(pl.String).fill_null("-"),
+        ],
+        separator="|",
+    )
+
+
 def _int(v: Any) -> int | None:
     """Server fields coerced to the column types, so one odd value cannot fail a whole flush."""
     try:
@@ -266,19 +381,36 @@ class JournalWriter:
         run_id: str,
         source: str = "generated",
         on_flush: Callable[[], None] | None = None,
+        settings_fingerprint: str | None = None,
     ):
         self.journal = journal
         self.on_flush = on_flush
         self.backend = backend
         self.run_id = run_id
         self.source = source
+        # The sampling, template variables and backend knobs every request of this writer went out with.
+        self.settings_fingerprint = settings_fingerprint
         self._resp = empty_columns(RESPONSE_SCHEMA)
         self._fail = empty_columns(FAILURE_SCHEMA)
+        self._aside = empty_columns(SET_ASIDE_SCHEMA)
         self._lock = asyncio.Lock()
         self.rows_written = 0
+        self.bytes_written = 0  # of the answers' parts: what a stored answer takes on disk
 
     def add_completion(self, request_id: str, c: Completion) -> None:
-        r = self._resp
+        self._add_answer(self._resp, request_id, c)
+
+    def add_refused(self, request: CompletionRequest, c: Completion, why: str) -> None:
+        """An answer that is not the target's: kept in set_aside/ (it was paid for), never in responses/."""
+        c.prompt_fingerprint = c.prompt_fingerprint or request.fingerprint
+        a = self._aside
+        self._add_answer(a, request.id, c)
+        a["aside_key"].append(f"{request.id}|{self.run_id}|{a['created_at'][-1]}")
+        a["aside_reason"].append(FOREIGN_MODEL)
+        a["aside_detail"].append(why[:2000])
+        a["set_aside_at"].append(a["created_at"][-1])
+
+    def _add_answer(self, r: dict[str, list[Any]], request_id: str, c: Completion) -> None:
         r["id"].append(request_id)
         r["backend"].append(self.backend)
         r["model"].append(c.model)
@@ -287,7 +419,7 @@ class JournalWriter:
         r["reasoning"].append(_str(c.reasoning))
         r["finish_reason"].append(str(c.finish_reason))
         r["prompt_tokens"].append(_int(c.prompt_tokens))
-        r["completion_tokens"].append(_int(c.completion_tokens))
+        r["completion_tokens"].append(c.charged_tokens)
         r["cost_usd"].append(_float(c.cost_usd))
         r["output_ids"].append(c.output_ids)
         r["native_finish_reason"].append(_str(c.native_finish_reason))
@@ -299,6 +431,12 @@ class JournalWriter:
         r["run_id"].append(self.run_id)
         r["source"].append(self.source)
         r["usage_estimated"].append(bool(c.usage_estimated))
+        r["prompt_fingerprint"].append(c.prompt_fingerprint)
+        r["settings_fingerprint"].append(self.settings_fingerprint)
+        r["reported_completion_tokens"].append(_int(c.completion_tokens))
+        r["counted_completion_tokens"].append(_int(c.counted_tokens))
+        r["quantization"].append(_str(c.quantization))
+        r["cut_at_max_tokens"].append(bool(c.cut_at_max_tokens))
 
     def add_failure(
         self, request_id: str, kind: str, message: str, attempts: int, permanent: bool, status: int | None
@@ -316,20 +454,35 @@ class JournalWriter:
 
     @property
     def pending(self) -> int:
-        return len(self._resp["id"]) + len(self._fail["id"])
+        return len(self._resp["id"]) + len(self._fail["id"]) + len(self._aside["id"])
 
-    def _swap(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        resp, fail = self._resp, self._fail
-        self._resp, self._fail = empty_columns(RESPONSE_SCHEMA), empty_columns(FAILURE_SCHEMA)
-        return resp, fail
+    def _swap(self) -> list[dict[str, list[Any]]]:
+        buffers = [self._resp, self._aside, self._fail]
+        self._resp = empty_columns(RESPONSE_SCHEMA)
+        self._aside = empty_columns(SET_ASIDE_SCHEMA)
+        self._fail = empty_columns(FAILURE_SCHEMA)
+        return buffers
 
-    def _restore(self, resp: dict[str, list[Any]], fail: dict[str, list[Any]]) -> None:
-        """Put rows that could not be written back in front of the buffer: a failed write must lose
+    def _restore(self, unwritten: list[dict[str, list[Any]]]) -> None:
+        """Put rows that could not be written back in front of the buffers: a failed write must lose
         nothing."""
-        for name, values in resp.items():
-            self._resp[name][:0] = values
-        for name, values in fail.items():
-            self._fail[name][:0] = values
+        for buffer, rows in zip((self._resp, self._aside, self._fail), unwritten, strict=True):
+            for name, values in rows.items():
+                buffer[name][:0] = values
+
+    def _write(self, buffers: list[dict[str, list[Any]]]) -> None:
+        """The buffered answers, set-aside answers and failures, in that order (a worker thread may run it);
+        the rows a failed write leaves unwritten travel in the error, to be put back where rows are added."""
+        tables = (self.journal.responses, self.journal.aside, self.journal.failures)
+        for i, (table, rows) in enumerate(zip(tables, buffers, strict=True)):
+            try:
+                path = table.append(rows)
+            except BaseException as error:
+                unwritten = [b if j >= i else _empty_like(b) for j, b in enumerate(buffers)]
+                raise _Unwritten(unwritten, error) from error
+            if i == 0 and path is not None:
+                self.rows_written += len(rows["id"])
+                self.bytes_written += path.stat().st_size
 
     async def flush(self) -> None:
         """Write what is buffered; rows whose write fails go back in front of the buffer (on the event loop,
@@ -337,33 +490,32 @@ class JournalWriter:
         async with self._lock:
             if not self.pending:
                 return
-            resp, fail = self._swap()
             try:
-                await asyncio.to_thread(self.journal.responses.append, resp)
-            except BaseException:
-                self._restore(resp, fail)
-                raise
-            self.rows_written += len(resp["id"])
-            try:
-                await asyncio.to_thread(self.journal.failures.append, fail)
-            except BaseException:
-                self._restore(empty_columns(RESPONSE_SCHEMA), fail)
-                raise
+                await asyncio.to_thread(self._write, self._swap())
+            except _Unwritten as e:
+                self._restore(e.buffers)
+                raise e.error from None
             if self.on_flush is not None:
                 await asyncio.to_thread(self.on_flush)
 
     def flush_sync(self) -> None:
         if not self.pending:
             return
-        resp, fail = self._swap()
         try:
-            self.journal.responses.append(resp)
-        except BaseException:
-            self._restore(resp, fail)
-            raise
-        self.rows_written += len(resp["id"])
-        try:
-            self.journal.failures.append(fail)
-        except BaseException:
-            self._restore(empty_columns(RESPONSE_SCHEMA), fail)
-            raise
+            self._write(self._swap())
+        except _Unwritten as e:
+            self._restore(e.buffers)
+            raise e.error from None
+
+
+class _Unwritten(Exception):
+    """Rows a flush in a worker thread could not write, and why."""
+
+    def __init__(self, buffers: list[dict[str, list[Any]]], error: BaseException):
+        super().__init__(str(error))
+        self.buffers = buffers
+        self.error = error
+
+
+def _empty_like(columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    return {name: [] for name in columns}

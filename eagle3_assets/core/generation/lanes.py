@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .protocol import ErrorKind, InferenceError
 from .report import EngineReport
 
 if TYPE_CHECKING:
+    from .binding import ServedModels
     from .ledger import DispatchLedger
     from .limiter import DispatchToken
-    from .protocol import Completion, CompletionRequest, InferenceError
+    from .protocol import Completion, CompletionRequest
 
 
 class LaneBudget(Protocol):
@@ -115,6 +117,12 @@ class Lane:
         self.in_flight = 0
         self.budget_blocked = False  # no room in the budget at the last look
         self.budget_stop = False
+        # The names the target is served under (None: every answer is kept, as extraction's are), and where an
+        # answer served by another model goes (the journal's set-aside table): kept, never trained.
+        self.served: ServedModels | None = None
+        self.on_refused: Callable[[CompletionRequest, Completion, str], None] | None = None
+        # (now, answers at stake) -> why the storage has no room for them (`flushing.StorageRoom`), or None.
+        self.room: Callable[[float, int], str | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -170,6 +178,22 @@ class Lane:
         if nxt is not None:
             self.followups.append(PendingPrompt(nxt, self))
             self.report.total += 1
+
+    def storage_problem(self, now: float, window: int) -> str | None:
+        """Why the lane's answers could not all be stored: what may be in flight (the window) and what is not
+        yet written, against the room left where they go."""
+        if self.room is None:
+            return None
+        return self.room(now, max(self.in_flight, window) + self.writer.pending)
+
+    def refuse(self, request: CompletionRequest, answer: Completion) -> InferenceError | None:
+        """Why `answer` is not stored as an answer (the error to act on); None when it is the target's."""
+        if self.served is None or self.served.accepts(answer.model):
+            return None
+        why = f"served as {answer.model!r}, not the target (accepted: {self.served.describe()})"
+        if self.on_refused is not None:
+            self.on_refused(request, answer, why)
+        return InferenceError(ErrorKind.FOREIGN_MODEL, why, status=200)
 
     def record_skipped(self, request_id: str, kind: str, message: str) -> None:
         """A prompt that could not even be turned into a request (e.g. its template fails): a permanent

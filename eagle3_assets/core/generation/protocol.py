@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ...config import SamplingConfig as Sampling  # one sampling model: eagle3.yaml's
+
+if TYPE_CHECKING:
+    from .binding import ServedModels
 
 
 @dataclass(slots=True)
@@ -26,6 +29,9 @@ class CompletionRequest:
     # Tokens received so far by a streaming backend (a lower bound on the answer's length; the budget reads
     # it).
     streamed_tokens: int = 0
+    # The messages as sent, hashed (`binding.prompt_fingerprint`): stored with the answer, so that a prompt
+    # edited later is asked again rather than trained on an answer to another question.
+    fingerprint: str | None = None
 
 
 @dataclass(slots=True)
@@ -47,9 +53,21 @@ class Completion:
     usage_estimated: bool = (
         False  # the server sent no usage: completion_tokens counted with the target tokenizer
     )
+    # This platform's own count of the answer's tokens (reasoning included), whatever the provider's usage
+    # says: the budget charges the larger of the two.
+    counted_tokens: int | None = None
+    quantization: str | None = None  # where the provider says which quantization served the answer
+    cut_at_max_tokens: bool = False  # the provider sent more than max_tokens: kept up to the limit
+    # The fingerprint of the request this answers, set by the engine when the answer lands.
+    prompt_fingerprint: str | None = None
     # What a serving engine computed beside the text (the hidden states of an extraction request); never
     # journalled.
     payload: Any = None
+
+    @property
+    def charged_tokens(self) -> int:
+        """What the budget charges: never less than what arrived, whatever the provider reports."""
+        return max(int(self.completion_tokens or 0), int(self.counted_tokens or 0))
 
 
 class ErrorKind(StrEnum):
@@ -65,6 +83,11 @@ class ErrorKind(StrEnum):
     OUT_OF_CREDITS = "out_of_credits"  # 402 without Retry-After: stop the run
     PROXY = "proxy"  # the HTTP proxy refused the connection (407, 403): stop the run
     INTERNAL = "internal"  # our bug while handling a response: not retried in this run, never permanent
+    # Served by a model the config does not accept as the target: paid for, set aside, asked again (a fault).
+    FOREIGN_MODEL = "foreign_model"
+    # The answer's body is larger than `max_tokens` could make it: not read, charged, asked again (a fault).
+    OVERSIZED = "oversized"
+    STORAGE = "storage"  # the storage root cannot take the answers: stop the run before buying more
 
     @property
     def retryable(self) -> bool:
@@ -77,7 +100,7 @@ class ErrorKind(StrEnum):
 
     @property
     def fatal(self) -> bool:
-        return self in (ErrorKind.AUTH, ErrorKind.OUT_OF_CREDITS, ErrorKind.PROXY)
+        return self in (ErrorKind.AUTH, ErrorKind.OUT_OF_CREDITS, ErrorKind.PROXY, ErrorKind.STORAGE)
 
 
 _RETRYABLE = {
@@ -87,6 +110,8 @@ _RETRYABLE = {
     ErrorKind.TIMEOUT,
     ErrorKind.CONNECTION,
     ErrorKind.MALFORMED,
+    ErrorKind.FOREIGN_MODEL,
+    ErrorKind.OVERSIZED,
 }
 
 
@@ -98,6 +123,7 @@ class InferenceError(Exception):
         retry_after: float | None = None,
         status: int | None = None,
         pause_all_s: float | None = None,
+        billed_tokens: int | None = None,
     ):
         super().__init__(message)
         self.kind = kind
@@ -107,6 +133,9 @@ class InferenceError(Exception):
         # The provider closed a window for the whole key (X-RateLimit-Remaining: 0 + Reset): seconds until it
         # opens.
         self.pause_all_s = pause_all_s
+        # Tokens this failed attempt was probably billed for (an answer read but not stored): charged to the
+        # budget, and the dispatch ledger does not call the attempt unbilled.
+        self.billed_tokens = billed_tokens
 
     @property
     def backpressure(self) -> bool:
@@ -132,6 +161,11 @@ class InferenceBackend(Protocol):
     name: str  # "local" | "openrouter" | "sglang"
     model: str  # the model name stored with each response
     wants_prompt_ids: bool  # requests must carry prompt_ids rendered by the target tokenizer
+
+    @property
+    def served(self) -> ServedModels | None:
+        """The names this backend may serve the target as; an answer served as anything else is not stored as
+        an answer (None: every answer is kept, as a serving engine's extraction answers are)."""
 
     async def start(self) -> None:
         """Open sessions, load weights; called once inside the engine's event loop."""

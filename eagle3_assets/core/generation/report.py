@@ -30,7 +30,11 @@ class EngineReport:
     attempts: int = 0
     refused: int = 0  # attempts the provider refused for capacity
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # charged: the larger of the provider's usage and our own count, per answer
+    reported_completion_tokens: int = 0  # what the providers' usage said
+    counted_completion_tokens: int = 0  # what this platform counted of what arrived
+    cut_at_max_tokens: int = 0  # answers longer than max_tokens, kept up to the limit
+    refused_answers: int = 0  # answers served by another model than the target: set aside, asked again
     cost_usd: float = 0.0
     usage_estimated: int = 0
     errors: Counter = field(default_factory=Counter)
@@ -71,7 +75,12 @@ class EngineReport:
     def record_answer(self, c: Completion, backend_name: str) -> None:
         self.succeeded += 1
         self.prompt_tokens += c.prompt_tokens
-        self.completion_tokens += c.completion_tokens
+        self.completion_tokens += c.charged_tokens
+        self.reported_completion_tokens += c.completion_tokens
+        self.counted_completion_tokens += (
+            c.counted_tokens if c.counted_tokens is not None else c.completion_tokens
+        )
+        self.cut_at_max_tokens += c.cut_at_max_tokens
         self.cost_usd += c.cost_usd or 0.0
         self.usage_estimated += c.usage_estimated
         self.providers[c.provider or backend_name] += 1

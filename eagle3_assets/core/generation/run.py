@@ -1,7 +1,12 @@
-"""responses: answer every prompt of a dataset that has no stored answer yet, within its budget.
+"""responses: answer every prompt of a dataset that has no standing answer yet, within its budget.
 
-Resume is by id: whatever any earlier run or backend stored counts, so switching backends halfway through a
-dataset is the normal case. Only one process may generate for a dataset at a time (a lock in its folder).
+Resume is by id and by what was asked: whatever any earlier run or backend stored counts while it still
+answers the prompt as it stands (`binding`), so switching backends halfway through a dataset is the normal
+case, and a prompt edited in the source is asked again. Answers that no longer stand (an edited or removed
+prompt, changed settings, another model) are set aside before anything is sent, and set-aside answers that fit
+their prompt again come back. The partition's answers belong to one target (`identity`): a run for another
+refuses before any request unless it starts a fresh answer set. Only one process may generate for a dataset at
+a time (a lock in its folder).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import polars as pl
 
@@ -19,9 +24,13 @@ from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
 from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
+from .binding import TARGET_CHANGED, AnswerRules, AsideReason, Standing, standing_answers
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
 from .engine import EngineSettings, GenerationEngine
+from .fingerprints import prompt_fingerprint
+from .flushing import StorageRoom
+from .identity import TargetIdentity, read_identity, refusal, write_identity
 from .journal import JournalWriter, ResponseJournal, SetAside
 from .lanes import Lane
 from .protocol import CompletionRequest, InferenceBackend, Sampling
@@ -44,6 +53,17 @@ class GenerationPlan:
     sampling: Sampling
     retry_permanent_failures: bool = False
     limit: int | None = None  # answer at most this many prompts in this run
+    # What stored answers must match to stand, from the project config (`AnswerRules.from_config`); None: a
+    # plan written in code, held to the dataset's sampling and the backend's own served names.
+    rules: AnswerRules | None = None
+    # The target the config names (`identity`); None: not recorded (a plan written in code).
+    target: TargetIdentity | None = None
+    fresh_answers: bool = False  # the target changed: set the earlier answers aside and start afresh
+
+    def rules_for(self, backend: InferenceBackend) -> AnswerRules:
+        if self.rules is not None:
+            return self.rules
+        return AnswerRules.for_backend(self.dataset.turns, self.sampling, backend.name, backend.served)
 
 
 @dataclass
@@ -64,6 +84,11 @@ class GenerationSummary:
     busy: str | None = None  # why the dataset was skipped: another process is generating it
     # Damaged journal files set aside (core.storage.quarantine); the answers they held are asked again.
     set_aside: SetAside | None = None
+    # Stored answers set aside before this run sent anything (edited or removed prompts, changed settings,
+    # another model, an earlier target), by reason; and answers set aside earlier that fit their prompt again.
+    answers_set_aside: dict[str, int] = field(default_factory=dict)
+    answers_restored: int = 0
+    answers_unbound: int = 0  # stored before answers carried fingerprints: kept as they are
 
 
 def _requests(
@@ -83,7 +108,14 @@ def _requests(
             if isinstance(prompt_ids, TemplateError):
                 skip(pid, "template", str(prompt_ids))
                 continue
-            yield CompletionRequest(pid, msgs, plan.dataset.max_tokens, plan.sampling, prompt_ids)
+            yield CompletionRequest(
+                pid,
+                msgs,
+                plan.dataset.max_tokens,
+                plan.sampling,
+                prompt_ids,
+                fingerprint=prompt_fingerprint(msgs),
+            )
 
 
 @dataclass
@@ -140,6 +172,9 @@ def generate_datasets(
     others go on); when every one is, the BusyError is raised."""
     run_id = uuid.uuid4().hex[:12]
     summaries: dict[str, GenerationSummary] = {}
+    refused = [why for job in jobs if (why := _target_refusal(job, backend)) is not None]
+    if refused:
+        raise PreflightError("\n".join(refused))
     with ExitStack() as stack:
         ready: list[_Prepared] = []  # datasets with prompts to send and room in their budget
         idle: list[_Prepared] = []  # nothing to send, or no room: their tables are folded all the same
@@ -214,6 +249,12 @@ def _prepare(
     aside = journal.set_aside()
     if aside.files:
         log(f"{plan.key}: {aside.describe()}: " + "; ".join(q.describe() for q in aside.files))
+    moved = _record_target(job, journal, backend.name, log)
+    standing = _bind_stored_answers(prompts, journal, plan.rules_for(backend))
+    for kind, n in standing.counts().items():
+        moved[kind] = moved.get(kind, 0) + n
+    if moved or standing.restore:
+        log(f"{plan.key}: {_describe_binding(moved, len(standing.restore))}")
     prior = journal.prior_usage()
     budget = Budget.for_dataset(plan.dataset, prior)
     lost_before = _settle(journal, budget)  # requests a crashed run had in flight: bought, never stored
@@ -248,6 +289,9 @@ def _prepare(
         run_id=run_id,
         lost_in_flight=lost_before,
         set_aside=aside,
+        answers_set_aside=moved,
+        answers_restored=len(standing.restore),
+        answers_unbound=standing.unbound,
     )
     if todo.height == 0:
         log(f"{plan.key}: all {prompts.height:,} prompts are answered or permanently failed; nothing to send")
@@ -260,6 +304,71 @@ def _prepare(
             f"({len(done):,} answered before; budget {budget.describe()})"
         )
     return _Prepared(job, journal, budget, summary, todo, chains)
+
+
+def _target_refusal(job: DatasetJob, backend: InferenceBackend) -> str | None:
+    """Why this run may not answer the dataset: its answers belong to another target (and no fresh answer set
+    was asked for). Read without the lock: nothing is written here."""
+    current = job.plan.target
+    if current is None or job.plan.fresh_answers:
+        return None
+    recorded = read_identity(job.layout.target_identity)
+    if recorded is None:
+        return None
+    conflicts = recorded.conflicts(current, backend.name)
+    if not conflicts or not ResponseJournal(job.layout).responses.files():
+        return None  # the same target, or nothing stored to mix with
+    return refusal(job.plan.key, recorded, current, conflicts)
+
+
+def _record_target(
+    job: DatasetJob, journal: ResponseJournal, backend: str, log: Callable[[str], None]
+) -> dict[str, int]:
+    """With the lock held: record the target the partition's answers belong to. A fresh answer set for
+    another target first sets every stored answer aside (and forgets the failures). Returns what was set
+    aside, by reason."""
+    current = job.plan.target
+    if current is None:
+        return {}
+    path = job.layout.target_identity
+    recorded = read_identity(path)
+    stored = journal.done_ids()
+    conflicts = recorded.conflicts(current, backend) if recorded is not None else []
+    if recorded is None or (conflicts and not stored):
+        write_identity(path, current.fresh(backend))
+        return {}
+    if not conflicts:
+        joined = recorded.joined(current, backend)
+        if joined != recorded:
+            write_identity(path, joined)
+        return {}
+    # A fresh answer set (`_target_refusal` let it through only so).
+    why = AsideReason(TARGET_CHANGED, f"answers of {recorded.name()}, before a fresh answer set")
+    n = journal.set_answers_aside(dict.fromkeys(stored, why))
+    failures = journal.clear_failures()
+    write_identity(path, current.fresh(backend))
+    log(
+        f"{job.plan.key}: fresh answer set for {current.name()}: {n:,} answers of {recorded.name()} set "
+        f"aside (kept in set_aside/, never trained), {failures:,} failure rows forgotten"
+    )
+    return {TARGET_CHANGED: n}
+
+
+def _bind_stored_answers(prompts: pl.DataFrame, journal: ResponseJournal, rules: AnswerRules) -> Standing:
+    """Set aside the stored answers that no longer answer their prompt as it stands, and bring back set-aside
+    answers that do again. Call with the dataset's lock held."""
+    standing = standing_answers(prompts, journal.stored_answers(), rules, journal.aside_answers())
+    journal.set_answers_aside(standing.aside)
+    journal.restore_answers(standing.restore)
+    return standing
+
+
+def _describe_binding(moved: dict[str, int], restored: int) -> str:
+    parts = [f"{n:,} {kind.replace('_', ' ')}" for kind, n in sorted(moved.items())]
+    out = f"answers set aside before sending (kept, never trained): {', '.join(parts)}" if parts else ""
+    if restored:
+        out += ("; " if out else "") + f"{restored:,} set-aside answers fit their prompt again and are back"
+    return out
 
 
 def _open_chains(
@@ -339,13 +448,27 @@ def _run(
     engine = GenerationEngine(backend, settings, log=log if len(ready) > 1 else _prefixed(log, ready[0]))
     for prepared in ready:
         job = prepared.job
+        rules = job.plan.rules_for(backend)
+        writer = JournalWriter(
+            prepared.journal,
+            backend.name,
+            run_id,
+            on_flush=job.on_flush,
+            settings_fingerprint=rules.settings.get(backend.name),
+        )
         lane = Lane(
             job.plan.key,
             (),
             prepared.todo.height,
             prepared.budget,
-            JournalWriter(prepared.journal, backend.name, run_id, on_flush=job.on_flush),
+            writer,
             prepared.journal.ledger(run_id),
+        )
+        lane.served = rules.served.get(backend.name)
+        lane.on_refused = writer.add_refused
+        room = _storage_room(prepared.journal, job.plan.dataset.max_tokens)
+        lane.room = lambda now, at_stake, w=writer, r=room: r.problem(
+            now, at_stake, (w.rows_written, w.bytes_written)
         )
         skip = lane.record_skipped
         if prepared.chains is not None:
@@ -365,6 +488,15 @@ def _run(
             )
         lanes.append(lane)
     run_loop(_run_engine(engine, lanes, backend, log, extra_preflight), on_stop=engine.terminate)
+
+
+def _storage_room(journal: ResponseJournal, max_tokens: int) -> StorageRoom:
+    """The room check of a dataset's journal, sized by what its stored answers take so far (an answer of
+    `max_tokens` at 4 bytes a token where none is stored yet)."""
+    files = journal.responses.files()
+    rows = journal.responses.row_count()[0] if files else 0
+    size = sum(f.stat().st_size for f in files)
+    return StorageRoom(journal.layout.dir, size / rows if rows else 4.0 * max_tokens + 512)
 
 
 def _render_one(chat: ChatTokenizer) -> Callable[[list[dict]], list[int] | Exception]:

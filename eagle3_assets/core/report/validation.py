@@ -10,7 +10,9 @@ from typing import Any
 import polars as pl
 import pyarrow.parquet as pq
 
+from ..generation.binding import AnswerRules
 from ..generation.conversations import TEMPLATE_REST, split_turn_id, turn_id
+from ..generation.identity import TargetIdentity
 from .summary import wilson_interval
 
 
@@ -23,6 +25,33 @@ class Verdict:
 def unique_ids(ids: pl.Series) -> Verdict:
     dupes = ids.len() - ids.n_unique()
     return Verdict(dupes == 0, {"rows": ids.len(), "duplicate_ids": dupes})
+
+
+def answers_from_target(
+    models: pl.DataFrame,
+    rules: AnswerRules,
+    recorded: TargetIdentity | None,
+    current: TargetIdentity,
+    aside: dict[str, int],
+) -> Verdict:
+    """Every stored answer (`models`: its backend and served model) was served by a model the config accepts
+    as the target, and the partition's answers are recorded as the config's target's."""
+    pairs = models.group_by(["backend", "model"]).len().rows() if models.height else []
+    foreign = {f"{b}: {m}": n for b, m, n in pairs if rules.foreign(b, m) is not None}
+    conflicts = recorded.conflicts(current, backend="") if recorded is not None else []
+    return Verdict(
+        not foreign and not conflicts,
+        {
+            "answers": models.height,
+            "foreign_answers": sum(foreign.values()),
+            "foreign_models": json.dumps(foreign),
+            "answers_by_model": json.dumps({f"{b}: {m}": n for b, m, n in pairs}),
+            "target_recorded": recorded.name() if recorded is not None else "none recorded",
+            "target_configured": current.name(),
+            "target_conflicts": "; ".join(conflicts) or "none",
+            "answers_set_aside": json.dumps(aside),
+        },
+    )
 
 
 def failure_share(n_failures: int, n_prompts: int, limit: float, template_rest: int = 0) -> Verdict:
@@ -167,9 +196,9 @@ def reference_match(tokens: pl.DataFrame, threshold: float) -> Verdict:
     """
     refs = tokens.filter(pl.col("reference_match").is_not_null())
     if refs.height == 0:
-        # Nothing was compared: the caller reports it as UNVERIFIED, never as a bare pass.
+        # Nothing was compared: the check could not run (the caller reports it as UNVERIFIED).
         return Verdict(
-            True,
+            False,
             {
                 "verified": False,
                 "reference_rows": 0,

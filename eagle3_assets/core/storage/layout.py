@@ -53,6 +53,17 @@ class DatasetLayout:
         return self.dir / "failures"
 
     @property
+    def set_aside_dir(self) -> Path:
+        """Answers that no longer answer their prompt as it stands (edited, removed), were served by another
+        model, or belong to an earlier target: kept with the reason, charged, never trained."""
+        return self.dir / "set_aside"
+
+    @property
+    def target_identity(self) -> Path:
+        """The target the partition's answers belong to (`core.generation.identity`)."""
+        return self.dir / "target.json"
+
+    @property
     def journal_dir(self) -> Path:
         """The dispatch ledger: one line per attempt, written before it is sent."""
         return self.dir / "journal"
@@ -129,7 +140,13 @@ class DatasetLayout:
     def stage_paths(self, stage: str) -> tuple[list[str], list[str]]:
         """(reads, writes) of `stage`, relative to the partition's folder; a trailing "/" marks a folder."""
         rel = self._rel
-        journal = [rel(self.responses_dir), rel(self.failures_dir), rel(self.journal_dir)]
+        journal = [
+            rel(self.responses_dir),
+            rel(self.failures_dir),
+            rel(self.journal_dir),
+            rel(self.set_aside_dir),
+            rel(self.target_identity),
+        ]
         prompts = [rel(self.prompts), rel(self.quarantine)]
         tokens = [rel(self.tokens), rel(self.tokens_errors)]
         hidden = [rel(self.hidden_states_dir)]
@@ -144,7 +161,10 @@ class DatasetLayout:
                 [rel(self.prompts), *journal],
                 [*journal, rel(self.imports_dir), aside("responses")],
             ),
-            "tokens": ([rel(self.prompts), rel(self.responses_dir), *tokens], [*tokens, aside("tokens")]),
+            "tokens": (
+                [rel(self.prompts), rel(self.responses_dir), rel(self.target_identity), *tokens],
+                [*tokens, aside("tokens")],
+            ),
             "validation_report": (
                 [*prompts, *journal, *tokens, *records],
                 [rel(self.report_json), rel(self.report_md)],
@@ -168,6 +188,7 @@ class DatasetLayout:
             self._rel(self.responses_dir),
             self._rel(self.failures_dir),
             self._rel(self.journal_dir),
+            self._rel(self.set_aside_dir),
             self._rel(self.damaged_dir("responses")),
         ]
 

@@ -45,6 +45,26 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "source": pl.String(),  # "generated" or "imported:<file name>"
     # no usage from the server: completion_tokens counted with the target tokenizer
     "usage_estimated": pl.Boolean(),
+    # What binds the answer to its request (core.generation.binding): the messages as sent, and the sampling,
+    # template variables and backend knobs it was asked with. Null in rows written before they existed.
+    "prompt_fingerprint": pl.String(),
+    "settings_fingerprint": pl.String(),
+    # completion_tokens is what the budget charged: the larger of these two, the provider's usage and this
+    # platform's own count of what arrived (reasoning included).
+    "reported_completion_tokens": pl.Int64(),
+    "counted_completion_tokens": pl.Int64(),
+    "quantization": pl.String(),  # where the provider says which quantization served it
+    "cut_at_max_tokens": pl.Boolean(),  # the provider sent more than max_tokens: kept up to the limit
+}
+
+# Answers set aside (set_aside/): kept with why, never trained, still charged to the budget. One row per
+# answer set aside (`aside_key`: its id and when it was stored), so an answer set aside twice is one row.
+SET_ASIDE_SCHEMA: dict[str, pl.DataType] = {
+    **RESPONSE_SCHEMA,
+    "aside_key": pl.String(),
+    "aside_reason": pl.String(),
+    "aside_detail": pl.String(),
+    "set_aside_at": pl.Float64(),
 }
 
 FAILURE_SCHEMA: dict[str, pl.DataType] = {

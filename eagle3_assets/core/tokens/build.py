@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from ...config import TokensConfig
+from ..generation.fingerprints import digest
 from ..storage.files import available_cores, write_parquet
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import parquet_problem, sweep_parquet
@@ -104,6 +105,7 @@ def build_tokens(
     settings: TokensConfig | None = None,
     log: Callable[[str], None] = print,
     workers: int | None = None,
+    exclude: Collection[str] = (),
 ) -> TokensSummary:
     """Tokenize the answered conversations that are new or changed since tokens.parquet was written, keep the
     rest as they are, and write tokens.parquet and tokens_errors.parquet again, streaming: a top-up of 1,000
@@ -111,7 +113,8 @@ def build_tokens(
     not the partition.
 
     Chunks are tokenized on a thread per core (`tokenize_in_parallel`) while this thread reads, hashes and
-    writes.
+    writes. `exclude`: stored answers that no longer stand (`generation.binding.standing_answers`): never
+    trained, and no turn's history is rebuilt from them.
     """
     # Damaged outputs of an earlier build are set aside and rebuilt (a missing tokens.parquet is a full
     # build).
@@ -123,7 +126,9 @@ def build_tokens(
     )
     for q in set_aside:
         log(f"tokens: set aside {q.describe()}; rebuilding it")
-    build = TokensBuild(layout, chat, settings or TokensConfig(), log, workers or available_cores())
+    build = TokensBuild(
+        layout, chat, settings or TokensConfig(), log, workers or available_cores(), frozenset(exclude)
+    )
     build.write()
     summary = summarize(layout)
     summary.set_aside = set_aside
@@ -152,13 +157,15 @@ class TokensBuild:
         settings: TokensConfig,
         log: Callable[[str], None],
         workers: int,
+        exclude: frozenset[str] = frozenset(),
     ):
         self.layout, self.chat, self.settings, self.log, self.workers = layout, chat, settings, log, workers
+        self.exclude = exclude
         train_all, prefer_reference = settings.train_all_assistant_turns, settings.prefer_reference_ids
         options = f"train_all={train_all}|prefer_reference={prefer_reference}|compare={COMPARISON}"
         self.fingerprint = f"{chat.fingerprint()}|{options}"
         self.prompts = with_turn_prompts(
-            pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat
+            pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat, exclude
         )
         old_errors = scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
         self.old_keys = scan_with_keys(layout.tokens, TOKENS_SCHEMA).select("id", "row_key").collect()
@@ -171,6 +178,7 @@ class TokensBuild:
             self.fingerprint,
             file_version(layout.prompts),
             [p.name for p in JournalTable(layout.responses_dir, RESPONSE_SCHEMA).files()],
+            digest(sorted(exclude)) if exclude else "",
         )
         self.last = recorded_state(layout.tokens)
         self.new_parts = self._parts_added_since_last()
@@ -190,6 +198,7 @@ class TokensBuild:
             or not self.layout.tokens_errors.exists()
             or last.fingerprint != now.fingerprint
             or last.prompts != now.prompts
+            or last.excluded != now.excluded
             or not set(last.parts) <= set(now.parts)
             or merged_turns
         ):
@@ -233,14 +242,14 @@ class TokensBuild:
         every row whose key is not written yet (the keys of all current rows are kept in `current`)."""
         batch_size = self.settings.batch_size
         if self.new_parts is not None:
-            seen = set(self.done["id"].to_list())
+            seen = set(self.done["id"].to_list()) | self.exclude
             for batch in response_batches(self.layout, batch_size, self.new_parts, seen):
                 rows = row_keys(self.prompts.join(batch, on="id", how="inner"), self.fingerprint)
                 self.progress.todo += rows.height
                 if rows.height:
                     yield rows
             return
-        for batch in response_batches(self.layout, batch_size):
+        for batch in response_batches(self.layout, batch_size, seen=set(self.exclude)):
             rows = row_keys(self.prompts.join(batch, on="id", how="inner"), self.fingerprint)
             self.current.append(rows.select("id", "row_key"))
             todo = rows.join(self.done, on=["id", "row_key"], how="anti")

@@ -16,7 +16,7 @@ Two shapes of token rows, decided per conversation by the template itself (`Chat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import polars as pl
@@ -39,8 +39,11 @@ HISTORY_REF = pl.Struct({"output_ids": pl.List(pl.Int64), "finished": pl.Boolean
 TURN_COLUMNS: dict[str, pl.DataType] = {"all_turns": pl.Boolean(), "history_refs": pl.List(HISTORY_REF)}
 
 
-def _stored_turns(layout: DatasetLayout, ids: set[str]) -> dict[str, dict[int, tuple]]:
-    """The stored answers of later turns, by conversation id and turn: (answer, finish reason, output ids)."""
+def _stored_turns(
+    layout: DatasetLayout, ids: set[str], exclude: Collection[str] = ()
+) -> dict[str, dict[int, tuple]]:
+    """The stored answers of later turns, by conversation id and turn: (answer, finish reason, output ids);
+    answers of `exclude` (no longer standing) left out."""
     table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
     if not table.files():
         return {}
@@ -51,7 +54,7 @@ def _stored_turns(layout: DatasetLayout, ids: set[str]) -> dict[str, dict[int, t
     )
     turns: dict[str, dict[int, tuple]] = {}
     for rid, content, reasoning, finish, out_ids in stored.iter_rows():
-        if rid in ids:
+        if rid in ids or rid in exclude:
             continue
         parsed = split_turn_id(rid)
         if parsed is not None and parsed[0] in ids:
@@ -64,7 +67,10 @@ def _stored_turns(layout: DatasetLayout, ids: set[str]) -> dict[str, dict[int, t
 
 
 def with_turn_prompts(
-    prompts: pl.DataFrame, layout: DatasetLayout, chat: ChatTokenizer | None = None
+    prompts: pl.DataFrame,
+    layout: DatasetLayout,
+    chat: ChatTokenizer | None = None,
+    exclude: Collection[str] = (),
 ) -> pl.DataFrame:
     """`prompts` (id, messages) plus the rows of regenerated conversations (a turn is rebuilt from its
     predecessors' answers, so only the stored turns 1..K without a gap count), with `all_turns` (train
@@ -76,7 +82,7 @@ def with_turn_prompts(
         pl.lit(False).alias("all_turns"),
         pl.lit(None, dtype=TURN_COLUMNS["history_refs"]).alias("history_refs"),
     )
-    turns = _stored_turns(layout, set(prompts["id"].to_list()))
+    turns = _stored_turns(layout, set(prompts["id"].to_list()), exclude)
     if not turns:
         return base
     source = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
