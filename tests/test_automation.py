@@ -120,12 +120,13 @@ def test_a_tick_with_nothing_to_do_runs_nothing_and_an_unchanged_stage_stops_the
         assert not requested(r, "tokens") and not requested(r, "validation_report")
 
 
-@pytest.mark.parametrize("bad_ids", [True, False])
-def test_nothing_flows_past_a_failed_blocking_check(tmp_path, chat, smol_tok, bad_ids):
+@pytest.mark.parametrize(("bad_ids", "backend"), [(True, "local"), (False, "local"), (False, "openrouter")])
+def test_nothing_flows_past_a_failed_blocking_check(tmp_path, chat, smol_tok, bad_ids, backend):
     path = make_project(
         tmp_path,
         {"B1": {"rows": user_rows(["alpha", "beta", "gamma", "delta"])}},
         automation={"top_up_cron": "*/5 * * * *"},
+        backend=backend,
     )
     cfg = load_config(path)
     layout = ingest(cfg, "B1")
@@ -155,12 +156,14 @@ def test_nothing_flows_past_a_failed_blocking_check(tmp_path, chat, smol_tok, ba
         match = checks["tokens_reference_match"]
         if bad_ids:  # compared, and wrong: an error that blocks
             assert not match.passed and match.severity == dg.AssetCheckSeverity.ERROR
-        # nothing to compare with (text only): not a bare pass, it says UNVERIFIED, and lets the report follow
-        else:
-            assert match.passed and "UNVERIFIED" in match.description
-            assert match.metadata["verified"].value is False
+        else:  # nothing to compare with (text only): it could not run, says so, and does not pass
+            assert not match.passed and match.severity == dg.AssetCheckSeverity.WARN
+            assert "UNVERIFIED" in match.description and match.metadata["verified"].value is False
+        assert match.blocking == (backend != "openrouter")
         r = dg.evaluate_automation_conditions(
             defs=defs, instance=instance, cursor=r.cursor, evaluation_time=T0 + dt.timedelta(seconds=30)
         )
-        # tokens was updated: the report follows only if its blocking checks passed.
-        assert requested(r, "validation_report") == (set() if bad_ids else {"B1"})
+        # tokens was updated: the report follows only if its blocking checks passed. A backend that returns
+        # ids (local) never leaves a partition without them: text-only answers there (an import) hold the
+        # report until someone looks. A text backend's check never blocks: it has nothing to compare, ever.
+        assert requested(r, "validation_report") == ({"B1"} if backend == "openrouter" else set())

@@ -90,9 +90,13 @@ class FakeOpenRouter(_ThreadedApp):
         cost_per_token: float = 1e-6,
         list_models: bool = True,
         fail_after: tuple[int, str] | None = None,
+        answer_text: Any = None,
     ):
         super().__init__()
         self.key = key
+        # callable(prompt) -> the answer's text (None: "Answer to: <prompt>"); a lying provider's answers
+        self.answer_text = answer_text
+        self.stream_bytes = 0  # bytes of streamed answers written to clients that read them
         self.latency = latency
         self.model = model
         self.global_faults = list(global_faults or [])
@@ -187,7 +191,10 @@ class FakeOpenRouter(_ThreadedApp):
 
         async def send(delta: dict, **extra: Any) -> None:
             event = {**head, "choices": [{"index": 0, "delta": delta, **extra.pop("choice", {})}], **extra}
-            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            data = b"data: " + json.dumps(event).encode() + b"\n\n"
+            await resp.write(data)
+            with self.lock:
+                self.stream_bytes += len(data)
 
         await resp.write(b": OPENROUTER PROCESSING\n\n")
         await send({"role": "assistant", "content": ""})
@@ -218,7 +225,7 @@ class FakeOpenRouter(_ThreadedApp):
 
     def _answer(self, prompt: str, body: dict) -> dict:
         clean = FAULTS.sub("", prompt).strip()
-        content = f"Answer to: {clean}"
+        content = self.answer_text(clean) if self.answer_text is not None else f"Answer to: {clean}"
         if callable(self.completion_tokens):
             tokens = int(self.completion_tokens(clean))
         elif self.completion_tokens is not None:

@@ -341,17 +341,14 @@ class GenerationEngine:
 
     def _on_refused_answer(self, p: PendingPrompt, e: InferenceError, dispatched_at: float) -> None:
         """An answer that is not the target's (the lane set it aside): paid for, never stored as an answer.
-        Asked again within the prompt's fault allowance (a router may serve it right next time); a streak of
-        them stops the run as a configuration problem."""
+        Not asked again in this run (each try would be paid for; the next run asks again, by when routing or
+        the config may be fixed): a retryable failure row. A streak of them stops the run as a configuration
+        problem."""
         r = p.lane.report
         r.errors[e.kind.value] += 1
         r.refused_answers += 1
         p.last_error = e
-        p.faults += 1
-        if p.faults > self.settings.max_retries:
-            self._fail(p, e, permanent=False)
-        else:
-            self.scheduler.retry_faulted(p, e.retry_after, self.clock())
+        self._fail(p, e, permanent=False)
         self._count_streak(p, e, dispatched_at)
 
     def _on_error(self, p: PendingPrompt, e: InferenceError, token: DispatchToken) -> None:
@@ -404,6 +401,8 @@ class GenerationEngine:
         if not self.streak.count(p, e, dispatched_at):
             return
         self._stop_run(self.streak.error(e), "stopping the run")
+        if e.kind is ErrorKind.FOREIGN_MODEL:
+            return  # each has its failure row already, retryable
         for q in self.streak.members:
             q.lane.writer.add_failure(
                 q.request.id,

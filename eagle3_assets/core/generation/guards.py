@@ -69,6 +69,15 @@ class ConfigurationStreak:
 
     def error(self, e: InferenceError) -> InferenceError:
         """Why the run stops, and what to do."""
+        if e.kind is ErrorKind.FOREIGN_MODEL:
+            return InferenceError(
+                e.kind,
+                f"{len(self.members)} answers in a row were {e.message}: the endpoint does not serve the "
+                "target under this name. Pin a provider that serves it (backends.openrouter.provider), fix "
+                "backends.openrouter.model, or, if that name is the very same weights, list it in "
+                "accepted_models; the prompts are not marked permanent and will be sent again",
+                status=e.status,
+            )
         return InferenceError(
             e.kind,
             f"{len(self.members)} requests in a row failed the same way ({e.message}); this looks like a "

@@ -97,7 +97,9 @@ class _PromptIndex:
         raise RowError("a row needs one of: id, messages, prompt")
 
 
-def _completion(answer: dict, chat: ChatTokenizer, default_model: str | None, served: ServedModels) -> Completion:
+def _completion(
+    answer: dict, chat: ChatTokenizer, default_model: str | None, served: ServedModels
+) -> Completion:
     content = answer.get("response", answer.get("content"))
     if not isinstance(content, str):
         raise RowError("missing answer text (response or content)")
@@ -118,10 +120,14 @@ def _completion(answer: dict, chat: ChatTokenizer, default_model: str | None, se
     cost = usage.get("cost")
     model = answer.get("model") or default_model
     if not model:
-        raise RowError("the row names no model: give the model that wrote the answers (a `model` field, or --model)")
+        raise RowError(
+            "the row names no model: give the model that wrote the answers (a `model` field, or --model)"
+        )
     if not served.accepts(str(model)):
         raise RowError(f"answer from model {model!r}, not the target (accepted: {served.describe()})")
-    counted = len(ids) if ids is not None else len(chat.encoder.encode_texts([(reasoning or "") + content])[0])
+    counted = (
+        len(ids) if ids is not None else len(chat.encoder.encode_texts([(reasoning or "") + content])[0])
+    )
     return Completion(
         content=content,
         reasoning=reasoning or None,

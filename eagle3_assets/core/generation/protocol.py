@@ -83,9 +83,11 @@ class ErrorKind(StrEnum):
     OUT_OF_CREDITS = "out_of_credits"  # 402 without Retry-After: stop the run
     PROXY = "proxy"  # the HTTP proxy refused the connection (407, 403): stop the run
     INTERNAL = "internal"  # our bug while handling a response: not retried in this run, never permanent
-    # Served by a model the config does not accept as the target: paid for, set aside, asked again (a fault).
+    # Served by a model the config does not accept as the target: paid for, set aside; asked again by the next
+    # run, not this one (each try is paid for).
     FOREIGN_MODEL = "foreign_model"
-    # The answer's body is larger than `max_tokens` could make it: not read, charged, asked again (a fault).
+    # The answer's body is larger than `max_tokens` could make it: not read, charged; asked again by the next
+    # run, not this one.
     OVERSIZED = "oversized"
     STORAGE = "storage"  # the storage root cannot take the answers: stop the run before buying more
 
@@ -110,8 +112,6 @@ _RETRYABLE = {
     ErrorKind.TIMEOUT,
     ErrorKind.CONNECTION,
     ErrorKind.MALFORMED,
-    ErrorKind.FOREIGN_MODEL,
-    ErrorKind.OVERSIZED,
 }
 
 

@@ -107,6 +107,18 @@ class ValidationReport:
     reference_match_rate_finished: float | None = None
     n_reference_finished: int | None = None
     ids_source: dict[str, int] = field(default_factory=dict)
+    # completion_tokens is what the budget charged: per answer the larger of the provider's usage and this
+    # platform's own count of what arrived. Both are kept, so a provider's lie shows here.
+    completion_tokens_reported: int = 0
+    completion_tokens_counted: int = 0
+    answers_cut_at_max_tokens: int = 0  # the provider sent more than max_tokens: kept up to the limit
+    answers_by_model_and_provider: dict[str, int] = field(default_factory=dict)
+    quantizations: dict[str, int] = field(default_factory=dict)
+    # Answers kept in set_aside/ and never trained, by reason (edited or removed prompts, changed settings,
+    # another model, an earlier target), and the completion tokens they were charged.
+    answers_set_aside: dict[str, int] = field(default_factory=dict)
+    completion_tokens_set_aside: int = 0
+    target: str | None = None  # the target the answers belong to (target.json)
 
     def to_json(self) -> dict[str, Any]:
         """report.json, leaving out the keys of figures that were not measured (TOKEN_ROW_KEYS,

@@ -20,10 +20,11 @@ import pyarrow.parquet as pq
 
 from ...config import DatasetConfig
 from ..generation.conversations import TEMPLATE_REST, assistant_slots, split_turn_id
+from ..generation.identity import read_identity
 from ..storage.files import write_json, write_text
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import parquet_problem, quarantined
-from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
+from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, SET_ASIDE_SCHEMA, JournalTable
 from .dataset_report import (
     DamagedFile,
     DuplicateIds,
@@ -45,6 +46,10 @@ RESPONSE_COLUMNS = [
     "completion_tokens",
     "cost_usd",
     "source",
+    "reported_completion_tokens",
+    "counted_completion_tokens",
+    "quantization",
+    "cut_at_max_tokens",
 ]
 TOKEN_COLUMNS = [
     "id",
@@ -135,10 +140,17 @@ class StoredTables:
     failures: pl.DataFrame
     tokens: pl.DataFrame | None
     tokens_errors: pl.DataFrame | None
+    aside: pl.DataFrame  # answers set aside: one row each, with its reason (never trained, still paid for)
 
     @classmethod
     def read(cls, layout: DatasetLayout) -> StoredTables:
         responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).scan(RESPONSE_COLUMNS).collect()
+        aside = (
+            JournalTable(layout.set_aside_dir, SET_ASIDE_SCHEMA, key="aside_key")
+            .scan(["aside_key", "aside_reason", "completion_tokens", "cost_usd"])
+            .unique(subset=["aside_key"], keep="first")
+            .collect()
+        )
         return cls(
             prompts=_read(layout.prompts, ["id"]),
             quarantine=_read(layout.quarantine, ["reason"]),
@@ -146,6 +158,7 @@ class StoredTables:
             failures=JournalTable(layout.failures_dir, FAILURE_SCHEMA).read(keep="last"),
             tokens=_read(layout.tokens, TOKEN_COLUMNS),
             tokens_errors=_read(layout.tokens_errors, ["reason", *ANSWER_FEATURE_NAMES]),
+            aside=aside,
         )
 
     @property
@@ -222,8 +235,10 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationRep
     answers = AnswerFeatures.of(tables)
     turns = _turn_counts(layout, responses["id"].to_list(), failures) if dataset.turns == "all" else None
     completion_tokens = int(responses["completion_tokens"].fill_null(0).sum())
-    costs = responses["cost_usd"].drop_nulls()
+    aside_tokens = int(tables.aside["completion_tokens"].fill_null(0).sum())
+    costs = pl.concat([responses["cost_usd"], tables.aside["cost_usd"]]).drop_nulls()
     tok = TokenFigures.of(tokens)
+    charged = responses["completion_tokens"].fill_null(0)
     return ValidationReport(
         dataset=layout.key,
         generated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -238,7 +253,9 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationRep
         budget_usd=dataset.budget_usd,
         completion_tokens=completion_tokens,
         prompt_tokens=int(responses["prompt_tokens"].fill_null(0).sum()),
-        budget_used_share=completion_tokens / dataset.budget_tokens if dataset.budget_tokens else None,
+        budget_used_share=(completion_tokens + aside_tokens) / dataset.budget_tokens
+        if dataset.budget_tokens
+        else None,
         cost_usd=float(costs.sum()) if costs.len() else None,
         backends=_counts(responses["backend"].to_list()),
         models=_counts(responses["model"].to_list()),
@@ -274,7 +291,23 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationRep
         reference_match_rate_finished=tok.finished_rate,
         n_reference_finished=tok.n_finished,
         ids_source=tok.ids_source,
+        completion_tokens_reported=int(responses["reported_completion_tokens"].fill_null(charged).sum()),
+        completion_tokens_counted=int(responses["counted_completion_tokens"].fill_null(charged).sum()),
+        answers_cut_at_max_tokens=int(responses["cut_at_max_tokens"].fill_null(False).sum()),
+        answers_by_model_and_provider=_counts(
+            f"{m} via {p or b}" for m, p, b in responses.select("model", "provider", "backend").iter_rows()
+        ),
+        quantizations=_counts(q for q in responses["quantization"].to_list() if q),
+        answers_set_aside=_counts(tables.aside["aside_reason"].to_list()),
+        completion_tokens_set_aside=aside_tokens,
+        target=_target_name(layout),
     )
+
+
+def _target_name(layout: DatasetLayout) -> str | None:
+    """The target the partition's answers are recorded as (`generation.identity`)."""
+    recorded = read_identity(layout.target_identity)
+    return recorded.name() if recorded is not None else None
 
 
 def _share(part: int, whole: int) -> float:
@@ -361,8 +394,14 @@ def _measure_rows(r: ValidationReport) -> list[str]:
         f"| completion tokens | {r.completion_tokens:,} of budget {r.budget_tokens:,}"
         + (f" ({100 * share:.2f}%)" if share is not None else "")
         + " |",
+        f"| completion tokens reported by providers / counted here | {r.completion_tokens_reported:,} / "
+        f"{r.completion_tokens_counted:,} (the larger is charged) |",
         f"| cost | {cost} |",
-        f"| truncated (finish=length) | {100 * r.truncated_share:.1f}% |",
+        f"| target | {r.target or 'not recorded'} |",
+        f"| answers by model | {r.answers_by_model_and_provider or '-'} |",
+        f"| answers set aside (kept, never trained) | {r.answers_set_aside or 'none'} |",
+        f"| truncated (finish=length) | {100 * r.truncated_share:.1f}% "
+        f"({r.answers_cut_at_max_tokens:,} longer than max_tokens, cut here) |",
         f"| empty / degenerate answers | {r.empty_answers} / {r.degenerate_answers} |",
         f"| with reasoning | {100 * r.reasoning_share:.1f}% |",
         f"| token rows / errors | {r.n_tokens_rows:,} / {r.n_tokens_errors} |",
