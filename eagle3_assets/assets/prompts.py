@@ -1,12 +1,17 @@
-"""prompts: the dataset source normalised into chat messages with stable ids; bad rows quarantined."""
+"""prompts: the dataset source normalised into chat messages with stable ids; bad rows quarantined; and its
+check."""
 
 import dagster as dg
+import polars as pl
+import pyarrow.parquet as pq
 
 from resources import Project, Storage
 
-from ..core.prompts.ingest import quarantine_reasons, write_prompts
+from ..core.prompts.ingest import PROMPT_SCHEMA, QUARANTINE_SCHEMA, quarantine_reasons, write_prompts
+from ..core.report import validation
+from ..core.storage.quarantine import parquet_problem
 from ..core.storage.versions import file_version
-from .common import GROUP, counts_table
+from .common import GROUP, MISSING, check_each_partition, check_result, counts_table
 
 
 def build_prompts_asset(
@@ -59,3 +64,35 @@ def build_prompts_asset(
         )
 
     return prompts
+
+
+def build_prompts_checks(partitions: dg.PartitionsDefinition) -> list[dg.AssetChecksDefinition]:
+    @dg.asset_check(
+        asset="prompts",
+        name="prompts_not_empty",
+        blocking=True,
+        partitions_def=partitions,
+        description="The partition has at least one prompt. Fails on an empty source, or one whose every row "
+        "was quarantined (a wrong format or file, every prompt too long for the target), naming the number "
+        "of source rows, how many were quarantined and the top reasons; every later stage would otherwise "
+        "pass its checks with nothing in it.",
+    )
+    def prompts_not_empty(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        def evaluate(key: str) -> dg.AssetCheckResult:
+            layout = storage.checkout(key, "prompts")
+            if not layout.prompts.exists():
+                return MISSING
+            problem = parquet_problem(layout.prompts, PROMPT_SCHEMA, ["id"])
+            if problem is not None:
+                return dg.AssetCheckResult(passed=False, metadata={"reason": f"prompts.parquet: {problem}"})
+            n_prompts = pq.read_metadata(layout.prompts).num_rows
+            reasons: list[str] = []
+            if layout.quarantine.exists() and parquet_problem(layout.quarantine, QUARANTINE_SCHEMA) is None:
+                reasons = pl.read_parquet(layout.quarantine, columns=["reason"])["reason"].to_list()
+            return check_result(validation.prompts_present(n_prompts, reasons))
+
+        return check_each_partition(context, evaluate)
+
+    return [prompts_not_empty]

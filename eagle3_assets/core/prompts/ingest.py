@@ -324,10 +324,14 @@ def quarantine_reasons(quarantine: pl.DataFrame) -> dict[str, int]:
     """Counts by reason class (the text before the first ':' or ' of '), for metadata."""
     counts: Counter = Counter()
     for reason in quarantine["reason"].to_list():
-        head = reason.split(":")[-1].strip() if reason.startswith(("messages[", "conversations[")) else reason
-        head = head.split(" at ")[0].split(" of ")[0].split(" (")[0]
-        counts[head] += 1
+        counts[reason_class(reason)] += 1
     return dict(counts.most_common())
+
+
+def reason_class(reason: str) -> str:
+    """A quarantine reason without the row's particulars (position, count, value), to tally reasons by."""
+    head = reason.split(":")[-1].strip() if reason.startswith(("messages[", "conversations[")) else reason
+    return head.split(" at ")[0].split(" of ")[0].split(" (")[0]
 
 
 def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> IngestResult:
