@@ -1,7 +1,8 @@
 """Source datasets -> chat prompts with stable ids.
 
 Every source row ends in exactly one place: a prompt, a duplicate of an earlier prompt, or the quarantine with
-a reason. A bad row never stops the rest of the file (`reading` bounds what a row may hold).
+a reason. A bad row never stops the rest of the file (`reading` bounds what a row may hold), and a prompt the
+target cannot hold is quarantined here too (`context`), so it is never sent.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import polars as pl
 from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import Quarantined, parquet_problem, sweep_parquet
+from .context import CONTEXT_CLASS, CONTEXT_MARK, PromptGuard, RecordedVerdicts
 from .reading import RAW_PREVIEW_CHARS, RowError, clip, iter_source_rows
 
 # A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept,
@@ -289,6 +291,19 @@ class _Ingestion:
         self.quarantine.append({"source_row": row_no, "id": pid, "reason": reason, "raw": raw})
         self.outcomes["quarantined"] += 1
 
+    def screen(self, guard: PromptGuard) -> None:
+        """Move the prompts `guard` refuses (too long for the target) to the quarantine."""
+        verdicts = guard.verdicts([(p["id"], p["messages"]) for p in self.prompts])
+        kept = []
+        for prompt, reason in zip(self.prompts, verdicts, strict=True):
+            if reason is None:
+                kept.append(prompt)
+                continue
+            self._quarantine(prompt["source_row"], prompt["id"], reason, {"messages": prompt["messages"]})
+            self.outcomes["ok"] -= 1
+            self.outcomes["over_context"] += 1
+        self.prompts = kept
+
     def result(self) -> IngestResult:
         return IngestResult(
             prompts=pl.DataFrame(self.prompts, schema=PROMPT_SCHEMA),
@@ -303,11 +318,15 @@ def ingest(
     fmt: str,
     fields: dict[str, Any] | None = None,
     system_prompt: str | None = None,
+    guard: PromptGuard | None = None,
 ) -> IngestResult:
-    """Parse a whole source file into prompts and quarantine rows."""
+    """Parse a whole source file into prompts and quarantine rows; `guard` then refuses the prompts the
+    target cannot hold (`context.ContextGuard`)."""
     rows = _Ingestion(fmt, fields, system_prompt)
     for row_no, row, error in iter_source_rows(path):
         rows.take(row_no, row, error)
+    if guard is not None:
+        rows.screen(guard)
     return rows.result()
 
 
@@ -321,20 +340,30 @@ def quarantine_reasons(quarantine: pl.DataFrame) -> dict[str, int]:
 
 def reason_class(reason: str) -> str:
     """A quarantine reason without the row's particulars (position, count, value), to tally reasons by."""
+    if CONTEXT_MARK in reason:
+        return CONTEXT_CLASS
     head = reason.split(":")[-1].strip() if reason.startswith(("messages[", "conversations[")) else reason
     return head.split(" at ")[0].split(" of ")[0].split(" (")[0]
 
 
-def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> IngestResult:
+def write_prompts(
+    source: Path, layout: DatasetLayout, dataset: DatasetConfig, guard: PromptGuard | None = None
+) -> IngestResult:
     """Ingest `source` (the dataset section's source, resolved) in the section's format, fields and system
-    prompt, and write the partition's prompts.parquet and quarantine.parquet atomically."""
+    prompt, and write the partition's prompts.parquet and quarantine.parquet atomically.
+
+    `guard` refuses prompts too long for the target (the prompts stage passes the target's). Without one (a
+    later stage rebuilding a damaged prompts.parquet, with no tokenizer at hand), the prompts an earlier
+    ingestion found too long stay quarantined, as its quarantine.parquet records them."""
     from ..storage.files import write_parquet
 
     if not source.exists():
         raise FileNotFoundError(
             f"dataset source {source} does not exist; fix datasets.<key>.source in the config"
         )
-    result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt)
+    if guard is None:
+        guard = RecordedVerdicts.read(_readable(layout.quarantine, QUARANTINE_SCHEMA, ["id", "reason"]))
+    result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt, guard)
     # The outputs are rewritten from the source anyway; a damaged one is set aside first, so that what
     # happened is on record (the check and the report list it) rather than silently overwritten.
     result.set_aside = sweep_parquet(
@@ -346,6 +375,13 @@ def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -
     write_parquet(result.prompts, layout.prompts)
     write_parquet(result.quarantine, layout.quarantine)
     return result
+
+
+def _readable(path: Path, schema: dict[str, pl.DataType], columns: list[str]) -> pl.DataFrame | None:
+    """`columns` of a stored table, or None where it is missing or damaged (its sweep sets it aside)."""
+    if not path.exists() or parquet_problem(path, schema, columns) is not None:
+        return None
+    return pl.read_parquet(path, columns=columns)
 
 
 def ensure_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> list[Quarantined]:
