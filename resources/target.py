@@ -6,8 +6,10 @@ import json
 from contextlib import suppress
 
 from eagle3_assets.config import ProjectConfig, TargetConfig
+from eagle3_assets.core.prompts.context import ChatCounter, ContextGuard
 from eagle3_assets.core.storage.files import write_json
 from eagle3_assets.core.target.chat import ChatRecipe, ChatTokenizer, DeferredChat, chat_tokenizer
+from eagle3_assets.core.target.context import ContextLimit, context_limit
 from eagle3_assets.core.target.loading import pin_problems, resolve
 from eagle3_assets.core.target.preflight import exactness, passed_record, special_token_problems
 
@@ -25,6 +27,16 @@ class Target:
     def deferred_chat_tokenizer(self) -> ChatTokenizer:
         """The same tokenizer, loaded only when something uses it (DeferredChat says when that is never)."""
         return DeferredChat(self._recipe())  # type: ignore[return-value]  # a lazy stand-in with its interface
+
+    def context_limit(self) -> ContextLimit:
+        """The most tokens a request may hold (`target.context_length`, else the model's config.json)."""
+        return context_limit(self.cfg, self.base_dir)
+
+    def context_guard(self) -> ContextGuard:
+        """What the prompts stage screens prompts with: the context, and the tokenizer only if a prompt is
+        too large for its byte size to show that it fits (most datasets never load it there)."""
+        limit = self.context_limit()
+        return ContextGuard(limit.tokens, lambda: ChatCounter(self.chat_tokenizer()), limit.source)
 
     def _recipe(self) -> ChatRecipe:
         t = self.cfg

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from eagle3_assets.config import DOCS_CONFIG, DOCS_CONFIG_REFERENCE, ConfigError, load_config
 
-from .support.projects import REPO, make_project, user_rows
+from .support.projects import REPO, make_project, user_rows, write_jsonl
 
 
 def test_shipped_config_defines_b1_to_b8_with_contract_defaults():
@@ -104,3 +106,92 @@ def test_remote_code_from_the_hub_must_be_pinned(tmp_path):
     local.mkdir()
     here = TargetConfig(tokenizer=str(local), model="builtin:smollm2", trust_remote_code=True)
     assert pin_problems(here, tmp_path) == []  # a local copy is what you reviewed
+
+
+HOSTILE_KEYS = [
+    "..",
+    ".",
+    "a/b",
+    "../x",
+    "/etc",
+    "/tmp/x",
+    "C:\\x",
+    "a\\b",
+    ".hidden",
+    "-x",
+    "B1\n",
+    "a b",
+    "a\x00b",
+    "a..b",
+    "a...b",
+    "x" * 65,
+    "data_value",
+    "",
+]
+
+
+def _config_with_key(root: Path, key: str, storage_root: str) -> Path:
+    """A config whose one dataset has the hostile `key`; its source is a safe path whatever the key (a helper
+    that names the file after the key would write outside the test's folder)."""
+    write_jsonl(root / "prompts" / "ok.jsonl", user_rows(["hi"]))
+    cfg = {
+        "storage": {"root": storage_root},
+        "datasets": {key: {"source": "prompts/ok.jsonl", "format": "messages"}},
+    }
+    path = root / "eagle3.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("storage_root", ["data", "s3://bucket/eagle3"])
+@pytest.mark.parametrize("key", HOSTILE_KEYS, ids=repr)
+def test_dataset_keys_that_could_leave_the_root_are_refused_at_load(tmp_path, key, storage_root):
+    """A key is a folder under storage.root (a local folder or an object-store prefix): `..` would put the
+    partition in the root's parent, an absolute path anywhere; each is refused at load, naming the key."""
+    with pytest.raises(ConfigError) as e:
+        load_config(_config_with_key(tmp_path, key, storage_root))
+    assert "datasets" in str(e.value) and f"dataset key {key!r}" in str(e.value)
+
+
+def test_keys_differing_only_in_case_are_refused_and_ordinary_keys_load(tmp_path):
+    path = make_project(tmp_path, {"b1": {"rows": user_rows(["x"])}, "B1": {"rows": user_rows(["y"])}})
+    with pytest.raises(ConfigError, match="only in case"):
+        load_config(path)
+    keys = ["B1", "alpaca-gpt4.v2", "x_1", "7", "a" * 64]
+    cfg = load_config(make_project(tmp_path, {k: {"rows": user_rows(["x"])} for k in keys}))
+    assert list(cfg.datasets) == keys
+
+
+def test_every_key_the_rule_accepts_is_a_dagster_partition_key_and_a_folder_inside_the_root(tmp_path):
+    """The rule is stricter than Dagster's (which refuses `...`, `,`, `|`, brackets and control characters):
+    whatever it accepts makes a valid StaticPartitionsDefinition and a folder strictly inside the root."""
+    import dagster as dg
+
+    from eagle3_assets.config import dataset_key_problem
+    from eagle3_assets.core.storage.layout import DatasetLayout
+
+    candidates = [*HOSTILE_KEYS, "B1", "a.b", "a-b_c", "a,b", "a|b", "[a]", "a\tb", "é", "a" * 64, "1.0"]
+    accepted = [k for k in candidates if dataset_key_problem(k) is None]
+    # (`data_value` is a good folder name: the config refuses it as reserved, the layout need not.)
+    assert accepted == ["data_value", "B1", "a.b", "a-b_c", "a" * 64, "1.0"]
+    assert dg.StaticPartitionsDefinition(accepted).get_partition_keys() == accepted
+    for key in accepted:
+        folder = DatasetLayout(tmp_path, key).dir.resolve()
+        assert folder.parent == tmp_path.resolve() and folder.name == key
+
+
+@pytest.mark.parametrize("key", ["..", ".", "../x", "/etc", "a/b"])
+def test_layouts_and_object_store_copies_refuse_a_key_outside_the_root(tmp_path, key):
+    """Defence in depth: a key that never went through the config (a CLI argument, a run's partition key)
+    cannot build a partition path outside a local root, or an object key outside the store's prefix."""
+    from eagle3_assets.core.storage.layout import DatasetLayout
+    from eagle3_assets.core.storage.remote import RemoteRoot
+
+    with pytest.raises(ValueError, match="dataset key"):
+        DatasetLayout(tmp_path / "data", key)
+    remote = RemoteRoot("memory://", {}, tmp_path / "cache")
+    with pytest.raises(ValueError, match="dataset key"):
+        remote.pull(key, ["prompts.parquet"])
+    with pytest.raises(ValueError, match="dataset key"):
+        remote.lease(key, "a test")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "cache" / "x").exists()

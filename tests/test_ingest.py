@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import polars as pl
+import pytest
 
 from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.prompts.ingest import content_id, ingest, write_prompts
@@ -225,3 +226,121 @@ def test_tool_turns_pass_through_as_the_source_has_them(tmp_path):
         ["user", "assistant", "tool", "user"]
     ] * 3
     assert r.prompts["messages"][0].to_list()[2] == {"role": "tool", "content": "18C (observation)"}
+
+
+def test_rows_that_break_the_parser_are_one_quarantine_row_each_and_the_rest_goes_on(tmp_path):
+    """A 5,000-deep line (RecursionError in json.loads), one deep enough to load but not to walk, a number
+    too long to convert, a 1 MB id, a non-text content part nested deep: each is one quarantine row with its
+    true reason, and the good rows around them are prompts."""
+
+    def good(i):
+        return json.dumps({"id": f"ok{i}", "messages": [{"role": "user", "content": f"fine {i}"}]})
+
+    deep_part = {"type": "image", "data": json.loads("[" * 40 + "]" * 40)}
+    hostile = [
+        ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "nested more than 32 levels deep"),
+        (json.dumps({"messages": json.loads("[" * 200 + "]" * 200)}), "nested more than 32 levels deep"),
+        ('{"id": ' + "9" * 5000 + ', "messages": []}', "a number too long to read (5,000 digits"),
+        (
+            json.dumps({"id": "x" * 1_000_000, "messages": [{"role": "user", "content": "hi"}]}),
+            "id longer than 256 characters (1,000,000)",
+        ),
+        (
+            json.dumps({"id": "y" * 257, "messages": [{"role": "user", "content": "hi"}]}),
+            "id longer than 256 characters",
+        ),
+        (json.dumps({"messages": [{"role": "user", "content": [deep_part]}]}), "nested more than 32 levels"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}]}]}),
+            "non-text content part",
+        ),
+        (json.dumps({"messages": [{"role": "user", "content": {"text": "an object"}}]}), "got dict"),
+        (json.dumps({"messages": 12}), "missing field 'messages'"),
+    ]
+    lines = [good(0)]
+    for i, (line, _) in enumerate(hostile, start=1):
+        lines += [line, good(i)]
+    path = tmp_path / "hostile.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    r = ingest(path, "messages")
+    assert r.prompts["id"].to_list() == [f"ok{i}" for i in range(len(hostile) + 1)]
+    assert r.n_source_rows == len(lines) and r.quarantine.height == len(hostile)
+    for (_, want), row in zip(hostile, r.quarantine.iter_rows(named=True), strict=True):
+        assert want in row["reason"], (want, row["reason"])
+        assert len(row["raw"]) <= 2000 and len(row["id"] or "") <= 2000
+    # The importer of answers reads sources the same way: it gets the error, not an exception.
+    from eagle3_assets.core.prompts.ingest import iter_source_rows
+
+    errors = [e for _, _, e in iter_source_rows(path) if e]
+    assert errors[0].startswith("nested more than 32 levels deep") and len(errors) == 4
+
+
+def test_nesting_is_measured_without_recursion():
+    from eagle3_assets.core.prompts.reading import MAX_NESTING, clip, nesting_depth
+
+    deep: list = []
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = [deep]
+    assert nesting_depth(deep) == MAX_NESTING + 1  # stops past the limit
+    assert nesting_depth({"messages": [{"role": "user", "content": "x"}]}) == 3
+    assert nesting_depth("text") == 0
+    assert len(json.dumps(clip({"a": ["x" * 10_000] * 1000}))) < 2100
+
+
+def test_a_json_document_too_deep_to_parse_fails_naming_the_file_and_a_deep_row_in_one_is_quarantined(
+    tmp_path,
+):
+    """A .json source is one document: if it cannot be parsed no row of it can be used, and the error names
+    the file and the fix (one row per line). One that parses keeps its good rows when one row is deep."""
+    from eagle3_assets.core.prompts.ingest import RowError
+
+    whole = tmp_path / "deep.json"
+    whole.write_text("[" + "[" * 5000 + "]" * 5000 + "]")
+    with pytest.raises(RowError, match=r"deep\.json.*nested more than 32 levels deep.*\.jsonl"):
+        ingest(whole, "messages")
+    rows = [
+        {"id": "a", "messages": [{"role": "user", "content": "fine"}]},
+        {"id": "b", "messages": json.loads("[" * 100 + "]" * 100)},
+    ]
+    doc = tmp_path / "rows.json"
+    doc.write_text(json.dumps(rows))
+    r = ingest(doc, "messages")
+    assert r.prompts["id"].to_list() == ["a"] and "nested more than 32" in r.quarantine["reason"][0]
+
+
+def test_parquet_values_nested_too_deep_are_quarantined_and_an_unreadable_schema_names_the_file(tmp_path):
+    """Polars' reader overflows the stack (a segfault, not an exception) on a schema nested past pyarrow's
+    limit: the schema is read with pyarrow first, so such a file fails with a message naming it, and the
+    process lives. Within pyarrow's limit, a row whose value is deeper than MAX_NESTING is quarantined (a
+    null in the deep column is not deep)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_assets.core.prompts.ingest import RowError
+
+    def nested(levels: int) -> tuple[pa.DataType, object]:
+        dtype, value = pa.int64(), 1
+        for _ in range(levels):
+            dtype, value = pa.list_(dtype), [value]
+        return dtype, value
+
+    dtype, value = nested(40)  # pyarrow reads up to 49 list levels
+    table = pa.table(
+        {
+            "id": ["a", "b"],
+            "messages": [[{"role": "user", "content": "deep extra"}], [{"role": "user", "content": "ok"}]],
+            "extra": pa.array([value, None], type=dtype),
+        }
+    )
+    pq.write_table(table, tmp_path / "deep.parquet")
+    r = ingest(tmp_path / "deep.parquet", "messages")
+    assert r.prompts["id"].to_list() == ["b"]
+    assert r.quarantine["reason"].to_list() == ["nested more than 32 levels deep (column 'extra')"]
+
+    dtype, value = nested(60)
+    pq.write_table(pa.table({"extra": pa.array([value], type=dtype)}), tmp_path / "deeper.parquet")
+    with pytest.raises(RowError, match=r"deeper\.parquet: not a readable Parquet file"):
+        ingest(tmp_path / "deeper.parquet", "messages")
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really PAR1")
+    with pytest.raises(RowError, match=r"junk\.parquet: not a readable Parquet file"):
+        ingest(tmp_path / "junk.parquet", "messages")

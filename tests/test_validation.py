@@ -7,6 +7,7 @@ import json
 
 import dagster as dg
 import polars as pl
+import pytest
 
 from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.report import validation
@@ -173,3 +174,59 @@ def test_a_failing_blocking_check_keeps_the_report_from_being_built(tmp_path, sm
         assert evaluations["tokens_reference_match"] is False
         assert not result.asset_materializations_for_node("validation_report")
     assert not layout.report_json.exists()
+
+
+def test_prompts_not_empty_rule_names_the_rows_and_the_top_reasons():
+    assert validation.prompts_present(3, ["duplicate of p0", "bad JSON: x at column 1"]).passed
+    empty = validation.prompts_present(0, [])
+    assert not empty.passed and empty.metadata["source_rows"] == 0
+    assert empty.metadata["reason"] == "no prompts: the source has no rows"
+    reasons = ["missing field 'messages' (a non-empty list)"] * 5 + [
+        "duplicate of p1",
+        "bad JSON: x at column 3",
+    ]
+    v = validation.prompts_present(0, reasons)
+    assert not v.passed
+    assert (v.metadata["source_rows"], v.metadata["quarantined"], v.metadata["duplicates"]) == (7, 6, 1)
+    assert v.metadata["top_reasons"] == "missing field 'messages' (5); bad JSON: x (1)"
+    assert "all 7 source rows were set aside" in v.metadata["reason"]
+    # A share of nothing is not a pass either.
+    assert not validation.failure_share(0, 0, 0.05).passed
+
+
+@pytest.mark.parametrize(
+    "rows", [[], ["not json", {"text": "no messages"}, {"messages": []}]], ids=["empty", "bad"]
+)
+def test_a_source_with_no_usable_row_fails_the_blocking_check_and_nothing_after_it_runs(tmp_path, rows):
+    """An empty source, or one whose every row is quarantined, ends the run at `prompts_not_empty`: nothing
+    is asked, and no later stage reports green over an empty table."""
+    path = make_project(tmp_path, {"B1": {"rows": rows}})
+    with dg.instance_for_test() as instance:
+        result = run_training_data_job(path, "B1", instance)
+    assert not result.success
+    checks = {
+        e.event_specific_data.check_name: e.event_specific_data
+        for e in result.all_events
+        if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    }
+    check = checks["prompts_not_empty"]
+    assert check.passed is False
+    md = {k: v.value for k, v in check.metadata.items()}
+    assert md["prompts"] == 0 and md["source_rows"] == len(rows) and md["quarantined"] == len(rows)
+    if rows:
+        assert "missing field 'messages'" in md["top_reasons"] and "bad JSON" in md["top_reasons"]
+    assert not result.asset_materializations_for_node("responses")
+    assert not result.asset_materializations_for_node("validation_report")
+
+
+def test_the_report_of_a_partition_without_prompts_says_so_first(tmp_path):
+    from eagle3_assets.core.storage.layout import DatasetLayout
+
+    layout = DatasetLayout(tmp_path, "B1").ensure()
+    pl.DataFrame(
+        {"id": [], "messages": []}, schema={"id": pl.String, "messages": pl.List(pl.String)}
+    ).write_parquet(layout.prompts)
+    pl.DataFrame({"reason": ["bad JSON: x"] * 4}).write_parquet(layout.quarantine)
+    report = build_report(layout, DatasetConfig(source="(in code)", format="messages"))
+    md = render_markdown(report)
+    assert md.splitlines()[2].startswith("**0 prompts: all 4 source rows were set aside")

@@ -5,7 +5,7 @@ import dagster as dg
 
 from .acceptance import build_acceptance_asset, build_acceptance_checks
 from .hidden_states import build_hidden_states_asset, build_hidden_states_checks
-from .prompts import build_prompts_asset
+from .prompts import build_prompts_asset, build_prompts_checks
 from .quarantine import build_quarantine_checks
 from .report import build_report_asset, build_report_checks
 from .responses import build_responses_asset, build_responses_checks
@@ -28,6 +28,7 @@ def build_checks(
     """Every stage's checks, per partition. `reference_ids`: the configured backend returns the ids it
     generated (`build_tokens_checks`)."""
     return [
+        *build_prompts_checks(partitions),
         *build_responses_checks(partitions),
         *build_tokens_checks(partitions, reference_ids),
         *build_report_checks(partitions),

@@ -20,6 +20,7 @@ from .base import (
     ConfigError,
     StorageDtype,
     Strict,
+    dataset_key_problem,
     is_loopback,
 )
 from .datasets import ChecksConfig, DatasetConfig, InstructionFields, TokensConfig
@@ -60,6 +61,7 @@ __all__ = [
     "TokensConfig",
     "VllmExtractionConfig",
     "config_path",
+    "dataset_key_problem",
     "get_config",
     "is_loopback",
     "load_config",

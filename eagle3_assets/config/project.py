@@ -10,10 +10,33 @@ from pydantic import Field, field_validator
 
 from .acceptance import AcceptanceConfig
 from .backends import BackendsConfig, SamplingConfig
-from .base import _PARTITION_KEY, BackendName, ConfigError, Strict
+from .base import (
+    DATASET_KEY_MAX,
+    RESERVED_DATASET_KEYS,
+    BackendName,
+    ConfigError,
+    Strict,
+    dataset_key_problem,
+)
 from .datasets import ChecksConfig, DatasetConfig, TokensConfig
 from .hidden_states import HiddenStatesConfig
 from .storage_target import StorageConfig, TargetConfig
+
+
+def _key_problem(key: str, keys: dict[str, DatasetConfig]) -> str | None:
+    """Why dataset `key` is refused, naming the key and the rule: it names the partition and its folder under
+    storage.root, so it must be one plain path segment (`dataset_key_problem`), not a folder the root holds
+    for something else, and not the same folder as another key on a case-insensitive file system (macOS,
+    Windows)."""
+    problem = dataset_key_problem(key)
+    if problem is None and key.lower() in RESERVED_DATASET_KEYS:
+        problem = "is reserved: storage.root holds a folder of that name that is not a dataset's"
+    twins = [k for k in keys if k != key and k.lower() == key.lower()]
+    if problem is None and twins:
+        problem = f"differs from {twins[0]!r} only in case: both would be one folder on some file systems"
+    if problem is None:
+        return None
+    return f"dataset key {key!r} {problem} (it is a partition key and a folder name under storage.root)"
 
 
 class AutomationConfig(Strict):
@@ -106,8 +129,10 @@ class ProjectConfig(Strict):
         "own.",
     )
     datasets: dict[str, DatasetConfig] = Field(
-        description="The datasets by key, at least one. Each key is a partition key of every asset (letters, "
-        "digits, `_`, `.` and `-`, at most 64 characters).",
+        description="The datasets by key, at least one. Each key is a partition key of every asset and the "
+        f"name of its folder under `storage.root`: 1 to {DATASET_KEY_MAX} letters, digits, `_`, `-` or `.`, "
+        "starting with a letter or digit, with no `..` (so `.`, `..`, paths and hidden names are refused); "
+        "`data_value` is reserved, and two keys may not differ only in case.",
     )
     tokens: TokensConfig = Field(
         default_factory=TokensConfig,
@@ -151,11 +176,9 @@ class ProjectConfig(Strict):
     def _keys_are_partition_keys(cls, v: dict[str, DatasetConfig]) -> dict[str, DatasetConfig]:
         if not v:
             raise ValueError("at least one dataset is required")
-        for key in v:
-            if not _PARTITION_KEY.match(key):
-                raise ValueError(
-                    f"dataset key {key!r} must match {_PARTITION_KEY.pattern} (it is a partition key)"
-                )
+        problems = [p for key in v if (p := _key_problem(key, v))]
+        if problems:
+            raise ValueError("; ".join(problems))
         return v
 
     # -- derived values -------------------------------------------------------------------------------------

@@ -93,6 +93,16 @@ class TargetConfig(Strict):
         description="Optional id of the end-of-turn token as a serving stack knows it (its stop id). It is "
         "only checked: preflight fails unless it is the tokenizer's id of the end-of-turn token.",
     )
+    context_length: int | None = Field(
+        None,
+        ge=1,
+        description="The most tokens one request to the target may hold, prompt and answer together. The "
+        "prompts stage quarantines a prompt that leaves no room for an answer in it, before it is sent (the "
+        "reason names its token count and this limit). Null: `max_position_embeddings` from the config.json "
+        "of `model` (then of `tokenizer`): the embedded model's, a local folder's, or the hub repository's "
+        "at `revision`. Set it where the serving side allows less than the model (vLLM's `--max-model-len`, "
+        "a provider's context length) or where no config.json can be read.",
+    )
     think_open: str = Field(
         "<think>",
         description="Opening marker of reasoning, for chat templates without a `reasoning_content` field: an "

@@ -1,7 +1,8 @@
 """Source datasets -> chat prompts with stable ids.
 
 Every source row ends in exactly one place: a prompt, a duplicate of an earlier prompt, or the quarantine with
-a reason. A bad row never stops the rest of the file.
+a reason. A bad row never stops the rest of the file (`reading` bounds what a row may hold), and a prompt the
+target cannot hold is quarantined here too (`context`), so it is never sent.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ import polars as pl
 from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import Quarantined, parquet_problem, sweep_parquet
+from .context import CONTEXT_CLASS, CONTEXT_MARK, PromptGuard, RecordedVerdicts
+from .reading import RAW_PREVIEW_CHARS, RowError, clip, iter_source_rows
 
 # A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept,
 # its `tool_call_id`/`name` are not (the stored message is role and content only).
@@ -38,7 +40,9 @@ SHAREGPT_ROLES = {
     "observation": "tool",
     "function_response": "tool",
 }
-RAW_PREVIEW_CHARS = 2000
+# An id is a key, repeated in every stage's tables, turn ids (`<id>#t<k>`), logs and exports; a longer one is
+# content put in the wrong field. Datasets' ids are UUIDs (36), hashes (64) or names well under this.
+MAX_ID_CHARS = 256
 
 PROMPT_SCHEMA: dict[str, pl.DataType] = {
     "id": pl.String(),
@@ -57,10 +61,6 @@ QUARANTINE_SCHEMA: dict[str, pl.DataType] = {
 }
 
 
-class RowError(ValueError):
-    """Why one source row cannot be used (becomes its quarantine reason)."""
-
-
 @dataclass
 class IngestResult:
     prompts: pl.DataFrame
@@ -69,48 +69,6 @@ class IngestResult:
     outcomes: Counter = field(default_factory=Counter)
     # damaged earlier outputs, moved to quarantine/
     set_aside: list[Quarantined] = field(default_factory=list)
-
-
-# -- reading
-# ---------------------------------------------------------------------------------------------------
-def iter_source_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield (row number, parsed object or None, error) for each row of a jsonl, json or parquet file."""
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        for i, row in enumerate(pl.read_parquet(path).iter_rows(named=True)):
-            yield i, row, None
-        return
-    if suffix == ".json":
-        try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RowError(
-                f"{path}: not a readable JSON document ({e}); use .jsonl for one object per line"
-            ) from e
-        if isinstance(data, dict) and isinstance(data.get("data"), list):
-            data = data["data"]
-        if not isinstance(data, list):
-            raise RowError(f"{path}: a .json source must hold a list of objects")
-        for i, row in enumerate(data):
-            yield i, row, None
-        return
-    with open(path, "rb") as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield (
-                    i,
-                    line[:RAW_PREVIEW_CHARS].decode("utf-8", "replace"),
-                    f"invalid UTF-8 at byte {e.start}",
-                )
-                continue
-            try:
-                yield i, json.loads(text), None
-            except json.JSONDecodeError as e:
-                yield i, text[:RAW_PREVIEW_CHARS], f"bad JSON: {e.msg} at column {e.colno}"
 
 
 # -- normalising
@@ -123,7 +81,7 @@ def _text(value: Any, where: str) -> str:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:
-                raise RowError(f"{where}: non-text content part {str(part)[:80]!r}")
+                raise RowError(f"{where}: non-text content part {preview(part)[:80]!r}")
         value = "".join(parts)
     if not isinstance(value, str):
         raise RowError(f"{where}: content must be a string, got {type(value).__name__}")
@@ -244,6 +202,14 @@ def content_id(messages: list[dict]) -> str:
     return "h" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:20]
 
 
+def preview(value: Any) -> str:
+    """What the quarantine keeps of a row: the source's own text for a row that did not parse, else a JSON
+    preview of a clipped copy (never the whole of a huge row), both cut to RAW_PREVIEW_CHARS."""
+    if isinstance(value, str):
+        return value[:RAW_PREVIEW_CHARS]
+    return json.dumps(clip(value), ensure_ascii=False, default=str)[:RAW_PREVIEW_CHARS]
+
+
 def _printable(text: str | None) -> str | None:
     """Quarantine text that Parquet can store even when the source held lone surrogates."""
     if text is None:
@@ -261,85 +227,143 @@ def _source_id(row: Any) -> str | None:
     return None
 
 
-def ingest(
-    path: Path, fmt: str, fields: dict[str, Any] | None = None, system_prompt: str | None = None
-) -> IngestResult:
-    """Parse a whole source file into prompts and quarantine rows."""
-    prompts: list[dict] = []
-    quarantine: list[dict] = []
-    outcomes: Counter = Counter()
-    seen_ids: dict[str, str] = {}  # id -> content hash
-    seen_content: dict[str, str] = {}  # content hash -> id
-    n_rows = 0
-    for row_no, row, error in iter_source_rows(path):
-        n_rows += 1
+def check_id(sid: str | None) -> None:
+    """A source id must be a short key in valid unicode (RowError with the reason otherwise)."""
+    if sid is None:
+        return
+    if len(sid) > MAX_ID_CHARS:
+        raise RowError(f"id longer than {MAX_ID_CHARS} characters ({len(sid):,})")
+    if _printable(sid) != sid:
+        raise RowError("id is not valid unicode")
+
+
+@dataclass
+class _Ingestion:
+    """The rows of one source as they are read: prompts, quarantine rows and the tallies."""
+
+    fmt: str
+    fields: dict[str, Any] | None
+    system_prompt: str | None
+    prompts: list[dict] = field(default_factory=list)
+    quarantine: list[dict] = field(default_factory=list)
+    outcomes: Counter = field(default_factory=Counter)
+    seen_ids: dict[str, str] = field(default_factory=dict)  # id -> content hash
+    seen_content: dict[str, str] = field(default_factory=dict)  # content hash -> id
+    n_rows: int = 0
+
+    def take(self, row_no: int, row: Any, error: str | None) -> None:
+        """One source row: a prompt, a duplicate, or a quarantine row with its reason."""
+        self.n_rows += 1
         sid = _source_id(row)
         try:
             if error:
                 raise RowError(error)
-            if sid is not None and _printable(sid) != sid:
-                raise RowError("id is not valid unicode")
-            msgs = normalise_row(row, fmt, fields, system_prompt)
+            check_id(sid)
+            msgs = normalise_row(row, self.fmt, self.fields, self.system_prompt)
         except RowError as e:
-            raw = row if isinstance(row, str) else json.dumps(row, ensure_ascii=False, default=str)
-            quarantine.append(
-                {"source_row": row_no, "id": _printable(sid), "reason": str(e), "raw": _printable(raw)}
-            )
-            outcomes["quarantined"] += 1
-            continue
+            self._quarantine(row_no, _printable(sid), str(e), row)
+            return
         digest = content_id(msgs)
         pid = sid or digest
-        if digest in seen_content:
-            reason = f"duplicate of {seen_content[digest]}"
-            quarantine.append({"source_row": row_no, "id": pid, "reason": reason, "raw": ""})
-            outcomes["duplicate"] += 1
-            continue
-        if pid in seen_ids:
-            reason = f"id {pid!r} already used by another conversation"
-            raw = json.dumps(row, ensure_ascii=False, default=str)
-            quarantine.append({"source_row": row_no, "id": pid, "reason": reason, "raw": _printable(raw)})
-            outcomes["quarantined"] += 1
-            continue
-        seen_ids[pid] = digest
-        seen_content[digest] = pid
-        prompts.append(
+        if digest in self.seen_content:
+            reason = f"duplicate of {self.seen_content[digest]}"
+            self.quarantine.append({"source_row": row_no, "id": pid, "reason": reason, "raw": ""})
+            self.outcomes["duplicate"] += 1
+            return
+        if pid in self.seen_ids:
+            self._quarantine(row_no, pid, f"id {pid!r} already used by another conversation", row)
+            return
+        self.seen_ids[pid] = digest
+        self.seen_content[digest] = pid
+        self.prompts.append(
             {
                 "id": pid,
                 "messages": msgs,
                 "source_row": row_no,
                 "n_turns": len(msgs),
-                "source_answer": source_answer(row, fmt, fields),
+                "source_answer": source_answer(row, self.fmt, self.fields),
             }
         )
-        outcomes["ok"] += 1
-    return IngestResult(
-        prompts=pl.DataFrame(prompts, schema=PROMPT_SCHEMA),
-        quarantine=pl.DataFrame(quarantine, schema=QUARANTINE_SCHEMA),
-        n_source_rows=n_rows,
-        outcomes=outcomes,
-    )
+        self.outcomes["ok"] += 1
+
+    def _quarantine(self, row_no: int, pid: str | None, reason: str, row: Any) -> None:
+        raw = _printable(preview(row))
+        self.quarantine.append({"source_row": row_no, "id": pid, "reason": reason, "raw": raw})
+        self.outcomes["quarantined"] += 1
+
+    def screen(self, guard: PromptGuard) -> None:
+        """Move the prompts `guard` refuses (too long for the target) to the quarantine."""
+        verdicts = guard.verdicts([(p["id"], p["messages"]) for p in self.prompts])
+        kept = []
+        for prompt, reason in zip(self.prompts, verdicts, strict=True):
+            if reason is None:
+                kept.append(prompt)
+                continue
+            self._quarantine(prompt["source_row"], prompt["id"], reason, {"messages": prompt["messages"]})
+            self.outcomes["ok"] -= 1
+            self.outcomes["over_context"] += 1
+        self.prompts = kept
+
+    def result(self) -> IngestResult:
+        return IngestResult(
+            prompts=pl.DataFrame(self.prompts, schema=PROMPT_SCHEMA),
+            quarantine=pl.DataFrame(self.quarantine, schema=QUARANTINE_SCHEMA),
+            n_source_rows=self.n_rows,
+            outcomes=self.outcomes,
+        )
+
+
+def ingest(
+    path: Path,
+    fmt: str,
+    fields: dict[str, Any] | None = None,
+    system_prompt: str | None = None,
+    guard: PromptGuard | None = None,
+) -> IngestResult:
+    """Parse a whole source file into prompts and quarantine rows; `guard` then refuses the prompts the
+    target cannot hold (`context.ContextGuard`)."""
+    rows = _Ingestion(fmt, fields, system_prompt)
+    for row_no, row, error in iter_source_rows(path):
+        rows.take(row_no, row, error)
+    if guard is not None:
+        rows.screen(guard)
+    return rows.result()
 
 
 def quarantine_reasons(quarantine: pl.DataFrame) -> dict[str, int]:
     """Counts by reason class (the text before the first ':' or ' of '), for metadata."""
     counts: Counter = Counter()
     for reason in quarantine["reason"].to_list():
-        head = reason.split(":")[-1].strip() if reason.startswith(("messages[", "conversations[")) else reason
-        head = head.split(" at ")[0].split(" of ")[0].split(" (")[0]
-        counts[head] += 1
+        counts[reason_class(reason)] += 1
     return dict(counts.most_common())
 
 
-def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> IngestResult:
+def reason_class(reason: str) -> str:
+    """A quarantine reason without the row's particulars (position, count, value), to tally reasons by."""
+    if CONTEXT_MARK in reason:
+        return CONTEXT_CLASS
+    head = reason.split(":")[-1].strip() if reason.startswith(("messages[", "conversations[")) else reason
+    return head.split(" at ")[0].split(" of ")[0].split(" (")[0]
+
+
+def write_prompts(
+    source: Path, layout: DatasetLayout, dataset: DatasetConfig, guard: PromptGuard | None = None
+) -> IngestResult:
     """Ingest `source` (the dataset section's source, resolved) in the section's format, fields and system
-    prompt, and write the partition's prompts.parquet and quarantine.parquet atomically."""
+    prompt, and write the partition's prompts.parquet and quarantine.parquet atomically.
+
+    `guard` refuses prompts too long for the target (the prompts stage passes the target's). Without one (a
+    later stage rebuilding a damaged prompts.parquet, with no tokenizer at hand), the prompts an earlier
+    ingestion found too long stay quarantined, as its quarantine.parquet records them."""
     from ..storage.files import write_parquet
 
     if not source.exists():
         raise FileNotFoundError(
             f"dataset source {source} does not exist; fix datasets.<key>.source in the config"
         )
-    result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt)
+    if guard is None:
+        guard = RecordedVerdicts.read(_readable(layout.quarantine, QUARANTINE_SCHEMA, ["id", "reason"]))
+    result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt, guard)
     # The outputs are rewritten from the source anyway; a damaged one is set aside first, so that what
     # happened is on record (the check and the report list it) rather than silently overwritten.
     result.set_aside = sweep_parquet(
@@ -351,6 +375,13 @@ def write_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -
     write_parquet(result.prompts, layout.prompts)
     write_parquet(result.quarantine, layout.quarantine)
     return result
+
+
+def _readable(path: Path, schema: dict[str, pl.DataType], columns: list[str]) -> pl.DataFrame | None:
+    """`columns` of a stored table, or None where it is missing or damaged (its sweep sets it aside)."""
+    if not path.exists() or parquet_problem(path, schema, columns) is not None:
+        return None
+    return pl.read_parquet(path, columns=columns)
 
 
 def ensure_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) -> list[Quarantined]:

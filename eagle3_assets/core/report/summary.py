@@ -344,6 +344,7 @@ def render_markdown(r: ValidationReport) -> str:
     lines = [
         f"# Dataset {r.dataset}",
         "",
+        *_empty_notice(r),
         "| measure | value |",
         "| --- | --- |",
         *_measure_rows(r),
@@ -378,6 +379,19 @@ def render_markdown(r: ValidationReport) -> str:
             for d in r.damaged_files
         ]
     return "\n".join(lines) + "\n"
+
+
+def _empty_notice(r: ValidationReport) -> list[str]:
+    """A partition without prompts says so first: every figure after it describes nothing, and a reader of an
+    all-zero table should not have to infer that."""
+    if r.n_prompts:
+        return []
+    why = (
+        f"all {r.n_quarantined:,} source rows were set aside (see quarantine.parquet)"
+        if r.n_quarantined
+        else "the source has no rows"
+    )
+    return [f"**0 prompts: {why}. Nothing was asked or trained; the check `prompts_not_empty` fails.**", ""]
 
 
 def _measure_rows(r: ValidationReport) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pyarrow.parquet as pq
 from ..generation.binding import AnswerRules
 from ..generation.conversations import TEMPLATE_REST, split_turn_id, turn_id
 from ..generation.identity import TargetIdentity
+from ..prompts.ingest import reason_class
 from .summary import wilson_interval
 
 
@@ -54,21 +56,48 @@ def answers_from_target(
     )
 
 
+def prompts_present(n_prompts: int, reasons: list[str]) -> Verdict:
+    """The partition has at least one prompt to send. An empty source, or one whose every row was quarantined
+    (a wrong `format` or file, a dataset of over-long prompts), would otherwise pass every later check with
+    nothing in it; this fails it, naming how many source rows there were and why they were set aside.
+    `reasons`: quarantine.parquet's reasons (every source row is a prompt or one of these)."""
+    duplicates = sum(1 for r in reasons if r.startswith("duplicate of "))
+    quarantined = len(reasons) - duplicates
+    classes = Counter(reason_class(r) for r in reasons if not r.startswith("duplicate of "))
+    top = "; ".join(f"{reason} ({n:,})" for reason, n in classes.most_common(5)) or "none"
+    metadata: dict[str, Any] = {
+        "prompts": n_prompts,
+        "source_rows": n_prompts + len(reasons),
+        "quarantined": quarantined,
+        "duplicates": duplicates,
+        "top_reasons": top,
+    }
+    if n_prompts == 0:
+        metadata["reason"] = (
+            "no prompts: the source has no rows"
+            if not reasons
+            else f"no prompts: all {len(reasons):,} source rows were set aside ({quarantined:,} quarantined, "
+            f"{duplicates:,} duplicates; top reasons: {top}); check the dataset's source, format and fields"
+        )
+    return Verdict(n_prompts > 0, metadata)
+
+
 def failure_share(n_failures: int, n_prompts: int, limit: float, template_rest: int = 0) -> Verdict:
     """Prompts whose last attempt failed, as a share of the prompts. `template_rest`: conversations of
     `turns: all` answered up to a turn the target's template refuses (see `counted_failures`); reported,
-    not counted."""
+    not counted. A partition without prompts fails: a share of nothing is not a pass (`prompts_not_empty`
+    says why there are none)."""
     share = n_failures / n_prompts if n_prompts else 0.0
-    return Verdict(
-        share <= limit,
-        {
-            "failures": n_failures,
-            "prompts": n_prompts,
-            "share": share,
-            "limit": limit,
-            "conversations_cut_by_template": template_rest,
-        },
-    )
+    metadata: dict[str, Any] = {
+        "failures": n_failures,
+        "prompts": n_prompts,
+        "share": share,
+        "limit": limit,
+        "conversations_cut_by_template": template_rest,
+    }
+    if n_prompts == 0:
+        metadata["reason"] = "no prompts to answer (see the prompts_not_empty check)"
+    return Verdict(n_prompts > 0 and share <= limit, metadata)
 
 
 def counted_failures(failures: pl.DataFrame) -> tuple[int, int]:

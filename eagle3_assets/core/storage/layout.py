@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...config import dataset_key_problem
 from .quarantine import QUARANTINE_DIR, QUARANTINE_STAGES, RECORDS
 
 # Inside the hidden_states folder (the shard format's own files; shards are `shard-*.safetensors`).
@@ -14,10 +15,24 @@ FINAL_NORM = "final_norm.safetensors"
 EXTRACTION_PLAN = "plan.json"
 
 
+def check_key(key: str) -> str:
+    """`key` if it names a partition folder inside a storage root (one plain path segment: no `.`, `..`,
+    separator or hidden name), else ValueError naming the key and the rule."""
+    problem = dataset_key_problem(key)
+    if problem is not None:
+        raise ValueError(f"dataset key {key!r} {problem}: refused as a folder under the storage root")
+    return key
+
+
 @dataclass(frozen=True)
 class DatasetLayout:
     root: Path
     key: str
+
+    def __post_init__(self) -> None:
+        # The config refuses such keys at load; this refuses them wherever a layout is built (a CLI argument,
+        # a partition key from a run), so no path of a partition can leave its root.
+        check_key(self.key)
 
     @property
     def dir(self) -> Path:

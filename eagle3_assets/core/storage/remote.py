@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from .layout import check_key
 from .remote_lease import hold_lease
 from .remote_writes import ConditionalWrites, RetryPolicy, StoreUnavailable, make_store
 
@@ -101,7 +102,9 @@ class RemoteRoot:
         return Path(cache_dir) / f"{parsed.scheme}-{parsed.netloc}{parsed.path}".replace("/", "_")
 
     def local(self, key: str) -> Path:
-        return self.cache / key
+        """The working copy of partition `key` (every pull and push starts here, so a key that would name an
+        object outside the root's prefix, or a folder outside the cache, is refused here too)."""
+        return self.cache / check_key(key)
 
     # -- manifest --------------------------------------------------------------------------------------------
     def _manifest(self, key: str) -> dict[str, list]:
@@ -221,13 +224,13 @@ class RemoteRoot:
         import obstore as obs
 
         try:
-            return obs.head(self.store, f"{key}/{rel}")["last_modified"].timestamp()
+            return obs.head(self.store, f"{check_key(key)}/{rel}")["last_modified"].timestamp()
         except FileNotFoundError:
             return None
 
     def lease(self, key: str, what: str, ttl_s: float = 120.0) -> contextlib.AbstractContextManager[None]:
         """Hold `<key>/.lease.json` while the block runs (`remote_lease.hold_lease`)."""
-        return hold_lease(self.writes, f"{key}/{LEASE}", what, ttl_s)
+        return hold_lease(self.writes, f"{check_key(key)}/{LEASE}", what, ttl_s)
 
 
 def _publish_order(rel: str) -> tuple[int, str]:
