@@ -215,23 +215,25 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_instance(args: argparse.Namespace) -> int:
-    """Apply the config's pool limits (llm_api, gpu) and the one-run-per-dataset limit to DAGSTER_HOME's
-    instance."""
+    """Apply the launch guard, the config's pool limits (llm_api, gpu) and the one-run-per-dataset limit to
+    DAGSTER_HOME's instance."""
     import os
 
     import dagster as dg
 
-    from .instance import apply_pools, ensure_run_limit
+    from .instance import apply_pools, ensure_launch_guard, ensure_run_limit
 
     cfg, _ = _resources(args)
     home = os.environ.get("DAGSTER_HOME")
     if not home:
         print("set DAGSTER_HOME to the instance's folder (make dev / make demo use .dagster/)")
         return 1
+    guarded, guard = ensure_launch_guard(Path(home))
+    print(guard)
     print(ensure_run_limit(Path(home)))
     with dg.DagsterInstance.get() as instance:
         print("\n".join(apply_pools(instance, cfg.pools.model_dump())))
-    return 0
+    return 0 if guarded else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -305,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--dataset", required=True)
     sub.add_parser(
         "instance",
-        help="apply the config's pool limits and one run per dataset to the instance of DAGSTER_HOME",
+        help="apply the launch guard, the config's pools and one run per dataset to DAGSTER_HOME's instance",
     )
     demo = sub.add_parser("demo", help="the main job over all (or the given) datasets, then a summary table")
     demo.add_argument("datasets", nargs="*")

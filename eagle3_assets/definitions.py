@@ -7,7 +7,15 @@ from pathlib import Path
 
 import dagster as dg
 
-from resources import Inference, Project, Storage, StorageJsonIOManager, Target, locked
+from resources import (
+    Inference,
+    Project,
+    Storage,
+    StorageJsonIOManager,
+    Target,
+    locked,
+    locked_default_io_manager,
+)
 
 from .assets import (
     build_acceptance_asset,
@@ -20,6 +28,7 @@ from .assets import (
 )
 from .automation import automation_sensor, follow_upstream, ingest_condition, top_up_condition
 from .config import ProjectConfig, config_path, get_config
+from .launch_guard import RESOURCE_SECTIONS
 from .partitions import dataset_partitions
 
 # Notices of features the project relies on knowingly, each named: per-partition asset checks (preview), one
@@ -57,22 +66,15 @@ def build_runtime(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
     }
 
 
-# Resource key -> the section of eagle3.yaml it comes from (named when a launch tries to override it).
-SECTIONS = {
-    "project": "the file",
-    "storage": "storage",
-    "target": "target",
-    "inference": "backend / backends",
-    "hidden_states_io": "storage",
-}
-
-
 def build_resources(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
-    """The runtime objects as resources that accept no run config: they come from the config file only."""
-    return {
-        name: locked(obj, name, config_path, SECTIONS[name])
+    """The runtime objects as resources that accept no run config: they come from the config file only. The
+    default `io_manager` too, declared so that a launch cannot configure Dagster's own."""
+    resources: dict[str, object] = {
+        name: locked(obj, name, config_path, RESOURCE_SECTIONS[name])
         for name, obj in build_runtime(cfg, config_path).items()
     }
+    resources["io_manager"] = locked_default_io_manager(config_path)
+    return resources
 
 
 def responses_step_tags(cfg: ProjectConfig) -> dict | None:

@@ -2,7 +2,7 @@
 built from its section of eagle3.yaml and not settable at launch (`locked`)."""
 
 from .inference import Inference
-from .locked import locked
+from .locked import locked, locked_default_io_manager
 from .project import Project
 from .storage import Storage, StorageJsonIOManager
 from .target import Target
@@ -14,4 +14,5 @@ __all__ = [
     "StorageJsonIOManager",
     "Target",
     "locked",
+    "locked_default_io_manager",
 ]

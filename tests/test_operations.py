@@ -33,7 +33,9 @@ def test_pool_limits_from_the_config_are_applied_to_the_instance(tmp_path):
     with dg.DagsterInstance.from_config(str(home)) as instance:
         assert instance.event_log_storage.get_concurrency_info("llm_api").slot_count == 3
         assert instance.event_log_storage.get_concurrency_info("gpu").slot_count == 5
-        # One run per dataset: the per-partition run-tag limit the queued run coordinator enforces.
+        # One run per dataset: the per-partition run-tag limit the queued run coordinator enforces, here the
+        # launch guard (eagle3 instance named it where the file named none).
+        assert type(instance.run_coordinator).__name__ == "LaunchGuardRunCoordinator"
         limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
         assert {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1} in limits
 
@@ -97,5 +99,5 @@ def test_every_shipped_instance_carries_the_one_run_per_dataset_limit():
         doc = yaml.safe_load((REPO / "deploy" / name / "dagster.yaml").read_text())
         assert ONE_RUN_PER_DATASET in doc["concurrency"]["runs"]["tag_concurrency_limits"], name
     values = yaml.safe_load((REPO / "deploy" / "k8s" / "values.yaml").read_text())
-    queued = values["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"]
-    assert ONE_RUN_PER_DATASET in queued["tagConcurrencyLimits"]
+    guard = values["dagsterDaemon"]["runCoordinator"]["config"]["customRunCoordinator"]  # the launch guard
+    assert ONE_RUN_PER_DATASET in guard["config"]["tag_concurrency_limits"]

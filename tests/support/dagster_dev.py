@@ -56,7 +56,27 @@ mutation($params: ExecutionParams!) {
 
 RUN_STATUS = """
 query($id: ID!) {
-  runOrError(runId: $id) { __typename ... on Run { status startTime endTime } ... on PythonError { message } }
+  runOrError(runId: $id) {
+    __typename ... on Run { status startTime endTime tags { key value } } ... on PythonError { message }
+  }
+}"""
+
+RUNS_WITH_TAG = """
+query($filter: RunsFilter) {
+  runsOrError(filter: $filter) {
+    __typename
+    ... on Runs { results { runId status startTime tags { key value } } }
+    ... on PythonError { message }
+  }
+}"""
+
+REEXECUTE = """
+mutation($params: ReexecutionParams!) {
+  launchRunReexecution(reexecutionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message }
+  }
 }"""
 
 RUN_MESSAGES = """
@@ -106,9 +126,21 @@ def prepare_home(home: Path, config: Path, template: str, env: dict | None = Non
 
 
 class DagsterDev:
-    """`dagster dev -w workspace.yaml` on 127.0.0.1:<free port>, in its own process group."""
+    """`dagster dev -w workspace.yaml` (or another workspace file) on 127.0.0.1:<free port>, in its own
+    process group."""
 
-    def __init__(self, config: Path, dagster_home: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        config: Path,
+        dagster_home: Path,
+        env: dict[str, str] | None = None,
+        workspace: Path = REPO / "workspace.yaml",
+    ):
+        import yaml
+
+        self.workspace = workspace
+        entries = yaml.safe_load(workspace.read_text())["load_from"]
+        self.locations = {next(iter(e.values()))["location_name"] for e in entries}
         self.port = free_port()
         self.home = dagster_home
         self.home.mkdir(parents=True, exist_ok=True)
@@ -135,7 +167,7 @@ class DagsterDev:
                 "dagster",
                 "dev",
                 "-w",
-                str(REPO / "workspace.yaml"),
+                str(self.workspace),
                 "-h",
                 "127.0.0.1",
                 "-p",
@@ -159,7 +191,8 @@ class DagsterDev:
                     "{ repositoriesOrError { __typename ... on RepositoryConnection "
                     "{ nodes { name location { name } } } } }"
                 )
-                if data["repositoriesOrError"].get("nodes"):
+                loaded = {n["location"]["name"] for n in data["repositoriesOrError"].get("nodes", [])}
+                if loaded >= self.locations:  # every location of the workspace
                     return
             except (urllib.error.URLError, ConnectionError, OSError, KeyError):
                 pass
@@ -177,11 +210,14 @@ class DagsterDev:
             raise RuntimeError(out["errors"])
         return out["data"]
 
-    def launch_backfill(self, assets: list[str], partitions: list[str], title: str = "e2e") -> str:
+    def launch_backfill(
+        self, assets: list[str], partitions: list[str], title: str = "e2e", tags: dict[str, str] | None = None
+    ) -> str:
         params = {
             "assetSelection": [{"path": [a]} for a in assets],
             "partitionNames": partitions,
             "title": title,
+            "tags": [{"key": k, "value": v} for k, v in (tags or {}).items()],
         }
         res = self.graphql(LAUNCH_BACKFILL, {"params": params})["launchPartitionBackfill"]
         assert res["__typename"] == "LaunchBackfillSuccess", res
@@ -202,13 +238,27 @@ class DagsterDev:
             time.sleep(2)
         raise TimeoutError(f"backfill {backfill_id} not done in {timeout}s:\n{self.log_tail()}")
 
-    def launch_run(self, job: str, partition: str, run_config: dict) -> dict:
+    def launch_run(
+        self, job: str, partition: str, run_config: dict, tags: dict[str, str] | None = None
+    ) -> dict:
+        tags = {"dagster/partition": partition, **(tags or {})}
         params = {
             "selector": {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY, "jobName": job},
             "runConfigData": run_config,
-            "executionMetadata": {"tags": [{"key": "dagster/partition", "value": partition}]},
+            "executionMetadata": {"tags": [{"key": k, "value": v} for k, v in tags.items()]},
         }
         return self.graphql(LAUNCH_RUN, {"params": params})["launchRun"]
+
+    def reexecute(self, run_id: str) -> dict:
+        """Re-execute a run as the UI's *Re-execute all* does (with the parent's tags)."""
+        params = {"parentRunId": run_id, "strategy": "ALL_STEPS"}
+        return self.graphql(REEXECUTE, {"params": params})["launchRunReexecution"]
+
+    def runs_with_tag(self, key: str, value: str) -> list[dict]:
+        """Every run carrying tag `key`=`value`: id, status, start time and tags (as a dict)."""
+        found = self.graphql(RUNS_WITH_TAG, {"filter": {"tags": [{"key": key, "value": value}]}})
+        runs = found["runsOrError"]["results"]
+        return [{**r, "tags": {t["key"]: t["value"] for t in r["tags"]}} for r in runs]
 
     def wait_run(self, run_id: str, timeout: float = 300) -> dict:
         deadline = time.monotonic() + timeout
@@ -229,6 +279,11 @@ class DagsterDev:
             lines.append(err.get("message") or "")
             lines += [c.get("message") or "" for c in err.get("causes") or []]
         return "\n".join(x for x in lines if x)
+
+    def run_event_types(self, run_id: str) -> list[str]:
+        """The GraphQL type of each event in a run's log, in order (RunEnqueuedEvent, RunStartEvent, ...)."""
+        events = self.graphql(RUN_MESSAGES, {"id": run_id})["logsForRun"].get("events", [])
+        return [e["__typename"] for e in events]
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
