@@ -262,8 +262,8 @@ def test_usage_counts_are_our_own(tmp_path, instance, chat):
                     stored["finish_reason"] == "length"
                 ).all()
                 assert max(len(c) for c in stored["content"]) < 1000
-                # Each 5-byte word goes in an event of over 100 bytes: the 4 whole streams are over 160 MB. The
-                # closed connections stopped the provider within a quarter of that (what loopback's socket
+                # Each 5-byte word goes in an event of over 100 bytes: the 4 whole streams are over 160 MB.
+                # The closed connections stopped the provider within a quarter of that (what loopback's socket
                 # buffers took: a few MB each); the client itself read a few KB of each.
                 assert server.stream_bytes < 0.25 * 4 * 400_000 * 100
                 assert pl.read_parquet(layout_of(path).tokens)["n_tokens"].max() < 64 + 64
