@@ -26,6 +26,7 @@ from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
+from tests.support.engine_runs import shipped_target_tokenizer
 
 from .loopback import EVENTS, LoopbackServer
 
@@ -49,7 +50,8 @@ async def _engine_client(
 ) -> int:
     os.environ.setdefault("BENCH_KEY", "bench")
     backend = OpenRouterBackend(
-        OpenRouterConfig(base_url=base_url, api_key_env="BENCH_KEY", model="bench/model", stream=stream)
+        OpenRouterConfig(base_url=base_url, api_key_env="BENCH_KEY", model="bench/model", stream=stream),
+        shipped_target_tokenizer(),
     )
     inner = backend.complete
 

@@ -27,6 +27,7 @@ from eagle3_assets.core.generation.protocol import CompletionRequest
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
+from tests.support.engine_runs import shipped_target_tokenizer
 from tests.support.fake_servers import FakeOpenRouter, scripted_fault_prompts
 from tests.support.limited_provider import LimitedProvider, ProviderSpec, goodput
 
@@ -48,7 +49,8 @@ def _backend(url: str, stream: bool = False):
             stream=stream,
             reasoning=None,
             request_timeout_s=300,
-        )
+        ),
+        shipped_target_tokenizer(),
     )
 
 

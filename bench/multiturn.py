@@ -24,6 +24,7 @@ from eagle3_assets.core.generation.protocol import CompletionRequest, Sampling
 from eagle3_assets.core.generation.stopping import run_loop
 from eagle3_assets.core.storage.layout import DatasetLayout
 from resources.inference.openrouter import OpenRouterBackend
+from tests.support.engine_runs import shipped_target_tokenizer
 from tests.support.limited_provider import LimitedProvider, ProviderSpec
 
 CAP = 600
@@ -40,7 +41,8 @@ def conversation(i: int, turns: int) -> list[dict]:
 
 async def _run(url: str, n: int, turns: int, chained: bool) -> dict:
     backend = OpenRouterBackend(
-        OpenRouterConfig(base_url=url, api_key_env="NONE", max_concurrency=2000, stream=False)
+        OpenRouterConfig(base_url=url, api_key_env="NONE", max_concurrency=2000, stream=False),
+        shipped_target_tokenizer(),
     )
     with tempfile.TemporaryDirectory() as tmp:
         writer = JournalWriter(ResponseJournal(DatasetLayout(Path(tmp), "bench")), "openrouter", "bench")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import logging
 import os
 import socket
@@ -25,23 +24,21 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from eagle3_assets.config import OpenRouterConfig, load_config
+from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceError
 from eagle3_assets.core.generation.run import PreflightError, generate_responses
 from eagle3_assets.core.storage import proxy as proxies
 from eagle3_assets.core.storage.proxy import Proxies, ProxyConfigError, bypassed, is_loopback, proxy_for
 from eagle3_assets.core.storage.remote_writes import make_store
-from resources import Target
 from resources.inference.http import HttpSession, get_json, post_json
 from resources.inference.openrouter import OpenRouterBackend
 from resources.vllm.server import free_port
 
-from .support.engine_runs import dataset, make_plan
+from .support.engine_runs import dataset, make_plan, shipped_target_tokenizer
 from .support.fake_servers import FakeOpenRouter
 from .support.http_proxy import PASSWORD, USER, RecordingProxy
 from .support.object_store import BUCKET
-from .support.projects import REPO
 
 KEY_ENV, KEY = "EAGLE3_PROXY_TEST_KEY", "sk-proxy-test-key-0123456789"
 TOKEN = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()  # what Proxy-Authorization carries
@@ -125,13 +122,7 @@ def backend(base_url: str, stream: bool) -> OpenRouterBackend:
     cfg = OpenRouterConfig(
         base_url=base_url, api_key_env=KEY_ENV, stream=stream, reasoning=None, allow_insecure_http=True
     )
-    return OpenRouterBackend(cfg, _target_tokenizer())
-
-
-@functools.cache
-def _target_tokenizer():
-    """The shipped target's tokenizer, loaded when a backend starts: every answer is counted with it."""
-    return Target(load_config(REPO / "eagle3.yaml")).deferred_chat_tokenizer()
+    return OpenRouterBackend(cfg, shipped_target_tokenizer())
 
 
 async def ask(b: OpenRouterBackend, *prompts: str) -> list[Completion]:

@@ -4,24 +4,35 @@ tests and by `bench engine`."""
 
 from __future__ import annotations
 
+import functools
+
 import polars as pl
 
-from eagle3_assets.config import BUILTIN_SMOLLM2, DatasetConfig, OpenRouterConfig, SamplingConfig
+from eagle3_assets.config import BUILTIN_SMOLLM2, DatasetConfig, OpenRouterConfig, SamplingConfig, load_config
 from eagle3_assets.core.generation.binding import local_model_name, local_served
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
 from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.core.target.chat import ChatTokenizer
+from resources import Target
 from resources.inference.openrouter import OpenRouterBackend
 
-from .projects import user_rows, write_jsonl
+from .projects import REPO, user_rows, write_jsonl
 
 KEY_ENV = "EAGLE3_TEST_OPENROUTER_KEY"
 KEY = "test-key-" + "x" * 24
 # The embedded target's name as its answers carry it, and the names an import of its answers may give.
 SMOLLM2 = local_model_name(BUILTIN_SMOLLM2)
 IMPORTED_AS_TARGET = local_served(BUILTIN_SMOLLM2)
+
+
+@functools.cache
+def shipped_target_tokenizer() -> ChatTokenizer:
+    """The shipped target's tokenizer (eagle3.yaml's), loaded at its first use: an OpenRouter backend counts
+    every answer with it."""
+    return Target(load_config(REPO / "eagle3.yaml")).deferred_chat_tokenizer()
 
 
 def make_plan(
