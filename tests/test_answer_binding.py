@@ -23,7 +23,7 @@ from eagle3_assets.core.generation.binding import (
     standing_answers,
 )
 from eagle3_assets.core.generation.conversations import TurnAnswer, turn_fingerprint, turn_id
-from eagle3_assets.core.generation.fingerprints import prompt_fingerprint
+from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 
 MODEL = "moonshotai/kimi-k2.5"
 

@@ -9,9 +9,10 @@ import functools
 import polars as pl
 
 from eagle3_assets.config import BUILTIN_SMOLLM2, DatasetConfig, OpenRouterConfig, SamplingConfig, load_config
-from eagle3_assets.core.generation.binding import local_model_name, local_served
+from eagle3_assets.core.generation.binding import local_model_name, local_served, settings_fingerprint
 from eagle3_assets.core.generation.engine import EngineSettings
 from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
+from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
@@ -148,9 +149,15 @@ def write_finished_partition(root, n: int) -> DatasetLayout:
     """A dataset of n prompts, every one answered, written column-wise (as a 100k-prompt run leaves it)."""
     layout = DatasetLayout(root, "B9").ensure()
     ids = [f"id{i:07d}" for i in range(n)]
+    messages = [[{"role": "user", "content": f"q{i}"}] for i in range(n)]
+    fingerprints = [prompt_fingerprint(m) for m in messages]
     pl.DataFrame(
-        {"id": ids, "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(n)]},
-        schema={"id": pl.String, "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String}))},
+        {"id": ids, "messages": messages, "fingerprint": fingerprints},
+        schema={
+            "id": pl.String,
+            "messages": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
+            "fingerprint": pl.String,
+        },
     ).write_parquet(layout.prompts)
     cols = {k: [None] * n for k in RESPONSE_SCHEMA}
     cols.update(
@@ -161,6 +168,8 @@ def write_finished_partition(root, n: int) -> DatasetLayout:
         finish_reason=["stop"] * n,
         completion_tokens=[10] * n,
         prompt_tokens=[5] * n,
+        prompt_fingerprint=fingerprints,
+        settings_fingerprint=[settings_fingerprint(SamplingConfig())] * n,
     )
     JournalTable(layout.responses_dir, RESPONSE_SCHEMA).append(pl.DataFrame(cols, schema=RESPONSE_SCHEMA))
     return layout

@@ -33,8 +33,8 @@ from typing import Any
 import polars as pl
 
 from ...config import BUILTIN_SMOLLM2, OpenRouterConfig, ProjectConfig, SamplingConfig, SGLangConfig
+from ..prompts.fingerprints import digest, prompt_fingerprint
 from .conversations import TurnAnswer, assistant_slots, split_turn_id, turn_fingerprint
-from .fingerprints import digest, prompt_fingerprint
 
 IMPORTED = "imported"  # the `backend` of rows `eagle3 import-responses` stored
 SMOLLM2_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")
@@ -253,17 +253,25 @@ def standing_answers(
     aside: pl.DataFrame | None = None,
 ) -> Standing:
     """Which of `stored` (one row per id, `STANDING_COLUMNS`) no longer answer their prompt as it stands in
-    `prompts` (id, messages), and which answers of `aside` (the same columns and `aside_key`, newest last)
-    fit a prompt that has no standing answer."""
+    `prompts` (id, messages, and `fingerprint` where prompts.parquet has it), and which answers of `aside`
+    (the same columns and `aside_key`, oldest first) fit a prompt that has no standing answer."""
     out = Standing()
     out.unbound = int(stored["prompt_fingerprint"].is_null().sum()) if stored.height else 0
-    messages = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
-    spare = _by_id(aside)
     if rules.turns == "all":
-        _standing_turns(messages, stored, rules, spare, out)
+        messages = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
+        _standing_turns(messages, stored, rules, _by_id(aside), out)
     else:
-        _standing_prompts(messages, stored, rules, spare, out)
+        _standing_prompts(with_fingerprints(prompts), stored, rules, aside, out)
     return out
+
+
+def with_fingerprints(prompts: pl.DataFrame) -> pl.DataFrame:
+    """(id, fingerprint) of `prompts`: the column prompts.parquet stores, computed for a file written before
+    it existed."""
+    if "fingerprint" in prompts.columns:
+        return prompts.select("id", "fingerprint")
+    fps = [prompt_fingerprint(m) for m in prompts["messages"].to_list()]
+    return pl.DataFrame({"id": prompts["id"], "fingerprint": pl.Series(fps, dtype=pl.String)})
 
 
 def _by_id(aside: pl.DataFrame | None) -> dict[str, list[dict[str, Any]]]:
@@ -277,32 +285,71 @@ def _by_id(aside: pl.DataFrame | None) -> dict[str, list[dict[str, Any]]]:
 
 
 def _standing_prompts(
-    messages: dict[str, list[dict]],
+    fingerprints: pl.DataFrame,
     stored: pl.DataFrame,
     rules: AnswerRules,
-    spare: dict[str, list[dict[str, Any]]],
+    aside: pl.DataFrame | None,
     out: Standing,
 ) -> None:
-    answered: set[str] = set()
-    for row in stored.iter_rows(named=True):
-        rid = row["id"]
-        msgs = messages.get(rid)
-        if msgs is None:
-            out.aside[rid] = AsideReason(PROMPT_REMOVED, "no prompt of the source has this id any more")
+    """turns: last, over whole columns (a resume of a million answers is a join, not a loop): removed, then
+    another model, then an edited prompt, then changed settings; the few rows that fail are named one by
+    one."""
+    if stored.height:
+        foreign = {
+            (b, m): why
+            for b, m in stored.select("backend", "model").unique().iter_rows()
+            if (why := rules.foreign(b, m)) is not None
+        }
+        pair = pl.concat_str(pl.col("backend").fill_null(""), pl.col("model").fill_null(""), separator="\x1f")
+        foreign_pairs = pl.Series([f"{b or ''}\x1f{m or ''}" for b, m in foreign], dtype=pl.String)
+        settings = pl.col("backend").replace_strict(
+            {k: v for k, v in rules.settings.items() if v is not None}, default=None, return_dtype=pl.String
+        )
+        verdicts = (
+            stored.join(fingerprints.rename({"fingerprint": "expected"}), on="id", how="left")
+            .with_columns(
+                pl.when(pl.col("expected").is_null())
+                .then(pl.lit(PROMPT_REMOVED))
+                .when(pair.is_in(foreign_pairs.implode()))
+                .then(pl.lit(FOREIGN_MODEL))
+                .when(
+                    pl.col("prompt_fingerprint").is_not_null()
+                    & (pl.col("prompt_fingerprint") != pl.col("expected"))
+                )
+                .then(pl.lit(PROMPT_EDITED))
+                .when(
+                    pl.col("settings_fingerprint").is_not_null()
+                    & (pl.col("settings_fingerprint") != settings)
+                )
+                .then(pl.lit(SETTINGS_CHANGED))
+                .alias("kind")
+            )
+            .filter(pl.col("kind").is_not_null())
+            .select("id", "backend", "model", "kind")
+        )
+        for rid, backend, model, kind in verdicts.iter_rows():
+            out.aside[rid] = AsideReason(kind, _detail(kind, backend, foreign.get((backend, model))))
+    if aside is None or aside.height == 0:
+        return
+    standing = set(stored["id"].to_list()) - set(out.aside)
+    wanted = fingerprints.filter(pl.col("id").is_in(aside["id"].unique().implode()))
+    expected = dict(wanted.iter_rows())
+    for rid, rows in _by_id(aside).items():
+        if rid in standing or rid not in expected:
             continue
-        verdict = _row_verdict(rules, row, prompt_fingerprint(msgs))
-        if verdict is None:
-            answered.add(rid)
-        else:
-            out.aside[rid] = verdict
-    for rid, rows in spare.items():
-        msgs = messages.get(rid)
-        if msgs is None or rid in answered:
-            continue
-        expected = prompt_fingerprint(msgs)
-        match = next((r for r in rows if _fits(rules, r, expected)), None)
+        match = next((r for r in rows if _fits(rules, r, expected[rid])), None)
         if match is not None:
             out.restore.append(match["aside_key"])
+
+
+def _detail(kind: str, backend: str | None, foreign: str | None) -> str:
+    if kind == PROMPT_REMOVED:
+        return "no prompt of the source has this id any more"
+    if kind == FOREIGN_MODEL:
+        return foreign or "served by another model than the target"
+    if kind == PROMPT_EDITED:
+        return "the prompt's messages changed since it was answered"
+    return f"sampling, chat-template variables or backends.{backend} knobs changed since"
 
 
 def _standing_turns(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import polars as pl
 
-from .fingerprints import prompt_fingerprint
+from ..prompts.fingerprints import prompt_fingerprint
 from .protocol import Completion, CompletionRequest, Sampling
 
 if TYPE_CHECKING:

@@ -21,13 +21,13 @@ from typing import Any
 
 import polars as pl
 
+from ..prompts.fingerprints import prompt_fingerprint
 from ..prompts.ingest import RowError, content_id, iter_source_rows, normalise_row
 from ..storage.files import write_parquet
 from ..storage.layout import DatasetLayout
 from ..storage.tables import IMPORT_REJECTED_SCHEMA
 from ..target.chat import ChatTokenizer
 from .binding import IMPORTED, ServedModels
-from .fingerprints import prompt_fingerprint
 from .journal import JournalWriter, ResponseJournal
 from .protocol import Completion
 

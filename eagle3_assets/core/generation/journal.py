@@ -11,6 +11,7 @@ from typing import Any
 
 import polars as pl
 
+from ..prompts.ingest import read_prompts
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import Quarantined, sweep_parquet
 from ..storage.tables import (
@@ -41,6 +42,7 @@ RESPONSE_REQUIRED = ("id", "content", "finish_reason", "completion_tokens")
 FAILURE_REQUIRED = ("id", "error_kind", "permanent")
 LOST_REQUIRED = ("run_id", "estimated_tokens", "estimated_usd")
 ASIDE_REQUIRED = ("id", "aside_key", "aside_reason", "completion_tokens")
+TEXT_COLUMNS = ("content", "reasoning")  # what only a `turns: all` history needs of a stored answer
 STAGE = "responses"  # the quarantine folder of what the journal sets aside
 
 
@@ -203,29 +205,36 @@ class ResponseJournal:
         return set(latest.filter(pl.col("permanent")).collect()["id"].to_list())
 
     # -- answers set aside -----------------------------------------------------------------------------------
-    def stored_answers(self) -> pl.DataFrame:
-        """The stored answers as `binding.standing_answers` reads them: one row per id."""
-        return self.responses.scan(STANDING_COLUMNS).unique(subset=["id"], keep="first").collect()
+    def stored_answers(self, text: bool = True) -> pl.DataFrame:
+        """The stored answers as `binding.standing_answers` reads them: one row per id. `text`: with their
+        content and reasoning (a `turns: all` history needs them; otherwise left null, never read)."""
+        columns = STANDING_COLUMNS if text else [c for c in STANDING_COLUMNS if c not in TEXT_COLUMNS]
+        stored = self.responses.scan(columns).unique(subset=["id"], keep="first")
+        blank = [pl.lit(None, pl.String).alias(c) for c in STANDING_COLUMNS if c not in columns]
+        return stored.with_columns(blank).select(STANDING_COLUMNS).collect()
 
     def standing(self, rules: AnswerRules) -> Standing:
         """Which stored answers stand under `rules`, read without the lock (nothing is moved): what the tokens
         stage trains and the checks count."""
         prompts = (
-            pl.read_parquet(self.layout.prompts, columns=["id", "messages"])
+            read_prompts(self.layout.prompts)
             if self.layout.prompts.exists()
             else pl.DataFrame(schema={"id": pl.String, "messages": pl.List(pl.Struct({"role": pl.String}))})
         )
-        return standing_answers(prompts, self.stored_answers(), rules)
+        return standing_answers(prompts, self.stored_answers(text=rules.turns == "all"), rules)
 
-    def aside_answers(self) -> pl.DataFrame:
-        """Every answer set aside, oldest first (`binding.standing_answers` decides which fit again)."""
+    def aside_answers(self, text: bool = True) -> pl.DataFrame:
+        """Every answer set aside, oldest first (`binding.standing_answers` decides which fit again); `text`
+        as for `stored_answers`."""
         columns = [*STANDING_COLUMNS, "aside_key"]
         if not self.aside.files():
             return pl.DataFrame(schema={c: SET_ASIDE_SCHEMA[c] for c in columns})
+        read = [c for c in columns if text or c not in TEXT_COLUMNS]
         return (
-            self.aside.scan([*columns, "set_aside_at"])
+            self.aside.scan([*read, "set_aside_at"])
             .unique(subset=["aside_key"], keep="first")
             .sort("set_aside_at")
+            .with_columns(pl.lit(None, pl.String).alias(c) for c in columns if c not in read)
             .select(columns)
             .collect()
         )

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from ...config import DatasetConfig
+from ..prompts.fingerprints import prompt_fingerprint
+from ..prompts.ingest import read_prompts
 from ..storage.layout import DatasetLayout
 from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
@@ -28,7 +30,6 @@ from .binding import TARGET_CHANGED, AnswerRules, AsideReason, Standing, standin
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
 from .engine import EngineSettings, GenerationEngine
-from .fingerprints import prompt_fingerprint
 from .flushing import StorageRoom
 from .identity import TargetIdentity, read_identity, refusal, write_identity
 from .journal import JournalWriter, ResponseJournal, SetAside
@@ -244,7 +245,7 @@ def _prepare(
     """With the dataset's lock held: fold what a crashed run left, charge what it had in flight, and find what
     is left to send within the budget."""
     plan = job.plan
-    prompts = pl.read_parquet(job.layout.prompts, columns=["id", "messages"])
+    prompts = read_prompts(job.layout.prompts)
     journal.finalize()  # fold what a crashed run left behind (and set damaged files aside)
     aside = journal.set_aside()
     if aside.files:
@@ -357,7 +358,8 @@ def _record_target(
 def _bind_stored_answers(prompts: pl.DataFrame, journal: ResponseJournal, rules: AnswerRules) -> Standing:
     """Set aside the stored answers that no longer answer their prompt as it stands, and bring back set-aside
     answers that do again. Call with the dataset's lock held."""
-    standing = standing_answers(prompts, journal.stored_answers(), rules, journal.aside_answers())
+    text = rules.turns == "all"  # a turn's history is its earlier answers
+    standing = standing_answers(prompts, journal.stored_answers(text), rules, journal.aside_answers(text))
     journal.set_answers_aside(standing.aside)
     journal.restore_answers(standing.restore)
     return standing

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow.parquet as pq
 
 from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import Quarantined, parquet_problem, sweep_parquet
 from .context import CONTEXT_CLASS, CONTEXT_MARK, PromptGuard, RecordedVerdicts
+from .fingerprints import prompt_fingerprint
 from .reading import RAW_PREVIEW_CHARS, RowError, clip, iter_source_rows
 
 # A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept,
@@ -52,6 +54,9 @@ PROMPT_SCHEMA: dict[str, pl.DataType] = {
     # The source's own answer to the last turn (its trailing assistant turn, or an instruction row's response
     # field), null where it has none: the acceptance gate trains on it to show what regeneration buys.
     "source_answer": pl.String(),
+    # The messages as a request sends them, hashed (`fingerprints.prompt_fingerprint`): an answer stored with
+    # another fingerprint answered another question (the source row was edited since).
+    "fingerprint": pl.String(),
 }
 QUARANTINE_SCHEMA: dict[str, pl.DataType] = {
     "source_row": pl.Int64(),
@@ -282,6 +287,7 @@ class _Ingestion:
                 "source_row": row_no,
                 "n_turns": len(msgs),
                 "source_answer": source_answer(row, self.fmt, self.fields),
+                "fingerprint": prompt_fingerprint(msgs),
             }
         )
         self.outcomes["ok"] += 1
@@ -393,3 +399,10 @@ def ensure_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) 
     if parquet_problem(layout.prompts, PROMPT_SCHEMA, ["id", "messages"]) is None:
         return []
     return write_prompts(source, layout, dataset).set_aside
+
+
+def read_prompts(path: Path, columns: tuple[str, ...] = ("id", "messages")) -> pl.DataFrame:
+    """`columns` of prompts.parquet, with its `fingerprint` where the file has one (a file written before the
+    column existed has none: `generation.binding.with_fingerprints` computes it)."""
+    have = pq.read_schema(path).names
+    return pl.read_parquet(path, columns=[*columns, *(["fingerprint"] if "fingerprint" in have else [])])

@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from ...config import TokensConfig
-from ..generation.fingerprints import digest
+from ..prompts.fingerprints import digest
 from ..storage.files import available_cores, write_parquet
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import parquet_problem, sweep_parquet
