@@ -72,6 +72,25 @@ def failure_text(result) -> str:
     return "\n".join(e.step_failure_data.error.to_string() for e in result.all_events if e.is_step_failure)
 
 
+def run_check(path: Path, instance, asset: str, name: str):
+    """One check of the project at `path`, alone, on partition B1: its evaluation."""
+    cfg = load_config(path)
+    defs = build_definitions(cfg, str(path))
+    key = dg.AssetCheckKey(dg.AssetKey(asset), name)
+    job = dg.define_asset_job(
+        "one_check", selection=dg.AssetSelection.checks(key), partitions_def=dataset_partitions(cfg)
+    )
+    result = (
+        dg.Definitions(
+            assets=defs.assets, asset_checks=defs.asset_checks, resources=defs.resources, jobs=[job]
+        )
+        .resolve_job_def("one_check")
+        .execute_in_process(tags={"dagster/partition": "B1"}, instance=instance, raise_on_error=False)
+    )
+    [evaluation] = result.get_asset_check_evaluations()
+    return evaluation
+
+
 def layout_of(path: Path) -> DatasetLayout:
     return DatasetLayout(load_config(path).storage_root, "B1")
 
@@ -206,21 +225,7 @@ def test_an_answer_from_another_model_is_never_trained(tmp_path, instance, chat)
         strict = project(tmp_path, rows_of(["q1", "q2", "q3"], ["p1", "p2", "p3"]), server)
         tokens = run(strict, instance, selection=["tokens"])
         assert tokens.success and pl.read_parquet(layout.tokens).height == 0
-        defs = build_definitions(load_config(strict), str(strict))
-        check = dg.AssetCheckKey(dg.AssetKey("responses"), "responses_from_target")
-        job = dg.define_asset_job(
-            "just_the_check",
-            selection=dg.AssetSelection.checks(check),
-            partitions_def=dataset_partitions(load_config(strict)),
-        )
-        checked = (
-            dg.Definitions(
-                assets=defs.assets, asset_checks=defs.asset_checks, resources=defs.resources, jobs=[job]
-            )
-            .resolve_job_def("just_the_check")
-            .execute_in_process(tags={"dagster/partition": "B1"}, instance=instance, raise_on_error=False)
-        )
-        [evaluation] = checked.get_asset_check_evaluations()
+        evaluation = run_check(strict, instance, "responses", "responses_from_target")
         assert not evaluation.passed and evaluation.metadata["foreign_answers"].value == 3
 
 
@@ -297,6 +302,9 @@ def test_two_targets_on_one_storage_root_never_mix(tmp_path, instance, chat, smo
         assert "another target" in message and str(other_weights) in message and "builtin:smollm2" in message
         assert not run(b, instance, selection=["tokens"]).success
         assert pl.read_parquet(layout.tokens).equals(before)  # not rewritten with another target's answers
+        held = run_check(b, instance, "responses", "responses_from_target")  # the answers are not B's
+        assert not held.passed and str(other_weights) in held.metadata["target_conflicts"].text
+        assert run_check(a, instance, "responses", "responses_from_target").passed
 
         # A fresh answer set: the first target's answers set aside, every prompt asked of the new one.
         fresh = {"ops": {"responses": {"config": {"fresh_answers": True}}}}

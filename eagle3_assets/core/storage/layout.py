@@ -204,6 +204,7 @@ class DatasetLayout:
             self._rel(self.failures_dir),
             self._rel(self.journal_dir),
             self._rel(self.set_aside_dir),
+            self._rel(self.target_identity),
             self._rel(self.damaged_dir("responses")),
         ]
 
