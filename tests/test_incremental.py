@@ -9,6 +9,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from eagle3_assets.config import DatasetConfig, TokensConfig
+from eagle3_assets.core.generation.binding import AnswerRules
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.prompts.ingest import write_prompts
@@ -58,32 +59,35 @@ def test_a_top_up_tokenizes_only_what_is_new_or_changed(tmp_path, chat):
     assert after.filter(pl.col("id").is_in(ids[:20])).sort("id").equals(before)
     assert layout.tokens.read_bytes()[:old_end] == old_bytes
 
-    # A prompt whose text changed at the source (same id): that row alone is redone.
+    # A prompt whose text changed at the source (same id): its answer answered another question, so it no
+    # longer stands (the responses stage sets it aside and asks again) and its row goes; nothing is redone.
     changed = [*texts[:-1]]
     changed[3] = "question number 3, reworded"
     source = write_jsonl(tmp_path / "B1.jsonl", user_rows(changed))
     write_prompts(source, layout, DatasetConfig(source=str(source), format="messages"))
-    redo = build_tokens(layout, chat, log=lambda m: None)
-    assert redo.n_tokenized == 1 and redo.n_rows == 25
+    stale = ResponseJournal(layout).standing(AnswerRules("last", {}, {})).aside
+    assert set(stale) == {ids[3]}
+    redo = build_tokens(layout, chat, log=lambda m: None, exclude=stale)
+    assert redo.n_tokenized == 0 and redo.n_rows == 24 and ids[3] not in token_ids(layout)
 
     # A compaction replaces the journal's files: every row is keyed again, none is redone, and the file
     # records the new parts (so the next top-up reads only what is added after the compaction).
     redone = pl.read_parquet(layout.tokens).sort("id")
     ResponseJournal(layout).compact()
-    assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 0
+    assert build_tokens(layout, chat, log=lambda m: None, exclude=stale).n_tokenized == 0
     assert pl.read_parquet(layout.tokens).sort("id").equals(redone)
     parts = [p.name for p in ResponseJournal(layout).responses.files()]
     assert json.loads(pq.read_schema(layout.tokens).metadata[STATE_KEY.encode()])["parts"] == parts
     answer(layout, tmp_path, chat, ids[25:27], "third")
-    assert build_tokens(layout, chat, log=lambda m: None).n_tokenized == 2
+    assert build_tokens(layout, chat, log=lambda m: None, exclude=stale).n_tokenized == 2
 
     # Another template option changes every conversation's ids: everything is redone.
-    assert (
-        build_tokens(
-            layout, chat, TokensConfig(train_all_assistant_turns=True), log=lambda m: None
-        ).n_tokenized
-        == 27
-    )
+    options = TokensConfig(train_all_assistant_turns=True)
+    assert build_tokens(layout, chat, options, log=lambda m: None, exclude=stale).n_tokenized == 26
+
+
+def token_ids(layout) -> set[str]:
+    return set(pl.read_parquet(layout.tokens, columns=["id"])["id"].to_list())
 
 
 def test_a_run_folds_its_own_parts_and_leaves_the_table_alone(tmp_path, chat):
