@@ -69,7 +69,13 @@ def failed_checks(result) -> set[str]:
 
 def failure_text(result) -> str:
     """What the failed steps raised, as a user reads it in the run's log."""
-    return "\n".join(e.step_failure_data.error.to_string() for e in result.all_events if e.is_step_failure)
+    messages = []
+    for event in result.all_events:
+        error = event.step_failure_data.error if event.is_step_failure else None
+        while error is not None:
+            messages.append(error.message)
+            error = error.cause
+    return "\n".join(messages)
 
 
 def run_check(path: Path, instance, asset: str, name: str):
@@ -302,6 +308,18 @@ def test_two_targets_on_one_storage_root_never_mix(tmp_path, instance, chat, smo
         assert "another target" in message and str(other_weights) in message and "builtin:smollm2" in message
         assert not run(b, instance, selection=["tokens"]).success
         assert pl.read_parquet(layout.tokens).equals(before)  # not rewritten with another target's answers
+        states = (
+            build_definitions(load_config(b), str(b))
+            .resolve_implicit_global_asset_job_def()
+            .execute_in_process(
+                partition_key="B1",
+                instance=instance,
+                asset_selection=[dg.AssetKey("hidden_states")],
+                raise_on_error=False,
+            )
+        )
+        assert not states.success and "not to the config's target" in failure_text(states)  # before any GPU
+        assert not layout.hidden_states_dir.exists() or not list(layout.hidden_states_dir.glob("shard-*"))
         held = run_check(b, instance, "responses", "responses_from_target")  # the answers are not B's
         assert not held.passed and str(other_weights) in held.metadata["target_conflicts"].text
         assert run_check(a, instance, "responses", "responses_from_target").passed

@@ -18,7 +18,7 @@ from ..core.hidden_states.reader import StoredStates
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
 from ..core.target.chat import ChatTokenizer
-from .common import GROUP, MISSING
+from .common import GROUP, MISSING, refuse_another_targets_answers
 from .hidden_states import GPU_STEP_TAGS
 
 
@@ -116,6 +116,7 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         cfg = project.cfg
         chat = target.chat_tokenizer()
         with storage.stage(context.partition_key, "acceptance") as layout:
+            refuse_another_targets_answers(layout, cfg, context.partition_key)  # before any training
             engines = gate_engines(cfg, layout, chat, context.log.info)
             report = run_gate(layout, cfg.acceptance, engines, chat, log=context.log.info)
         return dg.MaterializeResult(

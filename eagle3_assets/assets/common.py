@@ -10,14 +10,25 @@ from dagster._core.storage.tags import BACKFILL_ID_TAG
 
 from resources import Storage
 
+from ..config import ProjectConfig
+from ..core.generation.identity import TargetIdentity, TargetMismatch, answers_target_problem
 from ..core.generation.stopping import StopProbe
 from ..core.report.validation import Verdict
+from ..core.storage.layout import DatasetLayout
 
 GROUP = "eagle3"
 
 MISSING = dg.AssetCheckResult(
     passed=False, metadata={"reason": "the asset's file is missing: materialise it"}
 )
+
+
+def refuse_another_targets_answers(layout: DatasetLayout, cfg: ProjectConfig, key: str) -> None:
+    """A stage past generation works only on the answers of the config's target: tokens, states and a draft
+    made from another target's answers would be trained as this one's."""
+    problem = answers_target_problem(layout.target_identity, TargetIdentity.from_config(cfg), key)
+    if problem is not None:
+        raise TargetMismatch(problem)
 
 
 def counts_table(counts: Mapping[str, Any], key: str = "kind", value: str = "count") -> dg.TableMetadataValue:

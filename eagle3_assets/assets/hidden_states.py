@@ -36,7 +36,7 @@ from ..core.hidden_states.extraction import (
 from ..core.hidden_states.spot_pieces import AnswerDecoding, spot_check_pieces
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import rows_version
-from .common import GROUP, MISSING, check_result, operator_stop
+from .common import GROUP, MISSING, check_result, operator_stop, refuse_another_targets_answers
 
 # One GPU per shard step when the run uses k8s_job_executor (ignored by the other executors).
 GPU_STEP_TAGS = {
@@ -70,6 +70,7 @@ def plan_hidden_state_shards(
     # there.
     local = storage.remote is None
     with storage.stage(context.partition_key, "hidden_states") as layout:
+        refuse_another_targets_answers(layout, project.cfg, context.partition_key)  # before any GPU step
         settings = ExtractionSettings.from_config(project.cfg)
         work = prepare(layout, settings, log=context.log.info, check_space=local)
     context.log_event(  # in the run and on the asset's page before any GPU step starts

@@ -6,14 +6,13 @@ import polars as pl
 from resources import Project, Storage, Target
 
 from ..core.generation.binding import AnswerRules
-from ..core.generation.identity import TargetIdentity, TargetMismatch, answers_target_problem
 from ..core.generation.journal import ResponseJournal
 from ..core.prompts.ingest import ensure_prompts
 from ..core.report import validation
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import rows_version
 from ..core.tokens.build import build_tokens
-from .common import GROUP, MISSING, check_result, counts_table, scan_tokens
+from .common import GROUP, MISSING, check_result, counts_table, refuse_another_targets_answers, scan_tokens
 
 
 def build_tokens_asset(
@@ -52,9 +51,7 @@ def build_tokens_asset(
             for q in ensure_prompts(cfg.resolve_path(ds.source), prompts_layout, ds):
                 context.log.warning(f"{key}: set aside {q.describe()}; written again from the source")
         with storage.stage(key, "tokens") as layout:
-            problem = answers_target_problem(layout.target_identity, TargetIdentity.from_config(cfg), key)
-            if problem is not None:
-                raise TargetMismatch(problem)
+            refuse_another_targets_answers(layout, cfg, key)
             # Answers that no longer answer their prompt as it stands are never trained (the responses stage
             # sets them aside and asks again).
             standing = ResponseJournal(layout).standing(AnswerRules.from_config(cfg, key))

@@ -184,11 +184,20 @@ class DatasetLayout:
                 [*prompts, *journal, *tokens, *records],
                 [rel(self.report_json), rel(self.report_md)],
             ),
-            "hidden_states": ([rel(self.tokens), *hidden], [*hidden, aside("hidden_states")]),
+            "hidden_states": (
+                [rel(self.tokens), rel(self.target_identity), *hidden],
+                [*hidden, aside("hidden_states")],
+            ),
             "quarantine": (records, []),
             "exports": (hidden, [rel(self.dir / "exports")]),
             "acceptance": (
-                [rel(self.prompts), rel(self.responses_dir), *hidden, rel(self.acceptance_dir)],
+                [
+                    rel(self.prompts),
+                    rel(self.responses_dir),
+                    rel(self.target_identity),
+                    *hidden,
+                    rel(self.acceptance_dir),
+                ],
                 [rel(self.acceptance_dir)],
             ),
         }
