@@ -50,7 +50,7 @@ def test_sglang_native_generate_with_exact_prompt_ids(tmp_path, chat, smol_tok):
     assert params["max_new_tokens"] == 64 and params["temperature"] == 0.7 and params["top_k"] == 20
     responses = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).read()
     assert responses.height == 3 and set(responses["backend"]) == {"sglang"}
-    assert set(responses["model"]) == {"HuggingFaceTB/SmolLM2"}
+    assert set(responses["model"]) == {"HuggingFaceTB/SmolLM2-135M-Instruct"}  # as /model_info names it
     for row in responses.iter_rows(named=True):
         assert row["output_ids"][-1] == chat.eot_id and row["finish_reason"] == "stop"
         assert row["content"].startswith("Echo of ")
@@ -107,7 +107,7 @@ def test_import_counts_toward_budget_and_serves_as_reference(tmp_path, chat, smo
         {"prompt": "gamma question", "content": "By prompt text.", "model": "smollm2-135m-instruct"},
         {"prompt": "no such prompt", "content": "x"},
         {"id": ids[0], "response": "twice"},
-        {"prompt": "gamma question", "content": "Another model's answer.", "model": "evil/other-model-7b"},
+        {"prompt": "delta question", "content": "Another model's answer.", "model": "evil/other-model-7b"},
         "not json",
     ]
     src = tmp_path / "import.jsonl"

@@ -38,7 +38,8 @@ def storage(tmp_path):
 
 def test_a_stage_publishes_what_it_wrote_once_it_succeeded(storage):
     with storage.stage("B1", "tokens") as layout:
-        assert storage.remote.pulled == [("B1", sorted({"prompts.parquet", "responses/", *TOKENS, ASIDE}))]
+        reads = {"prompts.parquet", "responses/", "target.json", *TOKENS, ASIDE}
+        assert storage.remote.pulled == [("B1", sorted(reads))]
         assert storage.remote.pushed == []
         assert layout.tokens.name == "tokens.parquet"
     assert storage.remote.pushed == [("B1", [*TOKENS, ASIDE])]
@@ -58,7 +59,18 @@ def test_the_append_only_journal_is_published_after_a_failure_too(storage):
     with pytest.raises(RuntimeError), storage.stage("B1", "responses", append_only=True):
         raise RuntimeError("the provider went away")
     assert storage.remote.pushed == [
-        ("B1", ["responses/", "failures/", "journal/", "imports/", "quarantine/responses/"])
+        (
+            "B1",
+            [
+                "responses/",
+                "failures/",
+                "journal/",
+                "set_aside/",
+                "target.json",
+                "imports/",
+                "quarantine/responses/",
+            ],
+        )
     ]
 
 
@@ -70,6 +82,7 @@ def test_every_stage_path_is_one_of_the_layout(tmp_path):
             layout.prompts, layout.quarantine, layout.responses_dir, layout.failures_dir, layout.journal_dir,
             layout.imports_dir, layout.tokens, layout.tokens_errors, layout.report_json, layout.report_md,
             layout.hidden_states_dir, layout.acceptance_dir, layout.export_dir("x").parent,
+            layout.set_aside_dir, layout.target_identity,
             *(layout.damaged_dir(s) for s in ("prompts", "responses", "tokens", "hidden_states")),
             *(layout.damaged_records(s) for s in ("prompts", "responses", "tokens", "hidden_states")),
         )

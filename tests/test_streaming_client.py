@@ -392,6 +392,6 @@ def test_token_ids_streamed_with_each_event_are_joined_in_order():
     last = {"choices": [{"index": 0, "delta": {}, "token_ids": [6, 7], "finish_reason": "stop"}]}
     answer(batches[0], {})
     answer([*batches[1], last], {})
-    completion = answer.completion("m", None)
+    completion = answer.completion("m")
     assert completion.output_ids == list(range(8)) and completion.content == "t0t1t2t3t4t5"
     assert request.streamed_tokens == 6

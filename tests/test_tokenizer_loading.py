@@ -180,26 +180,31 @@ print(json.dumps({
     "loaded": loaded,
     "answers": responses.height,
     "failures": failures.height,
-    "estimated": [
-        (r["completion_tokens"], chat.count_tokens((r["reasoning"] or "") + r["content"]))
+    "counts": [
+        (
+            r["completion_tokens"],
+            r["counted_completion_tokens"],
+            chat.count_tokens((r["reasoning"] or "") + r["content"]),
+        )
         for r in responses.iter_rows(named=True)
-        if r["usage_estimated"]
     ],
 }))
 """
 
 
-def test_a_step_that_sends_text_loads_the_tokenizer_only_for_an_answer_without_usage(
+def test_a_step_that_sends_text_counts_every_answer_with_the_tokenizer_it_loads_while_the_first_are_out(
     tokenizer_folder, tmp_path
 ):
-    """The responses step's tokenizer is deferred: OpenRouter answers with usage need none (a second less
-    before the first request); an answer without usage is still counted with it, never as 0."""
+    """The responses step's tokenizer is deferred, then loaded in a worker thread when the run starts, so the
+    first requests do not wait for it; every answer is counted with it, with usage or without (the budget
+    charges the larger count), never as 0."""
     with FakeOpenRouter(key=KEY) as server:
         plain = _run_probe(GENERATE, tokenizer_folder, server.base_url, tmp_path / "a", "hello", "world")
         counted = _run_probe(
             GENERATE, tokenizer_folder, server.base_url, tmp_path / "b", "no usage [[nousage]]"
         )
-    assert plain == {"loaded": False, "answers": 2, "failures": 0, "estimated": []}
+    assert plain["loaded"] and plain["answers"] == 2 and plain["failures"] == 0
+    assert all(ours == recounted > 0 for _, ours, recounted in plain["counts"])
     assert counted["loaded"] and counted["answers"] == 1 and counted["failures"] == 0
-    [(stored_tokens, recounted)] = counted["estimated"]
-    assert stored_tokens == recounted > 0
+    [(stored_tokens, ours, recounted)] = counted["counts"]
+    assert stored_tokens == ours == recounted > 0  # no usage: our count is the charge
