@@ -108,7 +108,10 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         build_tokens_asset(partitions, follow),
         build_report_asset(partitions, follow),
         build_hidden_states_asset(
-            partitions, follow if cfg.automation.hidden_states else None, cfg.hidden_states.engine
+            partitions,
+            follow if cfg.automation.hidden_states else None,
+            cfg.hidden_states.engine,
+            cfg.hidden_states.vllm.managed,
         ),
         build_acceptance_asset(partitions),
     ]
