@@ -288,6 +288,27 @@ def test_a_mount_of_a_volume_no_deploy_file_defines_is_caught(tmp_path, monkeypa
         assert c.api.missing_references(c.step_jobs["acceptance"]) == ["PersistentVolumeClaim scratch"]
 
 
+def test_a_gpu_step_without_its_gpus_or_with_the_key_is_caught():
+    """The checks above, on Jobs dagster-k8s builds from each kind's pod config: a GPU step given a CPU
+    step's pod, or a CPU step given the responses pod (and its secret), fails them."""
+    from dagster_k8s.job import DagsterK8sJobConfig, UserDefinedDagsterK8sConfig, construct_dagster_k8s_job
+    from kubernetes.client import ApiClient
+
+    from eagle3_assets.k8s import pod_config
+
+    cfg = load_config(DEPLOY / "eagle3.k8s.yaml")
+    run_requests = run_pod_requests(Release.from_file(DEPLOY / "values.yaml"))
+
+    def job(kind: str) -> dict:
+        user = UserDefinedDagsterK8sConfig.from_dict(pod_config(cfg, kind))
+        built = construct_dagster_k8s_job(DagsterK8sJobConfig(job_image="i"), ["x"], "j", user)
+        return ApiClient().sanitize_for_serialization(built)
+
+    assert step_pod_problems(job("gpu"), "gpu", cfg, run_requests) == []
+    assert any("a GPU step with" in p for p in step_pod_problems(job("cpu"), "gpu", cfg, run_requests))
+    assert any("on a cpu step" in p for p in step_pod_problems(job("responses"), None, cfg, run_requests))
+
+
 # -- schemas ---------------------------------------------------------------------------------------------
 
 
