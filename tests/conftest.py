@@ -80,13 +80,18 @@ def aws_env(monkeypatch):
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Start building the training frameworks' environments in the background as soon as a collected test
-    needs them (`@pytest.mark.consumers(...)`), and the session's vLLM server (`@pytest.mark.vllm`): a cold
-    build takes minutes, the rest of the suite runs meanwhile."""
+    needs them (`@pytest.mark.consumers(...)`), the image's install (`@pytest.mark.runtime_install`) and the
+    session's vLLM server (`@pytest.mark.vllm`): a cold build takes minutes, the rest of the suite runs
+    meanwhile."""
     names = {n for item in items if (m := item.get_closest_marker("consumers")) for n in m.args}
     if names:
         from .support.consumers import environments
 
         environments.prefetch(sorted(names))
+    if any(item.get_closest_marker("runtime_install") for item in items):
+        from .support import runtime_install
+
+        runtime_install.prefetch()
     if any(item.get_closest_marker("vllm") for item in items):
         from .support import vllm_server
 
