@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -84,6 +84,13 @@ class DatasetConfig(Strict):
         description="A system prompt put first in every conversation of this dataset that has none (imported "
         "answers are matched with it too); null adds none. Changing it changes the prompts, and so their "
         "answers.",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="Tool definitions (OpenAI's `{type: function, function: {name, description, "
+        "parameters}}`, or bare `{name, description, parameters}`) offered with every row of this dataset "
+        "that has no `tools` of its own; sent with each request and rendered by the target's template. A "
+        "source call to a tool not offered quarantines its row.",
     )
     sampling: SamplingConfig | None = Field(
         None,

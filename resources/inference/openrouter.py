@@ -25,6 +25,7 @@ from eagle3_assets.core.generation.protocol import (
     describe,
 )
 from eagle3_assets.core.target.chat import ChatTokenizer
+from eagle3_assets.core.target.tool_calls import ToolCall, wire_message
 
 from .http import HttpSession, classify, dumps, get_json, make_session, post_json, secret_forms
 from .streaming import StreamClient
@@ -54,12 +55,13 @@ def _completion(
     request_id: Any,
     output_ids: list[int] | None,
     quantization: Any = None,
+    tool_calls: list[ToolCall] | None = None,
 ) -> Completion:
     if finish == "error":
         raise InferenceError(ErrorKind.SERVER, "the provider ended the answer with an error", status=200)
     usage = usage if isinstance(usage, dict) else {}
     completion_tokens, estimated = _usage_tokens(usage, content, reasoning)
-    if not content and not reasoning and completion_tokens == 0:
+    if not content and not reasoning and not tool_calls:
         # OpenRouter does not bill these (zero-completion insurance); a retry usually gets a real answer.
         raise InferenceError(ErrorKind.SERVER, f"empty completion (finish_reason={finish!r})", status=200)
     details = usage.get("completion_tokens_details") or {}
@@ -81,7 +83,64 @@ def _completion(
         output_ids=output_ids,
         usage_estimated=estimated,
         quantization=str(quantization) if isinstance(quantization, str) and quantization else None,
+        tool_calls=tool_calls or [],
     )
+
+
+def _message_calls(calls: Any) -> list[ToolCall]:
+    """A message's `tool_calls` as the answer's calls, the arguments' text as it came; a call without a name
+    is a malformed answer (retried), not a call."""
+    if not calls:
+        return []
+    if not isinstance(calls, list):
+        raise InferenceError(ErrorKind.MALFORMED, f"tool_calls is not a list: {describe(calls)}", status=200)
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise InferenceError(
+                ErrorKind.MALFORMED, f"a tool call without a name: {describe(call)}", status=200
+            )
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        text = args if isinstance(args, str) else ("" if args is None else dumps(args).decode())
+        out.append(ToolCall(name, text, call.get("id") if isinstance(call.get("id"), str) else None))
+    return out
+
+
+class StreamedCalls:
+    """Tool calls from streamed deltas: each delta names its call by `index`; the first carries the id and
+    name, the rest pieces of the arguments' text, appended exactly as they came."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, deltas: Any) -> None:
+        if not isinstance(deltas, list):
+            return
+        for d in deltas:
+            if not isinstance(d, dict):
+                continue
+            at = d.get("index", len(self.calls))
+            call = self.calls.setdefault(at, {"id": None, "name": "", "arguments": []})
+            if d.get("id"):
+                call["id"] = d["id"]
+            fn = d.get("function") or {}
+            if fn.get("name"):
+                call["name"] += fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                call["arguments"].append(fn["arguments"])
+
+    def result(self) -> list[ToolCall]:
+        out = []
+        for at in sorted(self.calls):
+            c = self.calls[at]
+            if not c["name"]:
+                raise InferenceError(ErrorKind.MALFORMED, f"streamed tool call {at} has no name", status=200)
+            out.append(ToolCall(c["name"], "".join(c["arguments"]), c["id"]))
+        return out
 
 
 def _quantization(body: dict) -> Any:
@@ -112,6 +171,7 @@ def parse_chat_completion(body: dict, fallback_model: str) -> Completion:
         request_id=body.get("id"),
         output_ids=_token_ids(choice.get("token_ids")),
         quantization=_quantization(body),
+        tool_calls=_message_calls(message.get("tool_calls")),
     )
 
 
@@ -158,6 +218,7 @@ class StreamedAnswer:
         "request",
         "request_id",
         "stopped",
+        "tool_calls",
         "usage",
     )
 
@@ -176,6 +237,7 @@ class StreamedAnswer:
         self.chars = 0
         self.next_check = CHECK_CHARS_PER_TOKEN * request.max_tokens + 1024
         self.stopped = False  # reading stopped at the limit
+        self.tool_calls = StreamedCalls()
 
     def __call__(self, events: list[dict], headers: Any) -> None:
         # Called with each batch of a stream's events (tens of thousands of events a second over all streams):
@@ -200,6 +262,10 @@ class StreamedAnswer:
                                 chars += len(thought)
                                 if not text:
                                     tokens += 1
+                            calls = delta.get("tool_calls")
+                            if calls:
+                                self.tool_calls.add(calls)
+                                tokens += 1
                     if len(choice) > 2 and (choice.get("finish_reason") or "token_ids" in choice):
                         self._finish(choice)  # (most events carry `"finish_reason": null`)
                 if self.request_id is None:
@@ -259,6 +325,7 @@ class StreamedAnswer:
             provider=self.provider,
             request_id=self.request_id,
             output_ids=None if self.stopped else _token_ids(self.ids),
+            tool_calls=self.tool_calls.result(),
         )
 
 
@@ -324,11 +391,15 @@ class OpenRouterBackend:
         s = request.sampling
         body: dict[str, Any] = {
             "model": self.cfg.model,
-            "messages": [_wire(m) for m in request.messages],
+            "messages": [_wire(wire_message(m)) for m in request.messages],
             "max_tokens": request.max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
         }
+        if request.tools:
+            body["tools"] = request.tools
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
         if s.top_k is not None:
             body["top_k"] = s.top_k
         if s.seed is not None:
@@ -428,7 +499,7 @@ class OpenRouterBackend:
         the limit (the budget charges the larger of this count and the provider's usage)."""
         if self._tokenizer is not None:
             await self._tokenizer
-        text = (c.reasoning or "") + c.content
+        text = (c.reasoning or "") + c.content + "".join(t.name + t.arguments for t in c.tool_calls)
         count = self.chat.count_tokens
         n = count(text) if len(text) < COUNT_INLINE_CHARS else await asyncio.to_thread(count, text)
         if c.usage_estimated:

@@ -22,6 +22,7 @@ from ..storage.tables import (
     JournalTable,
     empty_columns,
 )
+from ..target.tool_calls import calls_json
 from .binding import FOREIGN_MODEL, STANDING_COLUMNS, AnswerRules, AsideReason, Standing, standing_answers
 from .budget import CostFit, LengthHistory, PriorUsage
 from .ledger import LOST_SCHEMA, DispatchLedger, bought_and_unstored, lost_rows
@@ -446,6 +447,7 @@ class JournalWriter:
         r["counted_completion_tokens"].append(_int(c.counted_tokens))
         r["quantization"].append(_str(c.quantization))
         r["cut_at_max_tokens"].append(bool(c.cut_at_max_tokens))
+        r["tool_calls"].append(calls_json(c.tool_calls))
 
     def add_failure(
         self, request_id: str, kind: str, message: str, attempts: int, permanent: bool, status: int | None

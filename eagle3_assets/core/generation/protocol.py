@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ...config import SamplingConfig as Sampling  # one sampling model: eagle3.yaml's
+from ..target.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from .binding import ServedModels
@@ -32,6 +33,10 @@ class CompletionRequest:
     # The messages as sent, hashed (`binding.prompt_fingerprint`): stored with the answer, so that a prompt
     # edited later is asked again rather than trained on an answer to another question.
     fingerprint: str | None = None
+    # The tool definitions the row offers (OpenAI's function form) and its `tool_choice` as the source has it:
+    # sent by every backend that takes them, rendered into `prompt_ids` for those that take ids.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
 
 
 @dataclass(slots=True)
@@ -63,6 +68,14 @@ class Completion:
     # What a serving engine computed beside the text (the hidden states of an extraction request); never
     # journalled.
     payload: Any = None
+    # The calls the answer makes (OpenAI's `tool_calls`, streamed deltas assembled), each with its arguments
+    # as the JSON text the target wrote: a call is an answer, as text is.
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        """Neither text nor calls: nothing to train, never stored as an answer (a retryable failure)."""
+        return not (self.content or self.reasoning or self.tool_calls)
 
     @property
     def charged_tokens(self) -> int:

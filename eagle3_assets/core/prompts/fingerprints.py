@@ -20,3 +20,19 @@ def prompt_fingerprint(messages: Sequence[Mapping[str, Any]]) -> str:
     """The messages of a request as sent; a field without a value is left out, so a new optional field never
     changes the fingerprint of messages that do not have it."""
     return digest([{k: v for k, v in m.items() if v is not None and v != ""} for m in messages])
+
+
+def request_fingerprint(
+    messages: Sequence[Mapping[str, Any]], tools: str | None = None, tool_choice: str | None = None
+) -> str:
+    """The messages of a request with the tools it offers; a request without tools is fingerprinted exactly
+    as `prompt_fingerprint` always did, so no stored answer of a dataset without tools is asked again."""
+    if tools is None and tool_choice is None:
+        return prompt_fingerprint(messages)
+    return digest(
+        {
+            "messages": [{k: v for k, v in m.items() if v is not None and v != ""} for m in messages],
+            "tools": tools,
+            "tool_choice": tool_choice,
+        }
+    )

@@ -20,12 +20,20 @@ import pyarrow.parquet as pq
 from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import Quarantined, parquet_problem, sweep_parquet
+from ..target.tool_calls import TOOL_FIELDS, calls_json, canonical, has_tool_fields
 from .context import CONTEXT_CLASS, CONTEXT_MARK, PromptGuard, RecordedVerdicts
-from .fingerprints import prompt_fingerprint
+from .fingerprints import request_fingerprint
 from .reading import RAW_PREVIEW_CHARS, RowError, clip, iter_source_rows
+from .tools import (
+    link_results,
+    normalise_call,
+    normalise_calls,
+    normalise_tools,
+    tool_names,
+)
 
-# A tool turn (a function's result in an agent trace) passes through as the source has it: its text is kept,
-# its `tool_call_id`/`name` are not (the stored message is role and content only).
+# A tool turn (a function's result in an agent trace) keeps its `tool_call_id` and `name`, an assistant turn
+# its `tool_calls` (`tools`).
 MESSAGE_ROLES = {"system", "user", "assistant", "tool"}
 # ShareGPT dumps in the wild name speakers in several ways; anything else is quarantined.
 SHAREGPT_ROLES = {
@@ -41,7 +49,9 @@ SHAREGPT_ROLES = {
     "tool": "tool",
     "observation": "tool",
     "function_response": "tool",
+    "function_call": "assistant",  # an assistant turn that calls a tool: `value` is the call's JSON
 }
+SHAREGPT_CALL_ROLES = {"function_call"}
 # An id is a key, repeated in every stage's tables, turn ids (`<id>#t<k>`), logs and exports; a longer one is
 # content put in the wrong field. Datasets' ids are UUIDs (36), hashes (64) or names well under this.
 MAX_ID_CHARS = 256
@@ -57,6 +67,17 @@ PROMPT_SCHEMA: dict[str, pl.DataType] = {
     # The messages as a request sends them, hashed (`fingerprints.prompt_fingerprint`): an answer stored with
     # another fingerprint answered another question (the source row was edited since).
     "fingerprint": pl.String(),
+}
+# A dataset with tool rows: messages carry their calls (canonical JSON), a tool result its call's id and name,
+# a prompt its tool definitions and `tool_choice` (canonical JSON). A dataset without any keeps PROMPT_SCHEMA.
+TOOL_MESSAGE = pl.Struct(
+    {"role": pl.String(), "content": pl.String(), **dict.fromkeys(TOOL_FIELDS, pl.String())}
+)
+TOOL_PROMPT_SCHEMA: dict[str, pl.DataType] = {
+    **PROMPT_SCHEMA,
+    "messages": pl.List(TOOL_MESSAGE),
+    "tools": pl.String(),
+    "tool_choice": pl.String(),
 }
 QUARANTINE_SCHEMA: dict[str, pl.DataType] = {
     "source_row": pl.Int64(),
@@ -99,7 +120,16 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
-def _from_messages(row: dict) -> list[dict]:
+def _tool_text(value: Any, where: str) -> str:
+    """A tool result's text: a JSON value the source stored as an object is written as JSON text."""
+    if isinstance(value, dict | list) and not (
+        isinstance(value, list) and value and isinstance(value[0], dict) and value[0].get("type") == "text"
+    ):
+        return json.dumps(value, ensure_ascii=False)
+    return _text(value, where)
+
+
+def _from_messages(row: dict, offered: set[str] | None) -> list[dict]:
     msgs = row.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RowError("missing field 'messages' (a non-empty list)")
@@ -110,26 +140,63 @@ def _from_messages(row: dict) -> list[dict]:
         role = m.get("role")
         if role not in MESSAGE_ROLES:
             raise RowError(f"messages[{i}]: unknown role {role!r} (expected system, user, assistant or tool)")
-        out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}]")})
+        where = f"messages[{i}]"
+        if role == "assistant" and m.get("tool_calls"):
+            calls = normalise_calls(m["tool_calls"], where, offered)
+            content = m.get("content")
+            text = _text(content, where) if content not in (None, "") else ""
+            out.append({"role": role, "content": text, "tool_calls": calls_json(calls)})
+        elif role == "tool":
+            msg = {"role": role, "content": _tool_text(m.get("content"), where)}
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise RowError(f"{where}: {key} must be a string")
+                    msg[key] = m[key]
+            out.append(msg)
+        else:
+            out.append({"role": role, "content": _text(m.get("content"), where)})
     return out
 
 
-def _from_sharegpt(row: dict) -> list[dict]:
+def _sharegpt_calls(value: Any, where: str, offered: set[str] | None) -> list[dict]:
+    """A ShareGPT `function_call` turn (LLaMA-Factory, Glaive): its value is the call (or a list of calls)
+    as JSON, `{name, arguments}`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RowError(f"{where}: malformed tool call (not JSON)") from None
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise RowError(f"{where}: malformed tool call (empty)")
+    parsed = [normalise_call(c, where, offered) for c in calls]
+    return [{"role": "assistant", "content": "", "tool_calls": calls_json(parsed)}]
+
+
+def _from_sharegpt(row: dict, offered: set[str] | None) -> list[dict]:
     conv = row.get("conversations")
     if not isinstance(conv, list) or not conv:
         raise RowError("missing field 'conversations' (a non-empty list)")
-    out = []
+    out: list[dict] = []
     for i, m in enumerate(conv):
         if not isinstance(m, dict):
             raise RowError(f"conversations[{i}] is not an object")
         speaker = m.get("from")
-        role = SHAREGPT_ROLES.get(speaker.lower()) if isinstance(speaker, str) else None
+        low = speaker.lower() if isinstance(speaker, str) else None
+        role = SHAREGPT_ROLES.get(low) if low is not None else None
         if role is None:
             raise RowError(
                 f"conversations[{i}]: unknown role {speaker!r} "
-                "(expected system, human, gpt, tool or observation)"
+                "(expected system, human, gpt, function_call, tool or observation)"
             )
-        out.append({"role": role, "content": _text(m.get("value"), f"conversations[{i}]")})
+        where = f"conversations[{i}]"
+        if low in SHAREGPT_CALL_ROLES:
+            out += _sharegpt_calls(m.get("value"), where, offered)
+        elif role == "tool":
+            out.append({"role": role, "content": _tool_text(m.get("value"), where)})
+        else:
+            out.append({"role": role, "content": _text(m.get("value"), where)})
     return out
 
 
@@ -148,17 +215,38 @@ def _from_instruction(row: dict, instruction: str, input_: str, system: str | No
     return msgs
 
 
+def row_tools(row: Any, dataset_tools: list[dict] | None) -> list[dict] | None:
+    """The tool definitions in force for a row: its own `tools` (a list or its JSON text), else the
+    dataset's; RowError where the row's are malformed."""
+    value = row.get("tools") if isinstance(row, dict) else None
+    if value is None or value == "" or value == []:
+        return dataset_tools or None
+    return normalise_tools(value)
+
+
+def row_tool_choice(row: Any) -> str | None:
+    """The row's `tool_choice` as the source has it (canonical JSON), None where it has none."""
+    value = row.get("tool_choice") if isinstance(row, dict) else None
+    return None if value is None else canonical(value)
+
+
 def normalise_row(
-    row: Any, fmt: str, fields: dict[str, Any] | None = None, system_prompt: str | None = None
+    row: Any,
+    fmt: str,
+    fields: dict[str, Any] | None = None,
+    system_prompt: str | None = None,
+    tools: list[dict] | None = None,
 ) -> list[dict]:
-    """One source row -> chat messages ending in a user turn, or RowError with the reason."""
+    """One source row -> chat messages ending in a user turn (or a tool result the target answers), or
+    RowError with the reason. A call to a tool that `tools` does not define is refused."""
     if not isinstance(row, dict):
         raise RowError(f"row is a {type(row).__name__}, not an object")
     fields = fields or {}
+    offered = tool_names(tools)
     if fmt == "messages":
-        msgs = _from_messages(row)
+        msgs = _from_messages(row, offered)
     elif fmt == "sharegpt":
-        msgs = _from_sharegpt(row)
+        msgs = _from_sharegpt(row, offered)
     elif fmt == "instruction":
         msgs = _from_instruction(
             row, fields.get("instruction", "instruction"), fields.get("input", "input"), fields.get("system")
@@ -170,8 +258,10 @@ def normalise_row(
         msgs.pop()
     if not any(m["role"] == "user" for m in msgs):
         raise RowError("no user turn")
-    if msgs[-1]["role"] != "user":
+    if msgs[-1]["role"] not in ("user", "tool"):
         raise RowError(f"conversation ends with a {msgs[-1]['role']} turn, not a user turn")
+    if has_tool_fields(msgs) or any(m["role"] == "tool" for m in msgs):
+        link_results(msgs)
     if any(m["role"] == "system" for m in msgs[1:]):
         raise RowError("a system turn after the first message")
     if system_prompt and msgs[0]["role"] != "system":
@@ -191,7 +281,7 @@ def source_answer(row: Any, fmt: str, fields: dict[str, Any] | None = None) -> s
                 if isinstance(value, str) and value.strip():
                     return value
             return None
-        msgs = _from_messages(row) if fmt == "messages" else _from_sharegpt(row)
+        msgs = _from_messages(row, None) if fmt == "messages" else _from_sharegpt(row, None)
     except RowError:
         return None
     if msgs and msgs[-1]["role"] == "assistant" and msgs[-1]["content"].strip():
@@ -199,12 +289,21 @@ def source_answer(row: Any, fmt: str, fields: dict[str, Any] | None = None) -> s
     return None
 
 
-def content_id(messages: list[dict]) -> str:
-    """A stable id from the conversation's content (used when the source row has no id)."""
-    canonical = json.dumps(
-        [[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":")
-    )
-    return "h" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:20]
+def content_id(messages: list[dict], tools: str | None = None) -> str:
+    """A stable id from the conversation's content (used when the source row has no id); a message's tool
+    fields and the row's tools count where it has them."""
+    parts: list[Any] = [
+        [
+            m["role"],
+            m["content"],
+            *([{f: m[f] for f in TOOL_FIELDS if m.get(f)}] if has_tool_fields([m]) else []),
+        ]
+        for m in messages
+    ]
+    if tools is not None:
+        parts.append(["tools", tools])
+    text = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
+    return "h" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
 
 
 def preview(value: Any) -> str:
@@ -249,6 +348,7 @@ class _Ingestion:
     fmt: str
     fields: dict[str, Any] | None
     system_prompt: str | None
+    tools: list[dict] | None = None  # the dataset's tool definitions (a row's own replace them)
     prompts: list[dict] = field(default_factory=list)
     quarantine: list[dict] = field(default_factory=list)
     outcomes: Counter = field(default_factory=Counter)
@@ -264,11 +364,14 @@ class _Ingestion:
             if error:
                 raise RowError(error)
             check_id(sid)
-            msgs = normalise_row(row, self.fmt, self.fields, self.system_prompt)
+            tools = row_tools(row, self.tools)
+            msgs = normalise_row(row, self.fmt, self.fields, self.system_prompt, tools)
         except RowError as e:
             self._quarantine(row_no, _printable(sid), str(e), row)
             return
-        digest = content_id(msgs)
+        tools_json = canonical(tools) if tools else None
+        choice = row_tool_choice(row)
+        digest = content_id(msgs, tools_json)
         pid = sid or digest
         if digest in self.seen_content:
             reason = f"duplicate of {self.seen_content[digest]}"
@@ -287,7 +390,9 @@ class _Ingestion:
                 "source_row": row_no,
                 "n_turns": len(msgs),
                 "source_answer": source_answer(row, self.fmt, self.fields),
-                "fingerprint": prompt_fingerprint(msgs),
+                "fingerprint": request_fingerprint(msgs, tools_json, choice),
+                "tools": tools_json,
+                "tool_choice": choice,
             }
         )
         self.outcomes["ok"] += 1
@@ -311,8 +416,18 @@ class _Ingestion:
         self.prompts = kept
 
     def result(self) -> IngestResult:
+        agentic = any(p["tools"] or has_tool_fields(p["messages"]) for p in self.prompts)
+        if not agentic:  # stored exactly as a dataset without tools always was
+            for p in self.prompts:
+                del p["tools"], p["tool_choice"]
+        else:
+            for p in self.prompts:
+                p["messages"] = [
+                    {"role": m["role"], "content": m["content"], **{f: m.get(f) for f in TOOL_FIELDS}}
+                    for m in p["messages"]
+                ]
         return IngestResult(
-            prompts=pl.DataFrame(self.prompts, schema=PROMPT_SCHEMA),
+            prompts=pl.DataFrame(self.prompts, schema=TOOL_PROMPT_SCHEMA if agentic else PROMPT_SCHEMA),
             quarantine=pl.DataFrame(self.quarantine, schema=QUARANTINE_SCHEMA),
             n_source_rows=self.n_rows,
             outcomes=self.outcomes,
@@ -325,10 +440,14 @@ def ingest(
     fields: dict[str, Any] | None = None,
     system_prompt: str | None = None,
     guard: PromptGuard | None = None,
+    tools: list[dict] | None = None,
 ) -> IngestResult:
     """Parse a whole source file into prompts and quarantine rows; `guard` then refuses the prompts the
-    target cannot hold (`context.ContextGuard`)."""
-    rows = _Ingestion(fmt, fields, system_prompt)
+    target cannot hold (`context.ContextGuard`). `tools`: the dataset's tool definitions, for rows without
+    their own."""
+    rows = _Ingestion(
+        fmt, fields, system_prompt, normalise_tools(tools, "datasets.<key>.tools") if tools else None
+    )
     for row_no, row, error in iter_source_rows(path):
         rows.take(row_no, row, error)
     if guard is not None:
@@ -369,7 +488,9 @@ def write_prompts(
         )
     if guard is None:
         guard = RecordedVerdicts.read(_readable(layout.quarantine, QUARANTINE_SCHEMA, ["id", "reason"]))
-    result = ingest(source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt, guard)
+    result = ingest(
+        source, dataset.format, dataset.fields.model_dump(), dataset.system_prompt, guard, dataset.tools
+    )
     # The outputs are rewritten from the source anyway; a damaged one is set aside first, so that what
     # happened is on record (the check and the report list it) rather than silently overwritten.
     result.set_aside = sweep_parquet(
@@ -403,6 +524,8 @@ def ensure_prompts(source: Path, layout: DatasetLayout, dataset: DatasetConfig) 
 
 def read_prompts(path: Path, columns: tuple[str, ...] = ("id", "messages")) -> pl.DataFrame:
     """`columns` of prompts.parquet, with its `fingerprint` where the file has one (a file written before the
-    column existed has none: `generation.binding.with_fingerprints` computes it)."""
+    column existed has none: `generation.binding.with_fingerprints` computes it), and its `tools` and
+    `tool_choice` where the dataset has tool rows."""
     have = pq.read_schema(path).names
-    return pl.read_parquet(path, columns=[*columns, *(["fingerprint"] if "fingerprint" in have else [])])
+    extra = [c for c in ("fingerprint", "tools", "tool_choice") if c in have and c not in columns]
+    return pl.read_parquet(path, columns=[*columns, *extra])

@@ -37,6 +37,8 @@ from .template_plan import (
 )
 from .template_render import ChatTemplate, failure_reason
 from .text_encoder import TextEncoder, make_text_encoder
+from .tool_calls import ToolCall, has_tool_fields
+from .tool_render import ToolRenderer, render_error
 
 
 class TemplateError(ValueError):
@@ -67,6 +69,7 @@ class Answer:
     content: str
     reasoning: str | None = None
     finished: bool = True
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer makes (rendered by `tool_render`)
 
 
 @dataclass(slots=True)
@@ -190,7 +193,7 @@ class ChatTokenizer(ChatTemplate):
         did when it was the turn being written (the template keeps the history verbatim: ChatML does; Kimi
         K2.5 and Qwen3 drop earlier reasoning), for a template proven to write texts verbatim. Then one row
         with every assistant turn trained equals what the model saw at each turn."""
-        if self.verbatim_problem is not None:
+        if self.verbatim_problem is not None or has_tool_fields(messages) or answer.tool_calls:
             return False
         try:
             self._plan(Shape.of(messages, answer), True)
@@ -199,9 +202,53 @@ class ChatTokenizer(ChatTemplate):
         return True
 
     def tokenize(
-        self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool = False
+        self,
+        conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]],
+        train_all: bool = False,
+        tools: Sequence[list[dict] | None] | None = None,
     ) -> list[TokenizedConversation | TemplateError]:
-        """Tokenize many conversations in one batch; one that cannot be rendered yields its error."""
+        """Tokenize many conversations in one batch; one that cannot be rendered yields its error. A
+        conversation with tools (`tools[i]`), tool calls or tool results is rendered by `tool_render`."""
+        agentic = [
+            i
+            for i, (m, a) in enumerate(conversations)
+            if (tools is not None and tools[i]) or has_tool_fields(m) or (a is not None and a.tool_calls)
+        ]
+        if not agentic:
+            return self._tokenize_plain(conversations, train_all)
+        out: list[TokenizedConversation | TemplateError | None] = [None] * len(conversations)
+        for i in agentic:
+            out[i] = self.tokenize_tools(
+                *conversations[i], tools[i] if tools is not None else None, train_all
+            )
+        rest = [i for i in range(len(conversations)) if out[i] is None]
+        for i, res in zip(
+            rest, self._tokenize_plain([conversations[i] for i in rest], train_all), strict=True
+        ):
+            out[i] = res
+        return [r for r in out if r is not None]
+
+    def tokenize_tools(
+        self,
+        messages: Sequence[dict[str, Any]],
+        answer: Answer | None,
+        tools: list[dict] | None,
+        train_all: bool = False,
+    ) -> TokenizedConversation | TemplateError:
+        """One conversation with tools, from the template's real rendering (`tool_render`)."""
+        try:
+            ids, mask, start = self.tool_renderer.tokenize(messages, tools, answer, train_all)
+        except Exception as e:
+            return TemplateError(render_error(e))
+        return TokenizedConversation(ids, mask, start)
+
+    @property
+    def tool_renderer(self) -> ToolRenderer:
+        return ToolRenderer(self)
+
+    def _tokenize_plain(
+        self, conversations: Sequence[tuple[Sequence[dict[str, Any]], Answer | None]], train_all: bool
+    ) -> list[TokenizedConversation | TemplateError]:
         rows = self._planned_rows(conversations, train_all)
         self._settle_rewritten(rows, train_all)
         planned = [r for r in rows if isinstance(r, PlannedRow)]
@@ -227,9 +274,11 @@ class ChatTokenizer(ChatTemplate):
             )
         return out
 
-    def prompt_ids(self, prompts: Sequence[Sequence[dict[str, Any]]]) -> list[list[int] | TemplateError]:
-        """The generation prompt of each conversation, as the model must see it."""
-        res = self.tokenize([(p, None) for p in prompts])
+    def prompt_ids(
+        self, prompts: Sequence[Sequence[dict[str, Any]]], tools: Sequence[list[dict] | None] | None = None
+    ) -> list[list[int] | TemplateError]:
+        """The generation prompt of each conversation (with its tools), as the model must see it."""
+        res = self.tokenize([(p, None) for p in prompts], tools=tools)
         return [r if isinstance(r, TemplateError) else r.input_ids.tolist() for r in res]
 
     # -- a batch's rows -------------------------------------------------------------------------------------
