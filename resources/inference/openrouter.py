@@ -63,7 +63,12 @@ def _completion(
     completion_tokens, estimated = _usage_tokens(usage, content, reasoning)
     if not content and not reasoning and not tool_calls:
         # OpenRouter does not bill these (zero-completion insurance); a retry usually gets a real answer.
-        raise InferenceError(ErrorKind.SERVER, f"empty completion (finish_reason={finish!r})", status=200)
+        raise InferenceError(
+            ErrorKind.SERVER,
+            f"empty completion: neither text nor tool calls (finish_reason={finish!r})",
+            status=200,
+            billed_tokens=completion_tokens or None,
+        )
     details = usage.get("completion_tokens_details") or {}
     prompt_details = usage.get("prompt_tokens_details") or {}
     cost = usage.get("cost")

@@ -91,9 +91,13 @@ class FakeOpenRouter(_ThreadedApp):
         list_models: bool = True,
         fail_after: tuple[int, str] | None = None,
         answer_text: Any = None,
+        answer_message: Any = None,
     ):
         super().__init__()
         self.key = key
+        # callable(prompt, body) -> the answer's message ({content, tool_calls}) and finish reason, or None for
+        # the usual text answer: an agentic provider's answers (tool calls streamed as OpenAI streams them)
+        self.answer_message = answer_message
         # callable(prompt) -> the answer's text (None: "Answer to: <prompt>"); a lying provider's answers
         self.answer_text = answer_text
         self.stream_bytes = 0  # bytes of streamed answers written to clients that read them
@@ -201,7 +205,7 @@ class FakeOpenRouter(_ThreadedApp):
         words: list[tuple[str, str]] = []
         if choice["message"].get("reasoning"):
             words += [("reasoning", w) for w in re.findall(r"\S+\s*", choice["message"]["reasoning"])]
-        words += [("content", w) for w in re.findall(r"\S+\s*", choice["message"]["content"])]
+        words += [("content", w) for w in re.findall(r"\S+\s*", choice["message"]["content"] or "")]
         for i, (field_name, word) in enumerate(words):
             if i == len(words) // 2 and fault in ("midstream429", "midstream502", "cutstream"):
                 if fault == "cutstream":
@@ -216,6 +220,16 @@ class FakeOpenRouter(_ThreadedApp):
                 await resp.write(b"data: [DONE]\n\n")
                 return resp
             await send({field_name: word})
+        for j, call in enumerate(choice["message"].get("tool_calls") or []):
+            # As OpenAI streams a call: its id and name first, then its arguments' text in small pieces.
+            fn = call["function"]
+            head_delta = {"index": j, "id": call["id"], "type": "function", "function": {"name": fn["name"]}}
+            await send(
+                {"tool_calls": [{**head_delta, "function": {**head_delta["function"], "arguments": ""}}]}
+            )
+            args = fn["arguments"]
+            for at in range(0, len(args), 5):
+                await send({"tool_calls": [{"index": j, "function": {"arguments": args[at : at + 5]}}]})
         extra = {"usage": answer["usage"]} if "usage" in answer else {}
         await send(
             {}, choice={"finish_reason": choice["finish_reason"], "native_finish_reason": "stop"}, **extra
@@ -225,7 +239,20 @@ class FakeOpenRouter(_ThreadedApp):
 
     def _answer(self, prompt: str, body: dict) -> dict:
         clean = FAULTS.sub("", prompt).strip()
-        content = self.answer_text(clean) if self.answer_text is not None else f"Answer to: {clean}"
+        scripted = self.answer_message(clean, body) if self.answer_message is not None else None
+        if scripted is not None:
+            message, finish = scripted
+            answer = self._answer_with(prompt, clean, body, message.get("content"))
+            answer["choices"][0]["message"].update(message)
+            answer["choices"][0]["finish_reason"] = finish
+            return answer
+        return self._answer_with(prompt, clean, body, None)
+
+    def _answer_with(self, prompt: str, clean: str, body: dict, scripted: str | None) -> dict:
+        if scripted is not None or self.answer_message is not None:
+            content = scripted or ""
+        else:
+            content = self.answer_text(clean) if self.answer_text is not None else f"Answer to: {clean}"
         if callable(self.completion_tokens):
             tokens = int(self.completion_tokens(clean))
         elif self.completion_tokens is not None:

@@ -94,7 +94,10 @@ def _smollm2_json() -> dict:
 def qwen_tools() -> PreTrainedTokenizerFast:
     tok = Tokenizer.from_str(json.dumps(_smollm2_json()))  # ChatML: <|im_start|>, <|im_end|> are special
     tok.add_tokens(
-        [AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")]
+        [
+            AddedToken(t, special=False)
+            for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+        ]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", chat_template=QWEN_TOOLS_TEMPLATE

@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from ...config import DatasetConfig
-from ..prompts.fingerprints import prompt_fingerprint
+from ..prompts.fingerprints import request_fingerprint
 from ..prompts.ingest import read_prompts
+from ..prompts.tools import RowTools
 from ..storage.layout import DatasetLayout
 from ..storage.tables import BusyError
 from ..target.chat import ChatTokenizer, TemplateError
+from ..target.tool_render import tools_of
 from .binding import TARGET_CHANGED, AnswerRules, AsideReason, Standing, standing_answers
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
@@ -104,8 +106,10 @@ def _requests(
         chunk = prompts.slice(start, PROMPT_CHUNK)
         ids = chunk["id"].to_list()
         messages = chunk["messages"].to_list()
-        rendered = chat.prompt_ids(messages) if chat is not None else [None] * len(ids)
-        for pid, msgs, prompt_ids in zip(ids, messages, rendered, strict=True):
+        offered = RowTools.of(chunk)
+        tools = [tools_of(t) for t in offered.tools]
+        rendered = chat.prompt_ids(messages, tools) if chat is not None else [None] * len(ids)
+        for i, (pid, msgs, prompt_ids) in enumerate(zip(ids, messages, rendered, strict=True)):
             if isinstance(prompt_ids, TemplateError):
                 skip(pid, "template", str(prompt_ids))
                 continue
@@ -115,7 +119,9 @@ def _requests(
                 plan.dataset.max_tokens,
                 plan.sampling,
                 prompt_ids,
-                fingerprint=prompt_fingerprint(msgs),
+                fingerprint=request_fingerprint(msgs, offered.tools[i], offered.tool_choice[i]),
+                tools=tools[i],
+                tool_choice=offered.choice(i),
             )
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import polars as pl
 
 from ..target.tool_calls import ToolCall, calls_json, parse_calls
 from .reading import RowError
@@ -104,3 +107,24 @@ def link_results(messages: list[dict[str, Any]]) -> None:
             raise RowError(f"messages[{i}]: tool result named {m['name']!r} answers a call to {call.name!r}")
         m["tool_call_id"] = want or call.id
         m["name"] = call.name
+
+
+@dataclass(frozen=True)
+class RowTools:
+    """The stored `tools` and `tool_choice` of a frame of prompts (canonical JSON; None for a row without,
+    and for every row of a dataset without tools, whose prompts.parquet has neither column)."""
+
+    tools: list[str | None]
+    tool_choice: list[str | None]
+
+    @classmethod
+    def of(cls, prompts: pl.DataFrame) -> RowTools:
+        def column(name: str) -> list[str | None]:
+            return prompts[name].to_list() if name in prompts.columns else [None] * prompts.height
+
+        return cls(column("tools"), column("tool_choice"))
+
+    def choice(self, i: int) -> Any:
+        """Row i's `tool_choice` as the source has it (a string such as "auto", or an object)."""
+        value = self.tool_choice[i]
+        return None if value is None else json.loads(value)

@@ -24,6 +24,7 @@ from ..generation.identity import read_identity
 from ..storage.files import write_json, write_text
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import parquet_problem, quarantined
+from ..target.tool_calls import FINISHED_REASONS
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, SET_ASIDE_SCHEMA, JournalTable
 from .dataset_report import (
     DamagedFile,
@@ -220,7 +221,7 @@ class TokenFigures:
         if with_ref.height:
             out.reference_match_rate = _true_share(with_ref["reference_match"])
             out.excluding_truncation_tails = _true_share(with_ref["match_explained"])
-            finished = with_ref.filter(pl.col("finish_reason") == "stop")
+            finished = with_ref.filter(pl.col("finish_reason").is_in(FINISHED_REASONS))
             out.finished_rate = _true_share(finished["reference_match"]) if finished.height else None
             out.n_finished = finished.height
         return out

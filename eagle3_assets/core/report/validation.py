@@ -15,6 +15,7 @@ from ..generation.binding import AnswerRules
 from ..generation.conversations import TEMPLATE_REST, split_turn_id, turn_id
 from ..generation.identity import TargetIdentity
 from ..prompts.ingest import reason_class
+from ..target.tool_calls import FINISHED_REASONS
 from .summary import wilson_interval
 
 
@@ -194,7 +195,7 @@ def end_of_turn_present(tokens: pl.DataFrame | pl.LazyFrame, eot_id: int | None)
     """A finished answer (finish_reason=stop) ends with the end-of-turn id, and that id is trained."""
     finished = (
         tokens.lazy()
-        .filter(pl.col("finish_reason") == "stop")
+        .filter(pl.col("finish_reason").is_in(FINISHED_REASONS))
         .select(
             "id",
             ((pl.col("input_ids").list.last() != eot_id) | (pl.col("loss_mask").list.last() != 1)).alias(

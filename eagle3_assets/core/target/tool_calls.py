@@ -110,3 +110,12 @@ def _template_arguments(text: str) -> Any:
 
 def has_tool_fields(messages: Sequence[Mapping[str, Any]]) -> bool:
     return any(m.get(f) for m in messages for f in TOOL_FIELDS)
+
+
+# The finish reasons of an answer the model ended itself (its end-of-turn token written): a reply, or a turn
+# that ends in its calls.
+FINISHED_REASONS = ("stop", "tool_calls")
+
+
+def finished(reason: str | None) -> bool:
+    return reason in FINISHED_REASONS

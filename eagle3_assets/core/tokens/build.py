@@ -57,14 +57,23 @@ def row_keys(rows: pl.DataFrame, fingerprint: str) -> pl.DataFrame:
         pl.col("history_refs").list.eval(pl.element().struct.json_encode()).list.join("|").fill_null("-"),
         pl.lit(f"{fingerprint}|polars {pl.__version__}"),
     ]
-    return rows.with_columns(pl.concat_str(parts, separator="\x1f").hash(seed=7).alias("row_key"))
+    key = pl.concat_str(parts, separator="\x1f").hash(seed=7)
+    if "tools" not in rows.columns and rows.get_column("tool_calls").null_count() == rows.height:
+        return rows.with_columns(key.alias("row_key"))
+    # Rows with tools or calls: those count too (a row without keeps the key it always had).
+    tools = pl.col("tools") if "tools" in rows.columns else pl.lit(None, pl.String)
+    agentic = pl.col("tool_calls").is_not_null() | tools.is_not_null()
+    keyed = pl.concat_str(
+        [key.cast(pl.String), pl.col("tool_calls").fill_null("-"), tools.fill_null("-")], separator="\x1f"
+    ).hash(seed=7)
+    return rows.with_columns(pl.when(agentic).then(keyed).otherwise(key).alias("row_key"))
 
 
 PROGRESS_EVERY_S = 10.0
 # The version of the reference comparison's verdicts: a new one re-keys every row once (2: the model's own
 # splits).
 COMPARISON = 2
-RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids"]
+RESPONSE_COLUMNS = ["id", "content", "reasoning", "finish_reason", "output_ids", "tool_calls"]
 STAGE = "tokens"  # its quarantine folder
 
 
@@ -164,8 +173,9 @@ class TokensBuild:
         train_all, prefer_reference = settings.train_all_assistant_turns, settings.prefer_reference_ids
         options = f"train_all={train_all}|prefer_reference={prefer_reference}|compare={COMPARISON}"
         self.fingerprint = f"{chat.fingerprint()}|{options}"
+        tools = ["tools"] if "tools" in pq.read_schema(layout.prompts).names else []  # a dataset with tools
         self.prompts = with_turn_prompts(
-            pl.read_parquet(layout.prompts, columns=["id", "messages"]), layout, chat, exclude
+            pl.read_parquet(layout.prompts, columns=["id", "messages", *tools]), layout, chat, exclude
         )
         old_errors = scan_with_keys(layout.tokens_errors, TOKENS_ERRORS_SCHEMA)
         self.old_keys = scan_with_keys(layout.tokens, TOKENS_SCHEMA).select("id", "row_key").collect()

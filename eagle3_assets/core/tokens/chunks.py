@@ -17,6 +17,8 @@ import polars as pl
 import pyarrow as pa
 
 from ..target.chat import Answer, ChatTokenizer, TemplateError, TokenizedConversation
+from ..target.tool_calls import parse_calls, finished as is_finished
+from ..target.tool_render import tools_of
 from .answer_quality import is_degenerate
 from .reference import Comparison, compare, normalise_reference
 
@@ -154,9 +156,9 @@ TOKENS_SCHEMA: dict[str, pl.DataType] = {
 }
 
 
-def answer_features(content: str | None, reasoning: str | None) -> dict[str, bool]:
+def answer_features(content: str | None, reasoning: str | None, n_calls: int = 0) -> dict[str, bool]:
     return {
-        "answer_empty": not (content or "").strip(),
+        "answer_empty": not (content or "").strip() and not n_calls,  # a call is an answer
         "answer_degenerate": is_degenerate((reasoning or "") + (content or "")),
         "answer_has_reasoning": bool(reasoning and reasoning.strip()),
     }
@@ -176,13 +178,16 @@ def tokenize_chunk(
 ) -> TokenizedChunk:
     """One chunk of joined prompt + response rows -> its tokens rows, its error rows and its counts."""
     rows = _ChunkRows.of(chunk)
-    finished = [f == "stop" for f in rows.finish_reason]
+    finished = [is_finished(f) for f in rows.finish_reason]
     convs = [
-        (m, Answer(c or "", r, fin))
-        for m, c, r, fin in zip(rows.messages, rows.content, rows.reasoning, finished, strict=True)
+        (m, Answer(c or "", r, fin, tuple(parse_calls(t))))
+        for m, c, r, fin, t in zip(
+            rows.messages, rows.content, rows.reasoning, finished, rows.tool_calls, strict=True
+        )
     ]
-    results = _tokenize_rows(chat, convs, [train_all or bool(a) for a in rows.all_turns])
-    features = [answer_features(a.content, a.reasoning) for _, a in convs]
+    tools = [tools_of(t) for t in rows.tools]
+    results = _tokenize_rows(chat, convs, [train_all or bool(a) for a in rows.all_turns], tools)
+    features = [answer_features(a.content, a.reasoning, len(a.tool_calls)) for _, a in convs]
     stop_ids = chat.stop_ids
     summary = TokensSummary()
     table = _TokenTable()
@@ -215,6 +220,8 @@ class _ChunkRows:
     row_key: list[int | None]
     all_turns: list[bool | None]  # a conversation row (`turns: all`): every assistant turn trained
     history_refs: list[list[dict] | None]  # a conversation row's earlier turns' produced ids
+    tools: list[str | None]  # the prompt's tool definitions (canonical JSON), None without
+    tool_calls: list[str | None]  # the answer's calls (canonical JSON), None without
 
     @classmethod
     def of(cls, chunk: pl.DataFrame) -> _ChunkRows:
@@ -231,6 +238,8 @@ class _ChunkRows:
             row_key=optional("row_key", None),
             all_turns=optional("all_turns", False),
             history_refs=optional("history_refs", None),
+            tools=optional("tools", None),
+            tool_calls=optional("tool_calls", None),
         )
 
 
@@ -299,14 +308,18 @@ class _TokenTable:
 
 
 def _tokenize_rows(
-    chat: ChatTokenizer, convs: list[tuple[Any, Answer]], train_all: list[bool]
+    chat: ChatTokenizer,
+    convs: list[tuple[Any, Answer]],
+    train_all: list[bool],
+    tools: list[list[dict] | None],
 ) -> list[TokenizedConversation | TemplateError]:
     """One tokenize call per training mode (a conversation row of `turns: all` trains every turn)."""
     out: list[Any] = [None] * len(convs)
     for mode in (False, True):
         idx = [i for i, t in enumerate(train_all) if t is mode]
         if idx:
-            for i, res in zip(idx, chat.tokenize([convs[i] for i in idx], train_all=mode), strict=True):
+            batch = chat.tokenize([convs[i] for i in idx], train_all=mode, tools=[tools[i] for i in idx])
+            for i, res in zip(idx, batch, strict=True):
                 out[i] = res
     return out
 

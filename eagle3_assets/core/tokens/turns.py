@@ -32,6 +32,7 @@ from ..generation.conversations import (
 from ..storage.layout import DatasetLayout
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..target.chat import Answer, ChatTokenizer
+from ..target.tool_calls import finished as is_finished
 
 MESSAGE = pl.Struct({"role": pl.String, "content": pl.String, "reasoning": pl.String})
 # An earlier turn of a conversation row: the ids the model produced for it and whether it finished.
@@ -77,7 +78,9 @@ def with_turn_prompts(
     every assistant turn of the row) and `history_refs` (the earlier turns' produced ids, for a
     conversation row)."""
     base = prompts.select(
-        "id", pl.col("messages").list.eval(pl.element().struct.with_fields(reasoning=pl.lit(None, pl.String)))
+        "id",
+        pl.col("messages").list.eval(pl.element().struct.with_fields(reasoning=pl.lit(None, pl.String))),
+        *(["tools"] if "tools" in prompts.columns else []),
     ).with_columns(
         pl.lit(False).alias("all_turns"),
         pl.lit(None, dtype=TURN_COLUMNS["history_refs"]).alias("history_refs"),
@@ -108,10 +111,10 @@ def with_turn_prompts(
             continue
         answers = [got[k][0] for k in range(1, last + 1)]
         final = turn_messages(source[cid], last, answers[:-1], keep)
-        finished = got[last][1] == "stop"
+        finished = is_finished(got[last][1])
         # An earlier turn cut by max_tokens renders closed in the history (the template ends every turn): the
         # row would train an end-of-turn the model never wrote there. Such conversations get a row per turn.
-        mergeable = all(got[k][1] == "stop" for k in range(1, last))
+        mergeable = all(is_finished(got[k][1]) for k in range(1, last))
         # Reasoning the model wrote in an earlier turn that the history does not show: that turn as written is
         # not in the final conversation.
         mergeable = mergeable and (keep or not any(a.reasoning for a in answers[:-1]))
@@ -121,7 +124,7 @@ def with_turn_prompts(
             and chat is not None
             and chat.keeps_history(final, Answer(answers[-1].content, answers[-1].reasoning, finished))
         ):
-            refs = [{"output_ids": got[k][2], "finished": got[k][1] == "stop"} for k in range(1, last)]
+            refs = [{"output_ids": got[k][2], "finished": is_finished(got[k][1])} for k in range(1, last)]
             add(turn_id(cid, last), final, True, refs)
             continue
         for k in range(1, last + 1):

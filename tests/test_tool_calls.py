@@ -1,0 +1,299 @@
+"""Agentic rows: tools and tool calls from the source to exact, masked ids, through a real HTTP provider.
+
+The provider is the OpenRouter-shaped server on loopback (`fake_servers`), answering with calls as OpenAI
+does, streamed as deltas or whole; the targets are the tool-rendering families of `tool_templates`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from eagle3_assets.config import DatasetConfig
+from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
+from eagle3_assets.core.prompts.ingest import PROMPT_SCHEMA, ingest, write_prompts
+from eagle3_assets.core.storage.layout import DatasetLayout
+from eagle3_assets.core.target.chat import Answer, ChatTokenizer
+from eagle3_assets.core.target.tool_calls import ToolCall, calls_json, parse_calls, template_message
+from eagle3_assets.core.tokens.build import build_tokens
+
+from .support.engine_runs import KEY, KEY_ENV, run, stored
+from .support.fake_servers import FakeOpenRouter
+from .support.projects import write_jsonl
+from .support.tool_templates import kimi_tools, llama31_tools, qwen_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city"}},
+            "required": ["city"],
+        },
+    },
+}
+TOOLS = [WEATHER]
+
+
+def _call(call_id: str, city: str) -> dict:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+    }
+
+
+def trace_row(rid: str = "t1") -> dict:
+    """An agent trace as OpenAI-style datasets hold it: a call, its result, a reply, a new question."""
+    return {
+        "id": rid,
+        "tools": TOOLS,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [_call("c1", "Paris")]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'},
+            {"role": "assistant", "content": "It is 21 degrees."},
+            {"role": "user", "content": "And in Oslo?"},
+        ],
+    }
+
+
+# -- 1. ingest -----------------------------------------------------------------------------------------------
+def test_ingest_keeps_tools_calls_and_results(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", [trace_row()])
+    r = ingest(src, "messages")
+    assert r.quarantine.height == 0
+    row = r.prompts.row(0, named=True)
+    assert json.loads(row["tools"]) == TOOLS
+    call, result = row["messages"][2], row["messages"][3]
+    assert parse_calls(call["tool_calls"]) == [ToolCall("get_weather", '{"city": "Paris"}', "c1")]
+    assert (result["tool_call_id"], result["name"], result["content"]) == (
+        "c1",
+        "get_weather",
+        '{"temp": 21}',
+    )
+    # the tools are part of what the request sends: another tool set is another prompt
+    other = write_jsonl(tmp_path / "b.jsonl", [{**trace_row(), "tools": [WEATHER, {"name": "x"}]}])
+    assert ingest(other, "messages").prompts["fingerprint"][0] != row["fingerprint"]
+
+
+def test_sharegpt_function_calls_map_to_the_same_messages(tmp_path):
+    row = {
+        "id": "g1",
+        "tools": json.dumps([WEATHER["function"]]),  # ShareGPT dumps: bare definitions, as a JSON string
+        "conversations": [
+            {"from": "human", "value": "Weather in Oslo?"},
+            {
+                "from": "function_call",
+                "value": json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}),
+            },
+            {"from": "observation", "value": '{"temp": 3}'},
+            {"from": "gpt", "value": "3 degrees."},
+        ],
+    }
+    r = ingest(write_jsonl(tmp_path / "g.jsonl", [row]), "sharegpt")
+    assert r.quarantine.height == 0
+    p = r.prompts.row(0, named=True)
+    assert json.loads(p["tools"]) == TOOLS
+    msgs = p["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]  # the final reply is the target's
+    assert parse_calls(msgs[1]["tool_calls"]) == [ToolCall("get_weather", '{"city": "Oslo"}', "call_0")]
+    assert (msgs[2]["tool_call_id"], msgs[2]["name"]) == ("call_0", "get_weather")
+    assert p["source_answer"] == "3 degrees."
+
+
+def test_bad_calls_are_quarantined_with_their_reason(tmp_path):
+    def with_call(rid, call, tools=TOOLS):
+        row = trace_row(rid)
+        row["messages"][2]["tool_calls"] = [call]
+        row["tools"] = tools
+        return row
+
+    rows = [
+        with_call("malformed", {"id": "c1", "function": {"arguments": "{}"}}),
+        with_call("unknown", {"id": "c1", "function": {"name": "get_stock", "arguments": "{}"}}),
+        with_call("notjson", {"id": "c1", "function": {"name": "get_weather", "arguments": "{city: Paris"}}),
+        with_call("nottools", _call("c1", "Paris"), tools=None),
+        {
+            **trace_row("badid"),
+            "messages": [
+                *trace_row()["messages"][:3],
+                {"role": "tool", "tool_call_id": "zz", "content": "x"},
+            ],
+        },
+        trace_row("good"),
+    ]
+    r = ingest(write_jsonl(tmp_path / "q.jsonl", rows), "messages")
+    reasons = dict(zip(r.quarantine["id"].to_list(), r.quarantine["reason"].to_list(), strict=True))
+    assert r.prompts["id"].to_list() == ["good"]
+    assert "malformed tool call" in reasons["malformed"]
+    assert "unknown tool 'get_stock'" in reasons["unknown"]
+    assert "not valid JSON" in reasons["notjson"]
+    assert "unknown tool 'get_weather'" in reasons["nottools"]
+    assert "unknown call id 'zz'" in reasons["badid"]
+
+
+def test_dataset_tools_from_the_config_and_plain_datasets_unchanged(tmp_path):
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    row = trace_row()
+    del row["tools"]
+    src = write_jsonl(tmp_path / "d.jsonl", [row])
+    write_prompts(src, layout, DatasetConfig(source=str(src), format="messages", tools=[WEATHER["function"]]))
+    assert json.loads(pl.read_parquet(layout.prompts)["tools"][0]) == TOOLS
+    # A dataset without tools is stored exactly as before: the same columns and fingerprints.
+    plain = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    r = ingest(plain, "messages")
+    assert dict(r.prompts.schema) == PROMPT_SCHEMA
+    assert r.prompts["fingerprint"][0] == prompt_fingerprint([{"role": "user", "content": "hi"}])
+
+
+# -- 4. tokens: each family's template, exactly ------------------------------------------------------------
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": calls_json([ToolCall("get_weather", '{"city": "Paris"}', "functions.get_weather:0")]),
+    },
+    {
+        "role": "tool",
+        "content": '{"temp": 21}',
+        "tool_call_id": "functions.get_weather:0",
+        "name": "get_weather",
+    },
+    {"role": "assistant", "content": "It is 21 degrees."},
+    {"role": "user", "content": "And Oslo?"},
+]
+CALL = Answer("", None, True, (ToolCall("get_weather", '{"city": "Oslo"}', "functions.get_weather:1"),))
+REPLY = Answer("Sunny, 3 degrees.")
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    return {
+        "qwen_tools": qwen_tools(),
+        "llama31_tools": llama31_tools(),
+        "kimi_tools": kimi_tools(tmp_path_factory.mktemp("kimi")),
+    }
+
+
+def _reference(tok, messages, tools, gen):
+    out = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=gen)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("family", ["qwen_tools", "llama31_tools", "kimi_tools"])
+@pytest.mark.parametrize("answer", [CALL, REPLY], ids=["call", "reply"])
+def test_rebuilt_ids_equal_apply_chat_template_with_tools(families, family, answer):
+    tok = families[family]
+    chat = ChatTokenizer(tok)
+    res = chat.tokenize([(HISTORY, answer)], tools=[TOOLS])[0]
+    assert not isinstance(res, Exception), res
+    ids = res.input_ids.tolist()
+    rendered = [template_message(m) for m in HISTORY] + [chat.tool_renderer.answer_message(answer)]
+    reference = _reference(tok, rendered, TOOLS, False)
+    # The whole conversation is apply_chat_template's (a template may write text after the last end-of-turn,
+    # e.g. ChatML's newline, which no model writes).
+    assert ids == reference[: len(ids)]
+    assert chat.encoder.decode(reference[len(ids) :]).strip() == ""
+    assert ids[: res.answer_start] == _reference(tok, [template_message(m) for m in HISTORY], TOOLS, True)
+    trained = chat.encoder.decode([i for i, m in zip(ids, res.loss_mask.tolist(), strict=True) if m])
+    untrained = chat.encoder.decode([i for i, m in zip(ids, res.loss_mask.tolist(), strict=True) if not m])
+    # The loss covers the target's turn, its calls included, up to its end-of-turn token; never a tool
+    # definition or a tool result.
+    assert trained.endswith(chat.eot_token)
+    if answer is CALL:
+        assert '"Oslo"' in trained and "get_weather" in trained
+    else:
+        assert "Sunny, 3 degrees." in trained
+    assert "The weather of a city" in untrained and "The weather of a city" not in trained
+    assert '{"temp": 21}' in untrained and "21" not in trained
+    assert res.loss_mask[: res.answer_start].sum() == 0
+
+
+def test_train_all_masks_every_target_turn_and_no_tool_result(families):
+    chat = ChatTokenizer(families["qwen_tools"])
+    res = chat.tokenize([(HISTORY, CALL)], train_all=True, tools=[TOOLS])[0]
+    assert not isinstance(res, Exception), res
+    ids, mask = res.input_ids.tolist(), res.loss_mask.tolist()
+    trained = chat.encoder.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert '"Paris"' in trained and "It is 21 degrees." in trained and '"Oslo"' in trained
+    assert "temp" not in trained and "Weather in Paris?" not in trained
+
+
+# -- 2. requests and answers through a real HTTP provider --------------------------------------------------
+def _agent(prompt: str, body: dict):
+    """The provider's answers: a call when asked about weather, nothing at all for 'blank' prompts (an empty
+    answer), a reply after a tool result."""
+    if "blank" in prompt:
+        return {"content": None}, "stop"
+    if prompt.startswith("{") or not body.get("tools"):  # after a tool result, or offered none: a reply
+        return {"content": "Done: " + prompt}, "stop"
+    city = prompt.split()[-1].rstrip("?")
+    return {"content": None, "tool_calls": [_call(f"call_{city}", city)]}, "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_calls_answered_stored_and_tokenized(tmp_path, monkeypatch, stream):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    rows = [
+        {
+            "id": "w1",
+            "tools": TOOLS,
+            "tool_choice": "auto",
+            "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        },
+        {"id": "b1", "tools": TOOLS, "messages": [{"role": "user", "content": "blank please"}]},
+        {"id": "p1", "messages": [{"role": "user", "content": "plain question"}]},
+        trace_row("t1"),
+    ]
+    src = write_jsonl(tmp_path / "B1.jsonl", rows)
+    write_prompts(src, layout, DatasetConfig(source=str(src), format="messages"))
+    chat = ChatTokenizer(qwen_tools())
+    with FakeOpenRouter(key=KEY, answer_message=_agent) as server:
+        run(layout, server, chat, retries=1, stream=stream, reasoning=None)
+        bodies = {h.body["messages"][-1]["content"]: h.body for h in server.hits}
+    sent = bodies["Weather in Oslo?"]
+    assert sent["tools"] == TOOLS and sent["tool_choice"] == "auto"
+    assert "tools" not in bodies["plain question"]  # a row without tools is sent as it always was
+    history = bodies["And in Oslo?"]["messages"]
+    assert history[2]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    assert history[3] == {
+        "role": "tool",
+        "content": '{"temp": 21}',
+        "tool_call_id": "c1",
+        "name": "get_weather",
+    }
+    responses, failures = stored(layout)
+    by_id = {r["id"]: r for r in responses.to_dicts()}
+    # A call is an answer: stored with its arguments exactly as they came (streamed in pieces or whole).
+    assert parse_calls(by_id["w1"]["tool_calls"]) == [
+        ToolCall("get_weather", '{"city": "Oslo"}', "call_Oslo")
+    ]
+    assert by_id["w1"]["finish_reason"] == "tool_calls" and by_id["w1"]["content"] == ""
+    assert by_id["p1"]["tool_calls"] is None
+    # An answer with neither text nor calls is never an answered prompt: a retryable failure.
+    assert "b1" not in by_id
+    fail = failures.filter(pl.col("id") == "b1").row(0, named=True)
+    assert fail["error_kind"] == "server" and not fail["permanent"] and fail["attempts"] == 2
+    assert "neither text nor tool calls" in fail["message"]
+    build_tokens(layout, chat, log=lambda m: None, workers=1)
+    tokens = pl.read_parquet(layout.tokens)
+    row = tokens.filter(pl.col("id") == "w1").row(0, named=True)
+    trained = chat.encoder.decode([i for i, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+    assert (
+        trained
+        == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+    )
+    assert not row["answer_empty"]
+    assert set(tokens["id"].to_list()) == {"w1", "p1", "t1"}
