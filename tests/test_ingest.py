@@ -164,7 +164,8 @@ def test_the_sources_own_answer_is_kept_beside_the_prompt(tmp_path):
 
 
 def test_tool_turns_pass_through_as_the_source_has_them(tmp_path):
-    """An agent trace's tool results stay in the conversation as `tool` turns (OpenAI messages), and
+    """An agent trace's tool results stay in the conversation as `tool` turns (OpenAI messages) with their
+    call's id and name, and
     ShareGPT's `observation` (LLaMA-Factory), `tool` and `function_response` speakers become them; the rules
     on how a conversation ends are unchanged."""
     messages = write_jsonl(
@@ -197,11 +198,13 @@ def test_tool_turns_pass_through_as_the_source_has_them(tmp_path):
     )
     r = ingest(messages, "messages")
     assert r.prompts["id"].to_list() == ["m1"]
+    # A tool result keeps its call's id and name (tests/test_tool_calls.py: with the calls themselves).
+    plain = {"tool_calls": None, "tool_call_id": None, "name": None}
     assert r.prompts["messages"][0].to_list() == [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Calling get_weather(Paris)."},
-        {"role": "tool", "content": "18C, sunny"},
-        {"role": "user", "content": "And tomorrow?"},
+        {"role": "user", "content": "Weather in Paris?", **plain},
+        {"role": "assistant", "content": "Calling get_weather(Paris).", **plain},
+        {"role": "tool", "content": "18C, sunny", **plain, "tool_call_id": "call_1", "name": "get_weather"},
+        {"role": "user", "content": "And tomorrow?", **plain},
     ]
     assert r.quarantine["reason"].to_list() == ["conversation ends with a tool turn, not a user turn"]
 

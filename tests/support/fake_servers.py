@@ -95,8 +95,8 @@ class FakeOpenRouter(_ThreadedApp):
     ):
         super().__init__()
         self.key = key
-        # callable(prompt, body) -> the answer's message ({content, tool_calls}) and finish reason, or None for
-        # the usual text answer: an agentic provider's answers (tool calls streamed as OpenAI streams them)
+        # callable(prompt, body) -> the answer's message ({content, tool_calls}) and finish reason, or None
+        # for the usual text answer: an agentic provider's answers (calls streamed as OpenAI streams them)
         self.answer_message = answer_message
         # callable(prompt) -> the answer's text (None: "Answer to: <prompt>"); a lying provider's answers
         self.answer_text = answer_text

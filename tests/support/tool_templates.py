@@ -27,7 +27,8 @@ QWEN_TOOLS_TEMPLATE = """\
 {{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
 {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within ' }}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' }}
+{{- 'arguments within ' }}
 {{- '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": ' }}
 {{- '<args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages[0]['role'] == 'system' %}
@@ -78,7 +79,8 @@ LLAMA31_TOOLS_TEMPLATE = """\
 {%- elif message.role == 'tool' %}
 {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
 {%- else %}
-{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}
+{{- message.content | trim + '<|eot_id|>' }}
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}

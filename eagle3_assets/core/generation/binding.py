@@ -34,6 +34,8 @@ import polars as pl
 
 from ...config import BUILTIN_SMOLLM2, OpenRouterConfig, ProjectConfig, SamplingConfig, SGLangConfig
 from ..prompts.fingerprints import digest, prompt_fingerprint
+from ..prompts.tools import RowTools
+from ..target.tool_calls import parse_calls
 from .conversations import TurnAnswer, assistant_slots, split_turn_id, turn_fingerprint
 
 IMPORTED = "imported"  # the `backend` of rows `eagle3 import-responses` stored
@@ -202,6 +204,7 @@ STANDING_COLUMNS = [
     "settings_fingerprint",
     "content",
     "reasoning",
+    "tool_calls",
 ]
 
 
@@ -259,7 +262,13 @@ def standing_answers(
     out.unbound = int(stored["prompt_fingerprint"].is_null().sum()) if stored.height else 0
     if rules.turns == "all":
         messages = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
-        _standing_turns(messages, stored, rules, _by_id(aside), out)
+        offered = RowTools.of(prompts)
+        tools = {
+            rid: (t, c)
+            for rid, t, c in zip(prompts["id"].to_list(), offered.tools, offered.tool_choice, strict=True)
+            if t is not None or c is not None
+        }
+        _standing_turns(messages, stored, rules, _by_id(aside), out, tools)
     else:
         _standing_prompts(with_fingerprints(prompts), stored, rules, aside, out)
     return out
@@ -358,6 +367,7 @@ def _standing_turns(
     rules: AnswerRules,
     spare: dict[str, list[dict[str, Any]]],
     out: Standing,
+    tools: dict[str, tuple[str | None, str | None]] | None = None,
 ) -> None:
     """turns: all. Walk each conversation from its first turn: a turn stands while its row answers the request
     rebuilt from the source and the standing earlier answers; from the first that does not, every later stored
@@ -383,7 +393,8 @@ def _standing_turns(
                     PROMPT_REMOVED, "no conversation of the source has this id"
                 )
             continue
-        _walk(cid, source, have, spare_turns.get(cid, {}), rules, out)
+        offered = (tools or {}).get(cid, (None, None))
+        _walk(cid, source, have, spare_turns.get(cid, {}), rules, out, offered)
 
 
 def _walk(
@@ -393,6 +404,7 @@ def _walk(
     spare: dict[int, list[dict[str, Any]]],
     rules: AnswerRules,
     out: Standing,
+    offered: tuple[str | None, str | None] = (None, None),
 ) -> None:
     n = len(assistant_slots(source))
     answers: list[TurnAnswer] = []
@@ -407,16 +419,20 @@ def _walk(
             if row is not None:
                 out.aside[row["id"]] = AsideReason(PROMPT_EDITED, f"the conversation has {n} turns now")
             continue
-        expected = turn_fingerprint(source, k, answers)
+        expected = turn_fingerprint(source, k, answers, *offered)
         verdict = None if row is None else _row_verdict(rules, row, expected)
         if row is not None and verdict is None:
-            answers.append(TurnAnswer(row["content"] or "", row["reasoning"]))
+            answers.append(_turn_answer(row))
             continue
         if row is not None and verdict is not None:
             out.aside[row["id"]] = verdict
         match = next((r for r in spare.get(k, []) if _fits(rules, r, expected)), None)
         if match is not None:
             out.restore.append(match["aside_key"])
-            answers.append(TurnAnswer(match["content"] or "", match["reasoning"]))
+            answers.append(_turn_answer(match))
             continue
         broken = AsideReason(EARLIER_TURN, f"turn {k} of the conversation no longer stands")
+
+
+def _turn_answer(row: Mapping[str, Any]) -> TurnAnswer:
+    return TurnAnswer(row["content"] or "", row["reasoning"], tuple(parse_calls(row.get("tool_calls"))))

@@ -8,18 +8,25 @@ and `reasoning_content`). Each turn is stored as its own response row, `<convers
 is sent as soon as the previous answer lands, so thousands of conversations advance side by side in the
 engine's window without waiting for each other. A resumed run continues each conversation after its last
 stored turn; a turn that fails for good ends its conversation's regeneration.
+
+Agent traces (`tool_splice`): after a target's turn that calls tools, the source's results are spliced in
+when the target called the same tools as the source at that point (by position and name), re-addressed to
+the target's own call ids; where it called something else, the conversation stops there (TOOL_DIVERGED).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import polars as pl
 
-from ..prompts.fingerprints import prompt_fingerprint
+from ..prompts.fingerprints import request_fingerprint
+from ..target.tool_calls import ToolCall, calls_json, parse_calls
 from .protocol import Completion, CompletionRequest, Sampling
+from .tool_splice import TOOL_DIVERGED, call_ids, divergence
 
 if TYPE_CHECKING:
     from ..storage.tables import JournalTable
@@ -54,11 +61,14 @@ def assistant_slots(messages: list[dict]) -> list[int]:
 class TurnAnswer:
     content: str
     reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def message(self, keep_reasoning: bool = True) -> dict:
-        msg = {"role": "assistant", "content": self.content}
+        msg: dict[str, str | None] = {"role": "assistant", "content": self.content}
         if self.reasoning and keep_reasoning:
             msg["reasoning"] = self.reasoning
+        if self.tool_calls:  # absent from an answer without calls: its fingerprint is as it always was
+            msg["tool_calls"] = calls_json(self.tool_calls)
         return msg
 
 
@@ -73,19 +83,30 @@ def turn_messages(
         raise ValueError(f"turn {k} of a conversation with {len(slots)} turns and {len(answers)} answers")
     out: list[dict] = []
     j = 0
+    ids: dict[str, str] = {}  # the source's call ids -> the target's, after a target's turn with calls
     for i, m in enumerate(messages[: slots[k - 1]]):
         if i in slots[: k - 1]:
             out.append(answers[j].message(keep_reasoning))
+            ids = call_ids(messages, i, answers[j].tool_calls)
             j += 1
+        elif m.get("role") == "tool" and m.get("tool_call_id") in ids:
+            out.append({**m, "tool_call_id": ids[m["tool_call_id"]]})
         else:
             out.append(m)
     return out
 
 
-def turn_fingerprint(source: list[dict], k: int, answers: list[TurnAnswer]) -> str:
+def turn_fingerprint(
+    source: list[dict],
+    k: int,
+    answers: list[TurnAnswer],
+    tools: str | None = None,
+    tool_choice: str | None = None,
+) -> str:
     """Turn k's request, fingerprinted: the source before slot k with the target's own answers to turns
-    1..k-1 (and their reasoning, whether or not the template shows it to the model)."""
-    return prompt_fingerprint(turn_messages(source, k, answers[: k - 1], keep_reasoning=True))
+    1..k-1 (and their reasoning, whether or not the template shows it to the model), and the tools offered."""
+    msgs = turn_messages(source, k, answers[: k - 1], keep_reasoning=True)
+    return request_fingerprint(msgs, tools, tool_choice)
 
 
 @dataclass
@@ -95,6 +116,8 @@ class Chain:
     id: str
     messages: list[dict]
     answers: list[TurnAnswer] = field(default_factory=list)
+    tools: str | None = None  # the tools offered (canonical JSON), sent with every turn
+    tool_choice: str | None = None
 
     @property
     def n_turns(self) -> int:
@@ -115,7 +138,7 @@ class Chains:
         chains: list[Chain],
         max_tokens: int,
         sampling: Sampling,
-        render: Callable[[list[dict]], list[int] | Exception] | None,
+        render: Callable[[list[dict], list[dict] | None], list[int] | Exception] | None,
         skip: Callable[[str, str, str], None],
         keep_reasoning: bool = True,
     ):
@@ -138,7 +161,9 @@ class Chains:
         if parsed is None or parsed[0] not in self.chains:
             return None
         chain = self.chains[parsed[0]]
-        chain.answers.append(TurnAnswer(completion.content or "", completion.reasoning))
+        chain.answers.append(
+            TurnAnswer(completion.content or "", completion.reasoning, tuple(completion.tool_calls))
+        )
         if chain.next_turn is None:
             del self.chains[chain.id]
             return None
@@ -148,10 +173,21 @@ class Chains:
         k = chain.next_turn
         if k is None:
             return None
+        if k > 1:
+            slot = assistant_slots(chain.messages)[k - 2]
+            why = divergence(chain.messages, slot, chain.answers[k - 2].tool_calls)
+            if why is not None:
+                # The target's turn k-1 does not fit the source's tool results: its turns 1..k-1 stand, the
+                # rest is not asked (no result is glued to a call it does not answer).
+                n = chain.n_turns
+                self.skip(turn_id(chain.id, k), TOOL_DIVERGED, f"turn {k - 1} of {n}: {why}")
+                self.chains.pop(chain.id, None)
+                return None
         msgs = turn_messages(chain.messages, k, chain.answers, self.keep_reasoning)
+        tools = json.loads(chain.tools) if chain.tools else None
         prompt_ids = None
         if self.render is not None:
-            rendered = self.render(msgs)
+            rendered = self.render(msgs, tools)
             if isinstance(rendered, Exception):
                 # Turn 1 refused: nothing of the prompt is answered, a lost prompt like any failure
                 # ("template"). A later turn: the conversation is regenerated up to it and the rest recorded
@@ -172,7 +208,9 @@ class Chains:
             self.max_tokens,
             self.sampling,
             prompt_ids,
-            fingerprint=turn_fingerprint(chain.messages, k, chain.answers),
+            fingerprint=turn_fingerprint(chain.messages, k, chain.answers, chain.tools, chain.tool_choice),
+            tools=tools,
+            tool_choice=json.loads(chain.tool_choice) if chain.tool_choice else None,
         )
 
 
@@ -182,9 +220,12 @@ def stored_turn_answers(responses: JournalTable, ids: Collection[str]) -> dict[s
     if not ids or not responses.files():
         return {}
     stored = (
-        responses.scan(["id", "content", "reasoning"])
+        responses.scan(["id", "content", "reasoning", "tool_calls"])
         .filter(pl.col("id").is_in(list(ids)))
         .unique(subset=["id"], keep="first")
         .collect()
     )
-    return {rid: TurnAnswer(content or "", reasoning) for rid, content, reasoning in stored.iter_rows()}
+    return {
+        rid: TurnAnswer(content or "", reasoning, tuple(parse_calls(calls)))
+        for rid, content, reasoning, calls in stored.iter_rows()
+    }

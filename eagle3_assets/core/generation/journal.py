@@ -43,7 +43,7 @@ RESPONSE_REQUIRED = ("id", "content", "finish_reason", "completion_tokens")
 FAILURE_REQUIRED = ("id", "error_kind", "permanent")
 LOST_REQUIRED = ("run_id", "estimated_tokens", "estimated_usd")
 ASIDE_REQUIRED = ("id", "aside_key", "aside_reason", "completion_tokens")
-TEXT_COLUMNS = ("content", "reasoning")  # what only a `turns: all` history needs of a stored answer
+TEXT_COLUMNS = ("content", "reasoning", "tool_calls")  # what only a `turns: all` history needs of an answer
 STAGE = "responses"  # the quarantine folder of what the journal sets aside
 
 

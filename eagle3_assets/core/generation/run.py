@@ -395,7 +395,10 @@ def _open_chains(
     chains: list[Chain] = []
     done_convs: set[str] = set()
     keep: list[bool] = []
-    for cid, messages in zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True):
+    offered = RowTools.of(prompts)
+    for i, (cid, messages) in enumerate(
+        zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True)
+    ):
         n = len(assistant_slots(messages))
         have = stored.get(cid, set())
         k = 0
@@ -406,7 +409,8 @@ def _open_chains(
         if k >= n or cid in failed:
             keep.append(False)
             continue
-        chain = Chain(cid, messages, [answers[turn_id(cid, j)] for j in range(1, k + 1)])
+        history = [answers[turn_id(cid, j)] for j in range(1, k + 1)]
+        chain = Chain(cid, messages, history, offered.tools[i], offered.tool_choice[i])
         chains.append(chain)
         keep.append(True)
     todo = prompts.filter(pl.Series(keep, dtype=pl.Boolean))
@@ -507,9 +511,9 @@ def _storage_room(journal: ResponseJournal, max_tokens: int) -> StorageRoom:
     return StorageRoom(journal.layout.dir, size / rows if rows else 4.0 * max_tokens + 512)
 
 
-def _render_one(chat: ChatTokenizer) -> Callable[[list[dict]], list[int] | Exception]:
-    def render(messages: list[dict]) -> list[int] | Exception:
-        out = chat.prompt_ids([messages])[0]
+def _render_one(chat: ChatTokenizer) -> Callable[[list[dict], list[dict] | None], list[int] | Exception]:
+    def render(messages: list[dict], tools: list[dict] | None) -> list[int] | Exception:
+        out = chat.prompt_ids([messages], [tools])[0]
         return out if isinstance(out, Exception) else list(out)
 
     return render

@@ -258,9 +258,11 @@ def normalise_row(
         msgs.pop()
     if not any(m["role"] == "user" for m in msgs):
         raise RowError("no user turn")
-    if msgs[-1]["role"] not in ("user", "tool"):
+    calls = any(m.get("tool_calls") for m in msgs)
+    # A trace may end with a tool result the target answers, where the result answers a call.
+    if msgs[-1]["role"] not in (("user", "tool") if calls else ("user",)):
         raise RowError(f"conversation ends with a {msgs[-1]['role']} turn, not a user turn")
-    if has_tool_fields(msgs) or any(m["role"] == "tool" for m in msgs):
+    if calls:
         link_results(msgs)
     if any(m["role"] == "system" for m in msgs[1:]):
         raise RowError("a system turn after the first message")

@@ -106,8 +106,8 @@ class ToolRenderer:
         """What the target wrote of its turn: to its end-of-turn token when it finished."""
         chat = self.chat
         if answer.reasoning and answer.reasoning not in text:
-            # The template drops the final turn's reasoning (Kimi K2.5 does for a plain reply): the turn in the
-            # thinking form the model itself produced it in.
+            # The template drops the final turn's reasoning (Kimi K2.5 does for a plain reply): the turn in
+            # the thinking form the model itself produced it in.
             if answer.tool_calls:
                 raise ValueError("the template drops the reasoning of an answer that calls a tool")
             opener = "" if prompt.endswith(chat.think_open) else chat.think_open

@@ -17,7 +17,8 @@ import polars as pl
 import pyarrow as pa
 
 from ..target.chat import Answer, ChatTokenizer, TemplateError, TokenizedConversation
-from ..target.tool_calls import parse_calls, finished as is_finished
+from ..target.tool_calls import finished as is_finished
+from ..target.tool_calls import parse_calls
 from ..target.tool_render import tools_of
 from .answer_quality import is_degenerate
 from .reference import Comparison, compare, normalise_reference
