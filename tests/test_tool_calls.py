@@ -297,3 +297,155 @@ def test_tool_calls_answered_stored_and_tokenized(tmp_path, monkeypatch, stream)
     )
     assert not row["answer_empty"]
     assert set(tokens["id"].to_list()) == {"w1", "p1", "t1"}
+
+
+# -- 3. agent traces turn by turn, and 5. the report and the blocking check -------------------------------
+STOCK = {"type": "function", "function": {"name": "get_stock", "parameters": {"type": "object"}}}
+
+
+def _trace(rid: str, question: str, first: dict) -> dict:
+    """user -> the source's first assistant turn (`first`) -> its tool result -> a reply -> a new question."""
+    calls = first.get("tool_calls")
+    msgs = [{"role": "user", "content": question}, first]
+    if calls:
+        msgs.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp": 21}'})
+    msgs += [{"role": "assistant", "content": "It is 21 degrees."}, {"role": "user", "content": "And Oslo?"}]
+    return {"id": rid, "tools": [WEATHER, STOCK], "messages": msgs}
+
+
+def _trace_agent(prompt: str, body: dict):
+    """Calls get_weather for a city, get_stock when asked about stock, replies after a tool result."""
+    if prompt.startswith("{"):
+        return {"content": "Done."}, "stop"
+    if "stock" in prompt:
+        return {
+            "content": None,
+            "tool_calls": [_call("call_s", "x") | {"function": {"name": "get_stock", "arguments": "{}"}}],
+        }, "tool_calls"
+    city = prompt.split()[-1].rstrip("?")
+    return {"content": "Let me look.", "tool_calls": [_call(f"call_{city}", city)]}, "tool_calls"
+
+
+def test_turns_all_splices_results_after_the_same_call_and_stops_where_the_target_diverges(
+    tmp_path, monkeypatch
+):
+    from eagle3_assets.config import OpenRouterConfig, SamplingConfig
+    from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
+    from eagle3_assets.core.generation.tool_splice import TOOL_DIVERGED
+    from eagle3_assets.core.report.summary import build_report
+    from resources.inference.openrouter import OpenRouterBackend
+
+    from .support.engine_runs import fast_settings
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    rows = [
+        _trace(
+            "same",
+            "Weather in Paris?",
+            {"role": "assistant", "content": "", "tool_calls": [_call("c1", "Paris")]},
+        ),
+        _trace(
+            "other",
+            "stock price?",
+            {"role": "assistant", "content": "", "tool_calls": [_call("c1", "Paris")]},
+        ),
+        _trace("nocall", "Tell me about Rome", {"role": "assistant", "content": "Rome is old."}),
+    ]
+    src = write_jsonl(tmp_path / "B1.jsonl", rows)
+    ds = DatasetConfig(source=str(src), format="messages", turns="all", max_tokens=100)
+    write_prompts(src, layout, ds)
+    chat = ChatTokenizer(qwen_tools())
+    with FakeOpenRouter(key=KEY, answer_message=_trace_agent) as server:
+        cfg = OpenRouterConfig(base_url=server.base_url, api_key_env=KEY_ENV, reasoning=None, max_retries=1)
+        settings = fast_settings(8, 1, backoff_max_s=0.1, flush_interval_s=0.2, progress_interval_s=0.5)
+        plan = GenerationPlan("B1", ds, SamplingConfig())
+        generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
+        bodies = [h.body for h in server.hits]
+    responses, failures = stored(layout)
+    answered = set(responses["id"].to_list())
+    # The target called what the source called: its result follows, addressed to the target's own call.
+    assert {"same#t1", "same#t2", "same#t3"} <= answered
+    turn2 = next(b for b in bodies if b["messages"][-1]["role"] == "tool")
+    assert turn2["messages"][-1] == {
+        "role": "tool",
+        "content": '{"temp": 21}',
+        "tool_call_id": "call_Paris",
+        "name": "get_weather",
+    }
+    assert turn2["messages"][1]["tool_calls"][0]["id"] == "call_Paris"
+    # It called another tool, or a tool where the source replied: the conversation stops after that turn.
+    assert "other#t1" in answered and "other#t2" not in answered
+    assert "nocall#t1" in answered and "nocall#t2" not in answered
+    stopped = failures.filter(pl.col("error_kind") == TOOL_DIVERGED)
+    assert sorted(stopped["id"].to_list()) == ["nocall#t2", "other#t2"]
+    assert (
+        "get_stock where the source called get_weather"
+        in stopped.filter(pl.col("id") == "other#t2")["message"][0]
+    )
+    assert stopped["permanent"].all()
+    # A second run asks nothing again: complete and stopped conversations stay as they are.
+    with FakeOpenRouter(key=KEY, answer_message=_trace_agent) as server:
+        cfg = OpenRouterConfig(base_url=server.base_url, api_key_env=KEY_ENV, reasoning=None, max_retries=1)
+        generate_responses(layout, plan, OpenRouterBackend(cfg, chat), chat, settings, log=lambda m: None)
+        assert server.hits == []
+    build_tokens(layout, chat, log=lambda m: None, workers=1)
+    tokens = pl.read_parquet(layout.tokens)
+    assert tokens.height == 5 and not pl.read_parquet(layout.tokens_errors).height
+    report = build_report(layout, ds)
+    t = report.tool_calls
+    assert t is not None
+    assert (t.answers_with_calls, t.calls, t.conversations_stopped_at_divergence) == (4, 4, 2)
+    assert t.calls_to_tools_not_offered == 0 and t.arguments_not_json == 0
+    # Stopped conversations are bad data for this target, not failed requests.
+    from eagle3_assets.core.report.validation import counted_failures
+
+    assert counted_failures(failures) == (0, 2)
+
+
+def test_the_blocking_check_fails_on_an_answer_with_neither_text_nor_calls(tmp_path):
+    from eagle3_assets.assets.tokens import answer_features
+    from eagle3_assets.core.report.summary import build_report
+    from eagle3_assets.core.report.validation import answers_have_text_or_calls
+    from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
+
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    rows = [
+        {"id": i, "tools": TOOLS, "messages": [{"role": "user", "content": f"q {i}"}]}
+        for i in ("a", "b", "c")
+    ]
+    src = write_jsonl(tmp_path / "B1.jsonl", rows)
+    ds = DatasetConfig(source=str(src), format="messages")
+    write_prompts(src, layout, ds)
+
+    def frame(*rows):
+        return pl.DataFrame([dict.fromkeys(RESPONSE_SCHEMA) | r for r in rows], schema=RESPONSE_SCHEMA)
+
+    def answer(rid, content, calls):
+        return {
+            "id": rid,
+            "backend": "openrouter",
+            "model": "m",
+            "content": content,
+            "finish_reason": "stop",
+            "completion_tokens": 3,
+            "tool_calls": calls,
+        }
+
+    good_call = calls_json([ToolCall("get_weather", '{"city": "Rome"}', "x1")])
+    bad_calls = calls_json([ToolCall("get_weather", "{city", "x2"), ToolCall("rm_rf", "{}", "x3")])
+    answers = [answer("a", "", good_call), answer("b", "fine", bad_calls)]
+    table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
+    table.append(frame(*answers))
+    chat = ChatTokenizer(qwen_tools())
+    build_tokens(layout, chat, log=lambda m: None, workers=1)
+    assert answers_have_text_or_calls(answer_features(layout)).passed
+    # An empty answer stored by something else (an import, an earlier version): the check fails and names it.
+    table.append(frame(answer("c", "", None)))
+    build_tokens(layout, chat, log=lambda m: None, workers=1)
+    verdict = answers_have_text_or_calls(answer_features(layout))
+    assert not verdict.passed and verdict.metadata["examples"] == "c"
+    t = build_report(layout, ds).tool_calls
+    assert t is not None
+    assert (t.answers_with_calls, t.calls, t.arguments_not_json, t.calls_to_tools_not_offered) == (2, 3, 1, 1)
+    assert t.calls_per_answer_with_calls == 1.5

@@ -189,4 +189,33 @@ def build_tokens_checks(
         eot = target.chat_tokenizer().eot_id
         return MISSING if df is None else check_result(validation.end_of_turn_present(df, eot))
 
-    return [tokens_lengths_match, tokens_reference_match, tokens_coverage, tokens_end_of_turn]
+    @dg.asset_check(
+        asset="tokens",
+        blocking=True,
+        partitions_def=partitions,
+        description="No answer is without text and without tool calls: a provider's empty answer is retried, "
+        "never stored as an answered prompt; one found here (an import, an earlier version) is nothing to "
+        "train and must be asked again.",
+    )
+    def tokens_answers_have_text_or_calls(
+        context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
+    ) -> dg.AssetCheckResult:
+        layout = storage.checkout(context.partition_key, "tokens")
+        if not layout.tokens.exists():
+            return MISSING
+        return check_result(validation.answers_have_text_or_calls(answer_features(layout)))
+
+    return [
+        tokens_lengths_match,
+        tokens_reference_match,
+        tokens_coverage,
+        tokens_end_of_turn,
+        tokens_answers_have_text_or_calls,
+    ]
+
+
+def answer_features(layout: DatasetLayout) -> pl.DataFrame:
+    """id, answer_empty and answer_has_reasoning of every answer the tokens stage saw (rows and errors)."""
+    columns = ["id", "answer_empty", "answer_has_reasoning"]
+    parts = [pl.read_parquet(p, columns=columns) for p in (layout.tokens, layout.tokens_errors) if p.exists()]
+    return pl.concat(parts, how="vertical_relaxed")

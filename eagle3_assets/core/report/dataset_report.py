@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .tool_figures import ToolCallFigures
+
 # Present in report.json only where tokens.parquet has rows, and only where some rows have reference ids.
 TOKEN_ROW_KEYS = ("loss_tokens", "ids_source")
 REFERENCE_KEYS = (
@@ -119,13 +121,17 @@ class ValidationReport:
     answers_set_aside: dict[str, int] = field(default_factory=dict)
     completion_tokens_set_aside: int = 0
     target: str | None = None  # the target the answers belong to (target.json)
+    # An agentic dataset's calls (`tool_figures`); absent from report.json where no answer calls a tool.
+    tool_calls: ToolCallFigures | None = None
 
     def to_json(self) -> dict[str, Any]:
         """report.json, leaving out the keys of figures that were not measured (TOKEN_ROW_KEYS,
         REFERENCE_KEYS)."""
         out = asdict(self)
         out["token_length_histogram"] = [b.to_json() for b in self.token_length_histogram]
-        absent = (TOKEN_ROW_KEYS if not self.n_tokens_rows else ()) + (
-            REFERENCE_KEYS if not self.n_reference else ()
+        absent = (
+            (TOKEN_ROW_KEYS if not self.n_tokens_rows else ())
+            + (REFERENCE_KEYS if not self.n_reference else ())
+            + (("tool_calls",) if self.tool_calls is None else ())
         )
         return {k: v for k, v in out.items() if k not in absent}

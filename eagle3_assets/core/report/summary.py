@@ -34,6 +34,7 @@ from .dataset_report import (
     TurnCounts,
     ValidationReport,
 )
+from .tool_figures import ToolCallFigures
 
 HIST_BINS = 12
 ANSWER_FEATURE_NAMES = ["answer_empty", "answer_degenerate", "answer_has_reasoning"]
@@ -51,6 +52,7 @@ RESPONSE_COLUMNS = [
     "counted_completion_tokens",
     "quantization",
     "cut_at_max_tokens",
+    "tool_calls",
 ]
 TOKEN_COLUMNS = [
     "id",
@@ -153,7 +155,7 @@ class StoredTables:
             .collect()
         )
         return cls(
-            prompts=_read(layout.prompts, ["id"]),
+            prompts=_read(layout.prompts, ["id", "tools"]),
             quarantine=_read(layout.quarantine, ["reason"]),
             responses_all=responses,
             failures=JournalTable(layout.failures_dir, FAILURE_SCHEMA).read(keep="last"),
@@ -240,6 +242,7 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationRep
     costs = pl.concat([responses["cost_usd"], tables.aside["cost_usd"]]).drop_nulls()
     tok = TokenFigures.of(tokens)
     charged = responses["completion_tokens"].fill_null(0)
+    tools = ToolCallFigures.of(responses.select("id", "tool_calls"), tables.prompts, failures)
     return ValidationReport(
         dataset=layout.key,
         generated_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -302,6 +305,7 @@ def build_report(layout: DatasetLayout, dataset: DatasetConfig) -> ValidationRep
         answers_set_aside=_counts(tables.aside["aside_reason"].to_list()),
         completion_tokens_set_aside=aside_tokens,
         target=_target_name(layout),
+        tool_calls=tools if tools.answers_with_calls or tools.conversations_stopped_at_divergence else None,
     )
 
 
@@ -382,6 +386,21 @@ def render_markdown(r: ValidationReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tool_rows(t: ToolCallFigures | None) -> list[str]:
+    """An agentic dataset's calls: how many answers call, how many calls, which look wrong."""
+    if t is None:
+        return []
+    per = f"{t.calls_per_answer_with_calls:.2f}" if t.calls_per_answer_with_calls is not None else "-"
+    return [
+        f"| answers with tool calls | {t.answers_with_calls:,} ({100 * t.calls_share:.1f}%), "
+        f"{t.calls:,} calls, {per} per calling answer |",
+        f"| calls with arguments not a JSON object / to tools not offered | {t.arguments_not_json:,} / "
+        f"{t.calls_to_tools_not_offered:,} |",
+        f"| conversations stopped where the target called other tools than the trace | "
+        f"{t.conversations_stopped_at_divergence:,} |",
+    ]
+
+
 def _empty_notice(r: ValidationReport) -> list[str]:
     """A partition without prompts says so first: every figure after it describes nothing, and a reader of an
     all-zero table should not have to infer that."""
@@ -405,6 +424,7 @@ def _measure_rows(r: ValidationReport) -> list[str]:
         + ("turns" if r.turns else "prompts")
         + ") |",
         *([_turns_row(r.turns)] if r.turns else []),
+        *_tool_rows(r.tool_calls),
         f"| failures | {r.n_failures:,} {r.failure_kinds or ''} |",
         f"| completion tokens | {r.completion_tokens:,} of budget {r.budget_tokens:,}"
         + (f" ({100 * share:.2f}%)" if share is not None else "")

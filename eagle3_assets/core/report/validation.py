@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from ..generation.binding import AnswerRules
 from ..generation.conversations import TEMPLATE_REST, split_turn_id, turn_id
 from ..generation.identity import TargetIdentity
+from ..generation.tool_splice import TOOL_DIVERGED
 from ..prompts.ingest import reason_class
 from ..target.tool_calls import FINISHED_REASONS
 from .summary import wilson_interval
@@ -115,7 +116,7 @@ def counted_failures(failures: pl.DataFrame) -> tuple[int, int]:
     prompts stay under checks.max_failure_share like any other lost prompt."""
     if failures.height == 0:
         return 0, 0
-    rest = int((failures["error_kind"] == TEMPLATE_REST).sum())
+    rest = int(failures["error_kind"].is_in([TEMPLATE_REST, TOOL_DIVERGED]).sum())
     return failures.height - rest, rest
 
 
@@ -263,6 +264,23 @@ def answer_quality(report: dict[str, Any], max_truncated: float, max_degenerate:
             "degenerate_share": report["degenerate_share"],
             "max_degenerate_share": max_degenerate,
             "empty_answers": report["empty_answers"],
+        },
+    )
+
+
+def answers_have_text_or_calls(features: pl.DataFrame) -> Verdict:
+    """No answer is without text and without calls (`answer_empty` and no reasoning: nothing the draft could
+    learn from, stored as if the prompt were answered). Such an answer is retried by the engine, never
+    stored; one found here came from elsewhere (an import, an earlier version) and must not be trained."""
+    empty = features.filter(
+        pl.col("answer_empty").fill_null(False) & ~pl.col("answer_has_reasoning").fill_null(False)
+    )
+    return Verdict(
+        empty.height == 0,
+        {
+            "answers": features.height,
+            "without_text_or_calls": empty.height,
+            "examples": ", ".join(empty["id"].head(5).to_list()),
         },
     )
 

@@ -29,10 +29,12 @@ from ..generation.conversations import (
     turn_id,
     turn_messages,
 )
+from ..prompts.tools import RowTools
 from ..storage.layout import DatasetLayout
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..target.chat import Answer, ChatTokenizer
 from ..target.tool_calls import finished as is_finished
+from ..target.tool_calls import parse_calls
 
 MESSAGE = pl.Struct({"role": pl.String, "content": pl.String, "reasoning": pl.String})
 # An earlier turn of a conversation row: the ids the model produced for it and whether it finished.
@@ -49,18 +51,18 @@ def _stored_turns(
     if not table.files():
         return {}
     stored = (
-        table.scan(["id", "content", "reasoning", "finish_reason", "output_ids"])
+        table.scan(["id", "content", "reasoning", "finish_reason", "output_ids", "tool_calls"])
         .unique(subset=["id"], keep="first")
         .collect()
     )
     turns: dict[str, dict[int, tuple]] = {}
-    for rid, content, reasoning, finish, out_ids in stored.iter_rows():
+    for rid, content, reasoning, finish, out_ids, calls in stored.iter_rows():
         if rid in ids or rid in exclude:
             continue
         parsed = split_turn_id(rid)
         if parsed is not None and parsed[0] in ids:
             turns.setdefault(parsed[0], {})[parsed[1]] = (
-                TurnAnswer(content or "", reasoning),
+                TurnAnswer(content or "", reasoning, tuple(parse_calls(calls))),
                 finish,
                 out_ids,
             )
@@ -89,19 +91,23 @@ def with_turn_prompts(
     if not turns:
         return base
     source = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
+    agentic = "tools" in prompts.columns
+    offered = dict(zip(prompts["id"].to_list(), RowTools.of(prompts).tools, strict=True))
+    struct = base.schema["messages"].inner  # type: ignore[attr-defined]
+    fields = [f.name for f in struct.fields]  # the prompts' own fields, in their order, and `reasoning`
     keep = chat.template_has_reasoning if chat is not None else True
     out_id: list[str] = []
     out_msgs: list[list[dict]] = []
     out_all: list[bool] = []
     out_refs: list[list[dict] | None] = []
+    out_tools: list[str | None] = []
 
     def add(rid: str, msgs: list[dict], all_turns: bool, refs: list[dict] | None) -> None:
         out_id.append(rid)
-        out_msgs.append(
-            [{"role": m["role"], "content": m["content"], "reasoning": m.get("reasoning")} for m in msgs]
-        )
+        out_msgs.append([{f: m.get(f) for f in fields} for m in msgs])
         out_all.append(all_turns)
         out_refs.append(refs)
+        out_tools.append(offered[split_turn_id(rid)[0]])  # type: ignore[index]
 
     for cid, got in turns.items():
         last = 0
@@ -122,18 +128,21 @@ def with_turn_prompts(
             last > 1
             and mergeable
             and chat is not None
-            and chat.keeps_history(final, Answer(answers[-1].content, answers[-1].reasoning, finished))
+            and chat.keeps_history(
+                final, Answer(answers[-1].content, answers[-1].reasoning, finished, answers[-1].tool_calls)
+            )
         ):
             refs = [{"output_ids": got[k][2], "finished": is_finished(got[k][1])} for k in range(1, last)]
             add(turn_id(cid, last), final, True, refs)
             continue
         for k in range(1, last + 1):
             add(turn_id(cid, k), turn_messages(source[cid], k, answers[: k - 1], keep), False, None)
-    turn_rows = pl.DataFrame(
-        {"id": out_id, "messages": out_msgs, "all_turns": out_all, "history_refs": out_refs},
-        schema={"id": pl.String, "messages": pl.List(MESSAGE), **TURN_COLUMNS},
-    )
-    return pl.concat([base, turn_rows])
+    columns = {"id": out_id, "messages": out_msgs, "all_turns": out_all, "history_refs": out_refs}
+    schema: dict[str, pl.DataType] = {"id": pl.String(), "messages": pl.List(struct), **TURN_COLUMNS}
+    if agentic:
+        columns["tools"], schema["tools"] = out_tools, pl.String()
+    turn_rows = pl.DataFrame(columns, schema=schema)
+    return pl.concat([base, turn_rows.select(base.columns)])
 
 
 def row_prompts(
