@@ -5,8 +5,9 @@ backend (OpenAI-compatible, streamed), then tokenized and compared with the ids 
 
 What the small model does, honestly: offered the tool alone it answers in prose or code, never a call. In a
 conversation that shows it calls (user asks, assistant calls, four times over) it copies the form and calls
-`get_weather` with the right city; that is what the `turns: last` rows use. A `turns: all` trace starts without
-such examples, so the target answers its first turn in text where the source called: the trace stops there.
+`get_weather` with the right city; that is what the `turns: last` rows use. A `turns: all` trace starts
+without such examples, so the target answers its first turn in text where the source called: the trace stops
+there.
 """
 
 from __future__ import annotations
