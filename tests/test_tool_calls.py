@@ -449,3 +449,38 @@ def test_the_blocking_check_fails_on_an_answer_with_neither_text_nor_calls(tmp_p
     assert t is not None
     assert (t.answers_with_calls, t.calls, t.arguments_not_json, t.calls_to_tools_not_offered) == (2, 3, 1, 1)
     assert t.calls_per_answer_with_calls == 1.5
+
+
+def test_backends_taking_ids_get_the_prompt_rendered_with_its_tools(tmp_path):
+    """SGLang's native API (and the embedded model) take token ids: the prompt is the target's template
+    rendered with the row's tools, exactly apply_chat_template's ids."""
+    from eagle3_assets.config import BUILTIN_SMOLLM2, SamplingConfig, SGLangConfig
+    from eagle3_assets.core.generation.engine import EngineSettings
+    from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
+    from resources.inference.sglang import SGLangBackend
+
+    from .support.fake_servers import FakeSGLang
+
+    tok = qwen_tools()
+    chat = ChatTokenizer(tok)
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    rows = [trace_row("t1"), {"id": "p1", "messages": [{"role": "user", "content": "plain"}]}]
+    src = write_jsonl(tmp_path / "B1.jsonl", rows)
+    ds = DatasetConfig(source=str(src), format="messages", max_tokens=32)
+    write_prompts(src, layout, ds)
+    with FakeSGLang(tok, chat.eot_id) as server:
+        backend = SGLangBackend(
+            SGLangConfig(base_url=server.base_url, max_concurrency=2), chat, BUILTIN_SMOLLM2
+        )
+        settings = EngineSettings(max_concurrency=2, backoff_base_s=0.01, flush_interval_s=0.2)
+        generate_responses(
+            layout, GenerationPlan("B1", ds, SamplingConfig()), backend, chat, settings, lambda m: None
+        )
+        sent = [b["input_ids"] for b in server.generate_bodies]
+    prompt = pl.read_parquet(layout.prompts).filter(pl.col("id") == "t1").row(0, named=True)
+    rendered = [template_message(m) for m in prompt["messages"]]
+    expected = _reference(tok, rendered, TOOLS, True)
+    assert expected in sent
+    assert "The weather of a city" in tok.decode(expected) and '"city": "Paris"' in tok.decode(expected)
+    plain = _reference(tok, [{"role": "user", "content": "plain"}], None, True)
+    assert plain in sent and "<tools>" not in tok.decode(plain)

@@ -116,7 +116,7 @@ class Chain:
     id: str
     messages: list[dict]
     answers: list[TurnAnswer] = field(default_factory=list)
-    tools: str | None = None  # the tools offered (canonical JSON), sent with every turn
+    tools: str | None = None  # the tools offered (compact JSON, the source's key order), sent with every turn
     tool_choice: str | None = None
 
     @property

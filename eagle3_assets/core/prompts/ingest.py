@@ -68,8 +68,8 @@ PROMPT_SCHEMA: dict[str, pl.DataType] = {
     # another fingerprint answered another question (the source row was edited since).
     "fingerprint": pl.String(),
 }
-# A dataset with tool rows: messages carry their calls (canonical JSON), a tool result its call's id and name,
-# a prompt its tool definitions and `tool_choice` (canonical JSON). A dataset without any keeps PROMPT_SCHEMA.
+# A dataset with tool rows: messages carry their calls (compact JSON), a tool result its call's id and name,
+# a prompt its tool definitions and `tool_choice` (compact JSON). A dataset without any keeps PROMPT_SCHEMA.
 TOOL_MESSAGE = pl.Struct(
     {"role": pl.String(), "content": pl.String(), **dict.fromkeys(TOOL_FIELDS, pl.String())}
 )
@@ -225,7 +225,7 @@ def row_tools(row: Any, dataset_tools: list[dict] | None) -> list[dict] | None:
 
 
 def row_tool_choice(row: Any) -> str | None:
-    """The row's `tool_choice` as the source has it (canonical JSON), None where it has none."""
+    """The row's `tool_choice` as the source has it (compact JSON), None where it has none."""
     value = row.get("tool_choice") if isinstance(row, dict) else None
     return None if value is None else canonical(value)
 

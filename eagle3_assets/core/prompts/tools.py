@@ -111,7 +111,7 @@ def link_results(messages: list[dict[str, Any]]) -> None:
 
 @dataclass(frozen=True)
 class RowTools:
-    """The stored `tools` and `tool_choice` of a frame of prompts (canonical JSON; None for a row without,
+    """The stored `tools` and `tool_choice` of a frame of prompts (compact JSON; None for a row without,
     and for every row of a dataset without tools, whose prompts.parquet has neither column)."""
 
     tools: list[str | None]

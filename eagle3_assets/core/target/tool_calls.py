@@ -3,9 +3,9 @@ request and as a chat template take them.
 
 A call is kept as its source (or the target) wrote it: `id`, `name` and `arguments`, the arguments as the
 JSON text itself, never re-serialised, because the target's ids are rebuilt from that text. Messages carry
-their calls as one canonical JSON string (`tool_calls`), a tool result its `tool_call_id` and `name`, a
-prompt its tool definitions (`tools`, OpenAI's function form) as canonical JSON: plain strings, so every
-stage's tables keep their shape and a row without tools is stored exactly as before.
+their calls as one compact JSON string (`tool_calls`), a tool result its `tool_call_id` and `name`, a
+prompt its tool definitions (`tools`, OpenAI's function form) as compact JSON in the source's key order:
+plain strings, so every stage's tables keep their shape and a row without tools is stored exactly as before.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
 def canonical(obj: Any) -> str:
-    """Canonical JSON (keys sorted, no spaces): the stored form of tool definitions and calls."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    """Compact JSON in the source's own key order: the stored form of tool definitions and calls. Never
+    sorted: a template writes a tool definition (`tool | tojson`) in the order its keys come, and the prompt
+    must be the one the server renders from the same request."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)

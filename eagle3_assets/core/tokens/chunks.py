@@ -221,7 +221,7 @@ class _ChunkRows:
     row_key: list[int | None]
     all_turns: list[bool | None]  # a conversation row (`turns: all`): every assistant turn trained
     history_refs: list[list[dict] | None]  # a conversation row's earlier turns' produced ids
-    tools: list[str | None]  # the prompt's tool definitions (canonical JSON), None without
+    tools: list[str | None]  # the prompt's tool definitions (compact JSON), None without
     tool_calls: list[str | None]  # the answer's calls (canonical JSON), None without
 
     @classmethod
