@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import polars as pl
@@ -27,7 +28,7 @@ from eagle3_assets.core.report.summary import build_report
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.chat import ChatTokenizer
 from eagle3_assets.core.target.loading import builtin_dir
-from eagle3_assets.core.target.tool_calls import parse_calls
+from eagle3_assets.core.target.tool_calls import parse_calls, wire_message
 from eagle3_assets.core.tokens.build import build_tokens
 from resources.inference.openrouter import OpenRouterBackend
 from resources.side_env import clean_env
@@ -174,6 +175,26 @@ def test_vllm_answers_a_tools_dataset_with_calls_stored_and_exact_ids(tmp_path, 
         assert text.startswith('<tool_call>\n{"name": "get_weather"') and text.endswith(
             "</tool_call><|im_end|>"
         )
+    # The prompt too: the ids vLLM rendered from the request equal the ones rebuilt from the stored prompt.
+    prompt = pl.read_parquet(layout.prompts).filter(pl.col("id") == "Oslo").row(0, named=True)
+    tools = json.loads(prompt["tools"])
+    body = {
+        "model": SERVED,
+        "messages": [wire_message(m) for m in prompt["messages"]],
+        "tools": tools,
+        "max_tokens": 1,
+        "return_token_ids": True,
+    }
+    with urllib.request.urlopen(
+        urllib.request.Request(
+            f"{tool_server.base_url}/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        ),
+        timeout=120,
+    ) as resp:
+        served = json.load(resp)["prompt_token_ids"]
+    assert served == target.prompt_ids([prompt["messages"]], [tools])[0]
     report = build_report(layout, ds)
     assert report.tool_calls is not None and report.tool_calls.answers_with_calls == 3
     assert report.tool_calls.calls_to_tools_not_offered == 0 and report.tool_calls.arguments_not_json == 0
