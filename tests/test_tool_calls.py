@@ -484,3 +484,24 @@ def test_backends_taking_ids_get_the_prompt_rendered_with_its_tools(tmp_path):
     assert "The weather of a city" in tok.decode(expected) and '"city": "Paris"' in tok.decode(expected)
     plain = _reference(tok, [{"role": "user", "content": "plain"}], None, True)
     assert plain in sent and "<tools>" not in tok.decode(plain)
+
+
+def test_tool_definitions_count_toward_the_targets_context(tmp_path):
+    """A prompt whose text fits but whose tool definitions do not is quarantined before it is sent: the
+    prompt is counted as the template renders it, tools included."""
+    from eagle3_assets.core.prompts.context import ChatCounter, ContextGuard
+
+    chat = ChatTokenizer(qwen_tools())
+    many = [
+        {"name": f"tool_{i}", "description": "does a thing " * 20, "parameters": {"type": "object"}}
+        for i in range(8)
+    ]
+    rows = [
+        {"id": "short", "tools": TOOLS, "messages": [{"role": "user", "content": "Weather in Rome?"}]},
+        {"id": "long", "tools": many, "messages": [{"role": "user", "content": "Weather in Rome?"}]},
+    ]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    fits = len(chat.prompt_ids([[{"role": "user", "content": "Weather in Rome?"}]], [TOOLS])[0])
+    r = ingest(src, "messages", guard=ContextGuard(fits + 50, lambda: ChatCounter(chat)))
+    assert r.prompts["id"].to_list() == ["short"]
+    assert "exceeds the target's context" in r.quarantine["reason"][0]

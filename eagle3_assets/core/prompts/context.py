@@ -23,6 +23,7 @@ refuse a prompt that fits).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,13 +51,18 @@ class TokenCounter(Protocol):
 
     def longest_token_bytes(self) -> int: ...
 
-    def prompt_lengths(self, prompts: Sequence[Messages]) -> list[int]: ...
+    def prompt_lengths(
+        self, prompts: Sequence[Messages], tools: Sequence[list[dict] | None] | None = None
+    ) -> list[int]: ...
 
 
 class PromptGuard(Protocol):
-    """Decides, for (id, messages) pairs, which prompts may not be sent: a reason each, None to keep it."""
+    """Decides, for (id, messages) pairs (and each prompt's tool definitions, compact JSON, where it has any),
+    which prompts may not be sent: a reason each, None to keep it."""
 
-    def verdicts(self, prompts: Sequence[tuple[str, Messages]]) -> list[str | None]: ...
+    def verdicts(
+        self, prompts: Sequence[tuple[str, Messages]], tools: Sequence[str | None] | None = None
+    ) -> list[str | None]: ...
 
 
 class ChatCounter:
@@ -72,9 +78,11 @@ class ChatCounter:
             self._longest = longest_token_bytes(self.chat.tok)
         return self._longest
 
-    def prompt_lengths(self, prompts: Sequence[Messages]) -> list[int]:
+    def prompt_lengths(
+        self, prompts: Sequence[Messages], tools: Sequence[list[dict] | None] | None = None
+    ) -> list[int]:
         out = []
-        for messages, ids in zip(prompts, self.chat.prompt_ids(prompts), strict=True):
+        for messages, ids in zip(prompts, self.chat.prompt_ids(prompts, tools), strict=True):
             if isinstance(ids, Exception):
                 # A template that refuses this conversation (the tokens stage records why): its texts alone
                 # are counted, which is no more than the prompt would be.
@@ -96,8 +104,15 @@ class ContextGuard:
     refused_unencoded: int = 0
     tokenizer_loaded: bool = field(default=False)
 
-    def verdicts(self, prompts: Sequence[tuple[str, Messages]]) -> list[str | None]:
-        sizes = [content_bytes(messages) for _, messages in prompts]
+    def verdicts(
+        self, prompts: Sequence[tuple[str, Messages]], tools: Sequence[str | None] | None = None
+    ) -> list[str | None]:
+        offered = list(tools) if tools is not None else [None] * len(prompts)
+        # The tool definitions are rendered into the prompt too: their bytes count.
+        sizes = [
+            content_bytes(m) + len((t or "").encode("utf-8"))
+            for (_, m), t in zip(prompts, offered, strict=True)
+        ]
         out: list[str | None] = [None] * len(prompts)
         near = [
             i
@@ -119,7 +134,10 @@ class ContextGuard:
                 exact.append(i)
         for start in range(0, len(exact), EXACT_BATCH):
             batch = exact[start : start + EXACT_BATCH]
-            for i, n in zip(batch, counter.prompt_lengths([prompts[i][1] for i in batch]), strict=True):
+            lengths = counter.prompt_lengths(
+                [prompts[i][1] for i in batch], [json.loads(t) if (t := offered[i]) else None for i in batch]
+            )
+            for i, n in zip(batch, lengths, strict=True):
                 if n >= self.context:
                     out[i] = self.reason(n)
             self.counted_exactly += len(batch)
@@ -154,12 +172,17 @@ class RecordedVerdicts:
         rows = quarantine.filter(pl.col("reason").str.contains(CONTEXT_MARK, literal=True))
         return cls(dict(zip(rows["id"].to_list(), rows["reason"].to_list(), strict=True)))
 
-    def verdicts(self, prompts: Sequence[tuple[str, Messages]]) -> list[str | None]:
+    def verdicts(
+        self, prompts: Sequence[tuple[str, Messages]], tools: Sequence[str | None] | None = None
+    ) -> list[str | None]:
         return [self.reasons.get(pid) for pid, _ in prompts]
 
 
 def content_bytes(messages: Messages) -> int:
-    return sum(len(m["content"].encode("utf-8")) for m in messages)
+    """The bytes of the messages' texts, a call's JSON included."""
+    return sum(
+        len(m["content"].encode("utf-8")) + len((m.get("tool_calls") or "").encode("utf-8")) for m in messages
+    )
 
 
 def upper_bound(size: int, n_messages: int) -> int:

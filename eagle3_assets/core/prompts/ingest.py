@@ -406,7 +406,9 @@ class _Ingestion:
 
     def screen(self, guard: PromptGuard) -> None:
         """Move the prompts `guard` refuses (too long for the target) to the quarantine."""
-        verdicts = guard.verdicts([(p["id"], p["messages"]) for p in self.prompts])
+        verdicts = guard.verdicts(
+            [(p["id"], p["messages"]) for p in self.prompts], [p.get("tools") for p in self.prompts]
+        )
         kept = []
         for prompt, reason in zip(self.prompts, verdicts, strict=True):
             if reason is None:
