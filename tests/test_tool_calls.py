@@ -505,3 +505,44 @@ def test_tool_definitions_count_toward_the_targets_context(tmp_path):
     r = ingest(src, "messages", guard=ContextGuard(fits + 50, lambda: ChatCounter(chat)))
     assert r.prompts["id"].to_list() == ["short"]
     assert "exceeds the target's context" in r.quarantine["reason"][0]
+
+
+def test_imported_answers_keep_their_calls_and_an_empty_one_is_refused(tmp_path):
+    """`eagle3 import-responses`: an answer produced elsewhere keeps its calls, stays bound to its tools
+    prompt, and an answer with neither text nor calls is rejected, never stored."""
+    from eagle3_assets.core.generation.binding import IMPORTED, AnswerRules, ServedModels
+    from eagle3_assets.core.generation.importer import import_responses
+    from eagle3_assets.core.generation.journal import ResponseJournal
+
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    rows = [
+        {"id": i, "tools": TOOLS, "messages": [{"role": "user", "content": f"Weather in {i}?"}]}
+        for i in ("Rome", "Oslo")
+    ]
+    src = write_jsonl(tmp_path / "B1.jsonl", rows)
+    write_prompts(src, layout, DatasetConfig(source=str(src), format="messages"))
+    answers = write_jsonl(
+        tmp_path / "answers.jsonl",
+        [
+            {
+                "id": "Rome",
+                "model": "m",
+                "content": None,
+                "finish_reason": "tool_calls",
+                "tool_calls": [_call("r1", "Rome")],
+            },
+            {"id": "Oslo", "model": "m", "content": "", "finish_reason": "stop"},
+        ],
+    )
+    chat = ChatTokenizer(qwen_tools())
+    summary = import_responses(layout, answers, chat, ServedModels(("m",)))
+    assert summary.imported == 1 and sum(summary.rejected.values()) == 1
+    assert "neither text nor tool calls" in next(iter(summary.rejected))
+    responses, _ = stored(layout)
+    row = responses.row(0, named=True)
+    assert row["id"] == "Rome" and parse_calls(row["tool_calls"]) == [
+        ToolCall("get_weather", '{"city": "Rome"}', "r1")
+    ]
+    # bound to the prompt with its tools: it stands
+    rules = AnswerRules("last", {IMPORTED: None}, {IMPORTED: ServedModels(("m",))})
+    assert not ResponseJournal(layout).standing(rules).aside

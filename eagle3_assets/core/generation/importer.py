@@ -22,11 +22,13 @@ from typing import Any
 import polars as pl
 
 from ..prompts.fingerprints import prompt_fingerprint
-from ..prompts.ingest import RowError, content_id, iter_source_rows, normalise_row
+from ..prompts.ingest import RowError, content_id, iter_source_rows, normalise_row, read_prompts
+from ..prompts.tools import normalise_calls
 from ..storage.files import write_parquet
 from ..storage.layout import DatasetLayout
 from ..storage.tables import IMPORT_REJECTED_SCHEMA
 from ..target.chat import ChatTokenizer
+from ..target.tool_calls import ToolCall, finished
 from .binding import IMPORTED, ServedModels
 from .journal import JournalWriter, ResponseJournal
 from .protocol import Completion
@@ -49,6 +51,12 @@ class _PromptIndex:
         self.system_prompt = system_prompt  # the dataset's own, added to imported messages as ingest adds it
         self.ids = set(prompts["id"].to_list())
         self.messages = dict(zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True))
+        # As ingest fingerprinted each prompt (with its tools, where it has any).
+        self.fingerprints = (
+            dict(zip(prompts["id"].to_list(), prompts["fingerprint"].to_list(), strict=True))
+            if "fingerprint" in prompts.columns
+            else {}
+        )
         self.by_hash: dict[str, str] = {}
         last_user: dict[str, list[str]] = {}
         for pid, msgs in zip(prompts["id"].to_list(), prompts["messages"].to_list(), strict=True):
@@ -58,7 +66,7 @@ class _PromptIndex:
 
     def fingerprint(self, pid: str) -> str:
         """The prompt an imported answer is bound to: as it stands now."""
-        return prompt_fingerprint(self.messages[pid])
+        return self.fingerprints.get(pid) or prompt_fingerprint(self.messages[pid])
 
     def match(self, row: dict) -> tuple[str, dict]:
         """(prompt id, answer fields) of one import row, or RowError."""
@@ -73,6 +81,7 @@ class _PromptIndex:
             ):
                 answer["response"] = msgs[-1].get("content")
                 answer.setdefault("reasoning", msgs[-1].get("reasoning") or msgs[-1].get("reasoning_content"))
+                answer.setdefault("tool_calls", msgs[-1].get("tool_calls"))
         rid = row.get("id")
         if rid is not None:
             if str(rid) in self.ids:
@@ -101,11 +110,16 @@ def _completion(
     answer: dict, chat: ChatTokenizer, default_model: str | None, served: ServedModels
 ) -> Completion:
     content = answer.get("response", answer.get("content"))
+    calls = normalise_calls(answer["tool_calls"], "tool_calls", None) if answer.get("tool_calls") else []
+    if content is None and calls:
+        content = ""  # a call alone is an answer
     if not isinstance(content, str):
         raise RowError("missing answer text (response or content)")
     reasoning = answer.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, str):
         raise RowError("reasoning must be a string")
+    if not (content or reasoning or calls):
+        raise RowError("an answer with neither text nor tool calls (nothing to train)")
     ids = answer.get("output_ids")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids)):
         raise RowError("output_ids must be a list of non-negative integers")
@@ -116,7 +130,9 @@ def _completion(
         if ids is not None:
             tokens = len(ids)
         else:  # count with the target tokenizer so the budget is honest
-            tokens = len(chat.encoder.encode_texts([(reasoning or "") + content])[0]) + (finish == "stop")
+            tokens = len(chat.encoder.encode_texts([_answer_text(content, reasoning, calls)])[0]) + finished(
+                finish
+            )
     cost = usage.get("cost")
     model = answer.get("model") or default_model
     if not model:
@@ -126,7 +142,9 @@ def _completion(
     if not served.accepts(str(model)):
         raise RowError(f"answer from model {model!r}, not the target (accepted: {served.describe()})")
     counted = (
-        len(ids) if ids is not None else len(chat.encoder.encode_texts([(reasoning or "") + content])[0])
+        len(ids)
+        if ids is not None
+        else len(chat.encoder.encode_texts([_answer_text(content, reasoning, calls)])[0])
     )
     return Completion(
         content=content,
@@ -139,7 +157,13 @@ def _completion(
         model=str(model),
         provider=answer.get("provider"),
         output_ids=ids,
+        tool_calls=calls,
     )
+
+
+def _answer_text(content: str, reasoning: str | None, calls: list[ToolCall]) -> str:
+    """What the answer wrote, as counted: reasoning, content and each call's name and arguments."""
+    return (reasoning or "") + content + "".join(c.name + c.arguments for c in calls)
 
 
 def import_responses(
@@ -152,7 +176,7 @@ def import_responses(
 ) -> ImportSummary:
     """Import `source` into the dataset's journal. `served`: the names the config accepts as the target
     (`binding.served_models(cfg)[IMPORTED]`); `model`: the model of rows that name none."""
-    prompts = pl.read_parquet(layout.prompts, columns=["id", "messages"])
+    prompts = read_prompts(layout.prompts)
     index = _PromptIndex(prompts, system_prompt)
     journal = ResponseJournal(layout)
     summary = ImportSummary(source=str(source))
