@@ -546,3 +546,18 @@ def test_imported_answers_keep_their_calls_and_an_empty_one_is_refused(tmp_path)
     # bound to the prompt with its tools: it stands
     rules = AnswerRules("last", {IMPORTED: None}, {IMPORTED: ServedModels(("m",))})
     assert not ResponseJournal(layout).standing(rules).aside
+
+
+def test_the_acceptance_gate_renders_a_tools_prompt_as_the_token_row_has_it(families):
+    """The gate checks each sample's answer span against its generation prompt rendered afresh: a tools row's
+    prompt is rendered with its tools (without them it would not be the prompt the answer followed)."""
+    import dataclasses
+
+    from eagle3_assets.core.acceptance.samples import GateSample, boundary_problems, rendered_prompts
+
+    chat = ChatTokenizer(families["kimi_tools"])
+    row = chat.tokenize([(HISTORY, CALL)], tools=[TOOLS])[0]
+    sample = GateSample("t1", HISTORY, row.input_ids, row.loss_mask, tools=TOOLS)
+    assert boundary_problems([sample], rendered_prompts(chat, [sample]), chat.stop_ids) == {}
+    without = dataclasses.replace(sample, tools=None)
+    assert boundary_problems([without], rendered_prompts(chat, [without]), chat.stop_ids)

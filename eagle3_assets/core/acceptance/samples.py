@@ -16,6 +16,7 @@ from ...config import AcceptanceConfig
 from ..hidden_states.reader import HiddenStatesReader
 from ..storage.layout import DatasetLayout
 from ..target.chat import Answer, ChatTokenizer, TemplateError
+from ..target.tool_calls import has_tool_fields
 from ..tokens.turns import row_prompts
 from .measure import FeatureSource, PromptSet
 
@@ -28,6 +29,7 @@ class GateSample:
     loss_mask: np.ndarray
     source_answer: str | None = None
     aux: Any = None  # the auxiliary hidden states (torch), kept for the samples the draft trains on
+    tools: list[dict[str, Any]] | None = None  # the tools the prompt offers (rendered into it)
 
 
 def split_ids(ids: Sequence[str], n_train: int, n_heldout: int) -> tuple[list[str], list[str]]:
@@ -81,9 +83,19 @@ def rendered_prompts(chat: ChatTokenizer, samples: Sequence[GateSample]) -> list
     """Each sample's generation prompt as a server tokenizes it: the template's text, encoded by the
     tokenizer."""
     return [
-        chat.tok(chat.render(chat.template_messages(s.messages), True), add_special_tokens=False)["input_ids"]
+        _tool_prompt(chat, s)
+        if s.tools or has_tool_fields(s.messages)
+        else chat.tok(chat.render(chat.template_messages(s.messages), True), add_special_tokens=False)[
+            "input_ids"
+        ]
         for s in samples
     ]
+
+
+def _tool_prompt(chat: ChatTokenizer, s: GateSample) -> list[int]:
+    """A prompt with tools, as the server renders and tokenizes it (`tool_render`)."""
+    renderer = chat.tool_renderer
+    return renderer.encode(renderer.render([renderer.message(dict(m)) for m in s.messages], s.tools, True))
 
 
 def load_samples(
@@ -119,6 +131,7 @@ def load_samples(
                 s["loss_mask"].numpy(),
                 row["source_answer"],
                 None if aux_window is None else _aux_window(s, aux_window),
+                row.get("tools"),
             )
         )
     return out
@@ -210,7 +223,8 @@ def source_samples(
     from .drafter import TrainSample
 
     convs = [(list(s.messages), Answer(str(s.source_answer), None, True)) for s in samples]
-    rows = [r for r in chat.tokenize(convs) if not isinstance(r, TemplateError)]
+    tokenized = chat.tokenize(convs, tools=[s.tools for s in samples])
+    rows = [r for r in tokenized if not isinstance(r, TemplateError)]
     states = features.aux_states([r.input_ids for r in rows])
     return [
         crop_to_window(

@@ -35,6 +35,7 @@ from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..target.chat import Answer, ChatTokenizer
 from ..target.tool_calls import finished as is_finished
 from ..target.tool_calls import parse_calls
+from ..target.tool_render import tools_of
 
 MESSAGE = pl.Struct({"role": pl.String, "content": pl.String, "reasoning": pl.String})
 # An earlier turn of a conversation row: the ids the model produced for it and whether it finished.
@@ -158,7 +159,8 @@ def row_prompts(
     neither, or whose earlier answers are not stored, is left out."""
     wanted = list(ids)
     has_source = "source_answer" in prompts.columns
-    columns = ["id", "messages", *(["source_answer"] if has_source else [])]
+    agentic = "tools" in prompts.columns
+    columns = ["id", "messages", *(["source_answer"] if has_source else []), *(["tools"] if agentic else [])]
     direct = set(prompts.filter(pl.col("id").is_in(wanted))["id"].to_list())
     turns = {
         rid: parsed for rid in wanted if rid not in direct and (parsed := split_turn_id(rid)) is not None
@@ -169,7 +171,11 @@ def row_prompts(
         for r in prompts.filter(pl.col("id").is_in(list(need))).select(columns).iter_rows(named=True)
     }
     out: dict[str, dict[str, Any]] = {
-        rid: {"messages": rows[rid]["messages"], "source_answer": rows[rid].get("source_answer")}
+        rid: {
+            "messages": rows[rid]["messages"],
+            "source_answer": rows[rid].get("source_answer"),
+            "tools": tools_of(rows[rid].get("tools")),
+        }
         for rid in direct
     }
     history_ids = {turn_id(c, j) for c, k in turns.values() if c in rows for j in range(1, k)}
@@ -188,5 +194,6 @@ def row_prompts(
             "source_answer": source[slots[k - 1]]["content"]
             if slots[k - 1] < len(source)
             else row.get("source_answer"),
+            "tools": tools_of(row.get("tools")),
         }
     return out
