@@ -561,3 +561,33 @@ def test_the_acceptance_gate_renders_a_tools_prompt_as_the_token_row_has_it(fami
     assert boundary_problems([sample], rendered_prompts(chat, [sample]), chat.stop_ids) == {}
     without = dataclasses.replace(sample, tools=None)
     assert boundary_problems([without], rendered_prompts(chat, [without]), chat.stop_ids)
+
+
+def test_parallel_calls_are_spliced_by_position_and_name():
+    """A turn with two calls: each source result follows the target's call at its position when the names
+    match, addressed to the target's ids; another order or number of calls is a divergence."""
+    from eagle3_assets.core.generation.conversations import TurnAnswer, turn_messages
+    from eagle3_assets.core.generation.tool_splice import divergence
+
+    source = [
+        {"role": "user", "content": "Weather in Paris and the ACME stock?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": calls_json(
+                [ToolCall("get_weather", "{}", "s1"), ToolCall("get_stock", "{}", "s2")]
+            ),
+        },
+        {"role": "tool", "content": "21", "tool_call_id": "s1", "name": "get_weather"},
+        {"role": "tool", "content": "99", "tool_call_id": "s2", "name": "get_stock"},
+        {"role": "assistant", "content": "21 degrees; ACME at 99."},
+    ]
+    same = (ToolCall("get_weather", '{"city": "Paris"}', "t1"), ToolCall("get_stock", '{"s": "ACME"}', "t2"))
+    msgs = turn_messages(source, 2, [TurnAnswer("", None, same)])
+    assert [(m["content"], m["tool_call_id"]) for m in msgs[2:]] == [("21", "t1"), ("99", "t2")]
+    assert divergence(source, 1, same) is None
+    assert "get_stock, get_weather where the source called get_weather, get_stock" in (
+        divergence(source, 1, tuple(reversed(same))) or ""
+    )
+    assert divergence(source, 1, same[:1]) is not None
+    assert divergence(source, 4, ()) is None  # a reply where the source replied
