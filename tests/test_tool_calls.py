@@ -145,6 +145,9 @@ def test_dataset_tools_from_the_config_and_plain_datasets_unchanged(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", [row])
     write_prompts(src, layout, DatasetConfig(source=str(src), format="messages", tools=[WEATHER["function"]]))
     assert json.loads(pl.read_parquet(layout.prompts)["tools"][0]) == TOOLS
+    # Read back as a prompts table, never as a damaged one (its messages hold more fields than plain ones).
+    again = write_prompts(src, layout, DatasetConfig(source=str(src), format="messages", tools=[WEATHER]))
+    assert again.set_aside == []
     # A dataset without tools is stored exactly as before: the same columns and fingerprints.
     plain = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     r = ingest(plain, "messages")
@@ -591,3 +594,52 @@ def test_parallel_calls_are_spliced_by_position_and_name():
     )
     assert divergence(source, 1, same[:1]) is not None
     assert divergence(source, 4, ()) is None  # a reply where the source replied
+
+
+def test_the_dagster_check_on_the_embedded_target_passes_then_fails_on_an_empty_answer(tmp_path):
+    """The training-data job on a tools dataset, answered by the embedded SmolLM2 (its template has no tools
+    section: it sees none, and its raw text is the answer). The blocking check passes on its answers; an
+    empty answer stored by something else makes it fail."""
+    import dagster as dg
+
+    from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
+
+    from .support.projects import make_project, run_training_data_job
+
+    rows = [
+        {"id": "w", "tools": TOOLS, "messages": [{"role": "user", "content": "Weather in Rome?"}]},
+        {
+            "id": "r",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [_call("c1", "Rome")]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 25}'},
+            ],
+        },
+    ]
+    path = make_project(tmp_path, {"B1": {"rows": rows, "max_tokens": 12}})
+
+    def checks(instance):
+        result = run_training_data_job(path, "B1", instance)
+        return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+    with dg.instance_for_test() as instance:
+        first = checks(instance)
+        assert first["tokens_answers_have_text_or_calls"].passed
+        layout = DatasetLayout(tmp_path / "data", "B1")
+        responses = pl.read_parquet(layout.responses_dir / "*.parquet")
+        assert set(responses["id"].to_list()) == {"w", "r"}
+        tokens = pl.read_parquet(layout.tokens)
+        assert tokens.height == 2 and tokens["n_loss_tokens"].min() > 0
+        # an answer with neither text nor calls, stored by an earlier version
+        table = JournalTable(layout.responses_dir, RESPONSE_SCHEMA)
+        empty = responses.filter(pl.col("id") == "w").with_columns(
+            pl.lit("").alias("content"), pl.lit(None, pl.String).alias("reasoning")
+        )
+        for f in layout.responses_dir.glob("*.parquet"):
+            f.unlink()
+        table.append(pl.concat([empty, responses.filter(pl.col("id") == "r")]).select(list(RESPONSE_SCHEMA)))
+        second = checks(instance)
+        verdict = second["tokens_answers_have_text_or_calls"]
+        assert not verdict.passed and verdict.metadata["examples"].value == "w"

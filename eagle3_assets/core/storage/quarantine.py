@@ -108,6 +108,11 @@ def _compatible(have: PolarsDataType, want: PolarsDataType) -> bool:
         return True
     if isinstance(have, pl.List) and isinstance(want, pl.List):
         return _compatible(have.inner, want.inner)
+    if isinstance(have, pl.Struct) and isinstance(want, pl.Struct):
+        # A struct with more fields than expected (a dataset's messages with their tool calls) still holds
+        # every field a reader asks for.
+        fields = {f.name: f.dtype for f in have.fields}
+        return all(f.name in fields and _compatible(fields[f.name], f.dtype) for f in want.fields)
     return have.is_(want) or (have in (pl.String, pl.Utf8) and want in (pl.String, pl.Utf8))
 
 
