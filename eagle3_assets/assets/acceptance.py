@@ -38,7 +38,7 @@ def gate_engines(
     stop_ids = chat.stop_ids
     a = cfg.acceptance
     if a.engine == "vllm":
-        from resources.vllm import extraction_backend
+        from resources.vllm import ServedSelfCheck, extraction_backend
         from resources.vllm.acceptance import VllmFeatures, VllmMeasurer
 
         from ..core.target.loading import cache_root
@@ -46,7 +46,9 @@ def gate_engines(
         # The servers' logs stay on the step's machine (named in any error), out of the partition's outputs.
         measurer = VllmMeasurer(cfg, sorted(stop_ids), cache_root() / "acceptance-servers" / layout.key, log)
         if extraction_backend(cfg, layout.key) is not None:
-            features = VllmFeatures(cfg.hidden_states.vllm, layout.key, len(feature_ids))
+            features = VllmFeatures(
+                cfg.hidden_states.vllm, layout.key, len(feature_ids), ServedSelfCheck.of(cfg), log
+            )
             return GateEngines(target, measurer, features, t.model)
         return GateEngines(
             target,

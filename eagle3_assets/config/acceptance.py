@@ -19,8 +19,9 @@ class AcceptanceVllmConfig(Strict):
     )
     python: str | None = Field(
         None,
-        description="The interpreter that runs vLLM's GPU build; null: the step's own Python. Ignored with "
-        "`cpu: true`.",
+        description="The interpreter that runs vLLM (its GPU build, or with `cpu: true` a CPU build "
+        "installed elsewhere, such as another tested version's); null: the step's own Python, or with `cpu: "
+        "true` the cached CPU build of the newest tested version.",
     )
     tensor_parallel_size: int | None = Field(
         None,

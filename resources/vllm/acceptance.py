@@ -31,6 +31,8 @@ from eagle3_assets.core.storage.proxy import urlopen
 from eagle3_assets.core.target.loading import resolve
 
 from ..side_env import clean_env
+from .cpu_build import TESTED_VLLM_VERSIONS, is_tested
+from .self_check import ServedSelfCheck
 from .server import RunningServer, ServeSpec, free_port, launch
 
 SERVED_NAME = "target"
@@ -155,14 +157,17 @@ class VllmMeasurer:
         )
 
     def python(self) -> str:
-        if self.settings.vllm.cpu:
+        """`acceptance.vllm.python` where it is set (a GPU build, or a CPU build installed elsewhere); else
+        the cached CPU build with `cpu: true`, the step's own Python without."""
+        v = self.settings.vllm
+        if v.cpu:
             from .cpu_build import cpu_supports_vllm, vllm_cpu_python
 
             problem = cpu_supports_vllm()
             if problem:
                 raise ServedAcceptanceError(f"acceptance.vllm.cpu is true, but {problem}")
-            return str(vllm_cpu_python())
-        return self.settings.vllm.python or sys.executable
+            return v.python or str(vllm_cpu_python())
+        return v.python or sys.executable
 
     @contextlib.contextmanager
     def serving(self, parts: Sequence[PromptSet], draft: Path | None) -> Iterator[RunningServer]:
@@ -180,6 +185,14 @@ class VllmMeasurer:
             raise ServedAcceptanceError(
                 f"the acceptance vLLM server did not start (log: {log_path}): {e}"
             ) from e
+        if not is_tested(server.version):
+            named = server.version or "(no version at GET /version)"
+            tested = ", ".join(TESTED_VLLM_VERSIONS)
+            self.log(
+                f"WARNING: acceptance: the server runs vLLM {named}, which no test of this project ran "
+                f"(tested: {tested}); its counters are read as on a tested one, and the greedy check "
+                "compares its drafted and plain answers"
+            )
         try:
             yield server
         finally:
@@ -262,10 +275,19 @@ class VllmFeatures:
     """`FeatureSource` from the hidden-states servers (`hidden_states.vllm`): the source answers' aux states
     are extracted as the partition's own were, by the engine that holds the target."""
 
-    def __init__(self, cfg: VllmExtractionConfig, partition: str, n_aux: int):
+    def __init__(
+        self,
+        cfg: VllmExtractionConfig,
+        partition: str,
+        n_aux: int,
+        self_check: ServedSelfCheck | None = None,
+        log: Callable[[str], None] = print,
+    ):
         self.cfg = cfg
         self.partition = partition
         self.n_aux = n_aux
+        self.self_check = self_check  # a replica on a vLLM version no test ran is checked first
+        self.log = log
 
     def aux_states(self, samples: Sequence[np.ndarray]) -> list[Any]:
         from eagle3_assets.core.generation.stopping import run_loop
@@ -279,7 +301,9 @@ class VllmFeatures:
 
         from .extraction import VllmHiddenStates
 
-        backend = VllmHiddenStates(self.cfg, f"{self.partition}-acceptance", self.n_aux + 1)
+        backend = VllmHiddenStates(
+            self.cfg, f"{self.partition}-acceptance", self.n_aux + 1, self.self_check, log=self.log
+        )
         await backend.start()
         try:
             requests = [
