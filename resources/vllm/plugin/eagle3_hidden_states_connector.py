@@ -2,12 +2,14 @@
 `kv_transfer_config.kv_connector_module_path` (this file runs inside the vLLM server, never in the project).
 
 It implements vLLM's public KV-connector interface (`KVConnectorBase_V1`, and `SupportsHMA`: the hidden
-states sit in a cache group of their own) and nothing else of vLLM's: no private member of vLLM is read or
-overridden, and upstream's `ExampleHiddenStatesConnector` is not imported. What it reads of vLLM is what the
-interface hands it: the config and the KV-cache config at construction, the KV caches (`register_kv_caches`),
-the scheduler's new and finished requests, the metadata the scheduler binds for the worker. So it loads on any
-vLLM whose interface keeps these methods; `resources/vllm/cpu_build.py` names the versions a test ran, and the
-extraction checks one known sample against the checkpoint on any other.
+states may sit in a cache group of their own) and uses nothing private of vLLM's: no underscored member is
+read, called or overridden, and upstream's `ExampleHiddenStatesConnector` is not imported. Beside what the
+interface hands it (the config and KV-cache config at construction, the KV caches, the scheduler's new and
+finished requests, the metadata bound for the worker) it names four public things: `HiddenStateCacheSpec`
+(how the extract_hidden_states layer's cache is told apart, by its own `get_kv_cache_spec` through the
+config's forward context), the tensor-parallel rank, vLLM's logger and, on CUDA only, the GPU-sync debug guard
+(optional). So it loads on any vLLM that keeps these; `resources/vllm/cpu_build.py` names the versions a test
+ran, and the extraction checks one known sample against the checkpoint on any other.
 
 Files and protocol are upstream's example connector's (what speculators' readers and this project's
 extraction read): `<shared_storage_path>/<request id>.safetensors` with `hidden_states` [T, n_ids, H] (the
