@@ -113,14 +113,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_hidden_states(args: argparse.Namespace) -> int:
     """Extraction without Dagster (a GPU box, a debugging session); the asset runs the same functions."""
     from resources.vllm import extraction_backend
+    from resources.vllm.managed import extract_with_own_server
 
-    from .core.hidden_states.extraction import ExtractionSettings, extract_dataset
+    from .core.hidden_states.extraction import ExtractionSettings, extract_dataset, finish, prepare
 
     cfg, res = _resources(args)
     cfg.dataset(args.dataset)
-    served = extraction_backend(cfg, args.dataset)
+    settings = ExtractionSettings.from_config(cfg)
     with res["storage"].stage(args.dataset, "hidden_states") as layout:
-        _work, stats, index = extract_dataset(layout, ExtractionSettings.from_config(cfg), served=served)
+        if cfg.hidden_states.engine == "vllm" and cfg.hidden_states.vllm.managed:  # a server of its own
+            work = prepare(layout, settings)
+            stats = extract_with_own_server(cfg, layout, [p.name for p in work.todo], "every planned shard")
+            index = finish(layout)
+        else:
+            served = extraction_backend(cfg, args.dataset)
+            _work, stats, index = extract_dataset(layout, settings, served=served)
     rate = stats.tokens / stats.forward_s if stats.forward_s else 0.0
     print(
         f"{args.dataset}: {index.height} samples in the index; this run {stats.samples} samples, "
@@ -136,38 +143,29 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     import shutil
     from urllib.parse import urlparse
 
-    from resources.vllm.server import ServeSpec
-
-    from .core.hidden_states.extraction import ExtractionSettings, model_config
+    from resources.vllm.managed import extraction_spec
 
     cfg, _ = _resources(args)
-    settings = ExtractionSettings.from_config(cfg)
-    sizes = model_config(settings)
     hs = cfg.hidden_states
     url = urlparse(hs.vllm.base_urls[0])
-    spec = ServeSpec(
-        model=settings.model_ref,
-        aux_layers=settings.aux_layers(sizes["num_layers"]),
-        num_layers=sizes["num_layers"],
-        storage_path=hs.vllm.storage_path,
-        storage_dtype=hs.storage_dtype,  # FP8: the servers' own files shrink too
-        served_model_name=hs.vllm.model,
+    spec = extraction_spec(
+        cfg,
+        hs.vllm.storage_path,
         host=args.host or url.hostname or "127.0.0.1",
         port=args.port or url.port or 8000,
         dtype=args.dtype,
-        max_model_len=args.max_model_len or min(hs.max_seq_len + 1, sizes["max_position_embeddings"]),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
-        trust_remote_code=cfg.target.trust_remote_code,
-        revision=cfg.target.revision,
         enforce_eager=args.enforce_eager,
         cpu=args.cpu,
         extra_args=[a for a in args.extra if a != "--"],
     )
+    if args.max_model_len:
+        spec.max_model_len = args.max_model_len
     python = "python"
     if args.cpu:
         from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python

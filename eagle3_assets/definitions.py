@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import dagster as dg
@@ -28,6 +29,7 @@ from .assets import (
 )
 from .automation import automation_sensor, follow_upstream, ingest_condition, top_up_condition
 from .config import ProjectConfig, config_path, get_config
+from .k8s import k8s_executor_config
 from .launch_guard import RESOURCE_SECTIONS
 from .partitions import dataset_partitions
 
@@ -77,22 +79,18 @@ def build_resources(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
     return resources
 
 
-def responses_step_tags(cfg: ProjectConfig) -> dict | None:
-    """Under k8s_job_executor every step is a pod: the API key's secret goes into the responses pods only."""
-    if cfg.execution.executor != "k8s":
-        return None
-    secret = {"secret_ref": {"name": cfg.execution.k8s_api_key_secret}}
-    return {"dagster-k8s/config": {"container_config": {"env_from": [secret]}}}
-
-
-def build_executor(cfg: ProjectConfig) -> dg.ExecutorDefinition:
+def build_executor(
+    cfg: ProjectConfig, nodes: Sequence[dg.AssetsDefinition | dg.AssetChecksDefinition] = ()
+) -> dg.ExecutorDefinition:
+    """The executor `execution.executor` names; `nodes` (the assets and checks it runs) size the pods of
+    `k8s_job_executor` per kind of step (eagle3_assets.k8s)."""
     ex = cfg.execution
     if ex.executor == "multiprocess":
         return dg.multiprocess_executor.configured({"max_concurrent": ex.max_concurrent_steps})
     if ex.executor == "k8s":
         from dagster_k8s import k8s_job_executor  # installed in the Kubernetes image (deploy/k8s)
 
-        return k8s_job_executor.configured({"max_concurrent": ex.max_concurrent_steps})
+        return k8s_job_executor.configured(k8s_executor_config(cfg, nodes))
     return dg.in_process_executor
 
 
@@ -102,13 +100,14 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
     cron = cfg.automation.top_up_cron
     assets = [
         build_prompts_asset(partitions, ingest_condition(cron, config_path, cfg.backend)),
-        build_responses_asset(
-            partitions, top_up_condition(cron, config_path, cfg.backend), responses_step_tags(cfg)
-        ),
+        build_responses_asset(partitions, top_up_condition(cron, config_path, cfg.backend)),
         build_tokens_asset(partitions, follow),
         build_report_asset(partitions, follow),
         build_hidden_states_asset(
-            partitions, follow if cfg.automation.hidden_states else None, cfg.hidden_states.engine
+            partitions,
+            follow if cfg.automation.hidden_states else None,
+            cfg.hidden_states.engine,
+            cfg.hidden_states.vllm.managed,
         ),
         build_acceptance_asset(partitions),
     ]
@@ -128,13 +127,14 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         description="The acceptance gate for one dataset: a small EAGLE-3 draft trained on its hidden "
         "states, measured against the target (GPU pool; CPU for the embedded target).",
     )
+    checks = build_checks(partitions, reference_ids=cfg.backend != "openrouter")
     return dg.Definitions(
         assets=assets,
-        asset_checks=build_checks(partitions, reference_ids=cfg.backend != "openrouter"),
+        asset_checks=checks,
         jobs=[training_data, hidden_states_job, acceptance_job],
         sensors=[automation_sensor(cfg.automation.enabled)],
         resources=build_resources(cfg, config_path),
-        executor=build_executor(cfg),
+        executor=build_executor(cfg, [*assets, *checks]),
     )
 
 

@@ -89,14 +89,18 @@ def _vllm_version(item: pytest.Item) -> str | None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Start building the training frameworks' environments in the background as soon as a collected test
-    needs them (`@pytest.mark.consumers(...)`), and the session's vLLM servers (`@pytest.mark.vllm`; the
-    versions a test is parametrized over, `vllm_version`, the newest otherwise): a cold build takes minutes,
-    the rest of the suite runs meanwhile."""
+    needs them (`@pytest.mark.consumers(...)`), the image's install (`@pytest.mark.runtime_install`) and the
+    session's vLLM servers (`@pytest.mark.vllm`; the versions a test is parametrized over, `vllm_version`, the
+    newest otherwise): a cold build takes minutes, the rest of the suite runs meanwhile."""
     names = {n for item in items if (m := item.get_closest_marker("consumers")) for n in m.args}
     if names:
         from .support.consumers import environments
 
         environments.prefetch(sorted(names))
+    if any(item.get_closest_marker("runtime_install") for item in items):
+        from .support import runtime_install
+
+        runtime_install.prefetch()
     served = [item for item in items if item.get_closest_marker("vllm")]
     if served:
         from .support import vllm_server

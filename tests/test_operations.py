@@ -63,30 +63,86 @@ def test_steps_carry_their_pools_and_gpu_requests(tmp_path):
     assert all(s.description for s in specs.values()) and all(s.kinds for s in specs.values())
 
 
+def _k8s_executor_config(config) -> tuple[dict, dg.Definitions]:
+    from eagle3_assets.k8s import k8s_executor_config
+
+    cfg = load_config(config)
+    defs = build_definitions(cfg, str(config))
+    return k8s_executor_config(cfg, [*defs.assets, *defs.asset_checks]), defs
+
+
 def test_under_kubernetes_the_key_reaches_only_the_responses_pods(tmp_path):
     import yaml
 
     config = make_project(
         tmp_path,
         {"B1": {"rows": user_rows(["x"])}},
-        execution={"executor": "multiprocess", "k8s_api_key_secret": "my-key"},
+        execution={"executor": "k8s", "k8s_api_key_secret": "my-key"},
     )
-    cfg = load_config(config).model_copy(
-        update={"execution": load_config(config).execution.model_copy(update={"executor": "k8s"})}
-    )
-    from eagle3_assets.definitions import responses_step_tags
-
-    tags = responses_step_tags(cfg)
-    assert tags["dagster-k8s/config"]["container_config"]["env_from"] == [{"secret_ref": {"name": "my-key"}}]
-    defs = build_definitions(load_config(config), str(config))  # not k8s: no secret anywhere
-    assert "dagster-k8s/config" not in defs.resolve_assets_def("responses").op.tags
-    ops = {n.name: n.definition for n in defs.resolve_assets_def("hidden_states").node_def.nodes}
-    assert "secret_ref" not in json.dumps(ops["extract_hidden_state_shard"].tags)  # GPU pods: never
+    executor, defs = _k8s_executor_config(config)
+    assert defs.resolve_job_def("training_data").executor_def.name == "k8s"
+    holders = [op for op, c in executor["per_step_k8s_config"].items() if "my-key" in json.dumps(c)]
+    assert holders == ["responses"]
+    assert executor["per_step_k8s_config"]["responses"]["container_config"]["env_from"] == [
+        {"secret_ref": {"name": "my-key"}}
+    ]
+    assert "my-key" not in json.dumps(executor["step_k8s_config"])  # every other step: never
+    assert "dagster-k8s/config" not in defs.resolve_assets_def("responses").op.tags  # nor on an op's tag
     values = yaml.safe_load((REPO / "deploy" / "k8s" / "values.yaml").read_text())
     assert "envSecrets" not in values["runLauncher"]["config"]["k8sRunLauncher"]
     assert all("envSecrets" not in d for d in values["dagster-user-deployments"]["deployments"])
     k8s_cfg = yaml.safe_load((REPO / "deploy" / "k8s" / "eagle3.k8s.yaml").read_text())
     assert k8s_cfg["execution"]["executor"] == "k8s" and k8s_cfg["execution"]["k8s_api_key_secret"]
+
+
+def test_under_kubernetes_steps_are_sized_per_kind_from_the_config(tmp_path):
+    """Every step gets the `cpu` kind's requests (none keeps the run pod's), pool `gpu` its GPUs; the
+    acceptance step serving the target in vLLM asks for the GPUs its server spans."""
+    sizes = {
+        "cpu": {"cpu": "3", "memory": "5Gi"},
+        "responses": {"cpu": "6", "memory": "7Gi"},
+        "gpu": {"cpu": "9", "memory": "11Gi", "gpus": 2, "shm": "1Gi"},
+    }
+    config = make_project(
+        tmp_path,
+        {"B1": {"rows": user_rows(["x"])}},
+        execution={"executor": "k8s", "k8s_steps": sizes},
+        acceptance={"engine": "vllm", "vllm": {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}},
+    )
+    executor, defs = _k8s_executor_config(config)
+    assert executor["step_k8s_config"]["container_config"]["resources"] == {
+        "requests": {"cpu": "3", "memory": "5Gi"},
+        "limits": {"memory": "5Gi"},
+    }
+    per_step = executor["per_step_k8s_config"]
+    gpu_ops = {
+        n.name
+        for a in defs.assets
+        for n in (a.node_def.nodes if isinstance(a.node_def, dg.GraphDefinition) else [a.node_def])
+        if getattr(n, "definition", n).pool == "gpu"
+    }
+    assert {"extract_hidden_state_shard", "acceptance"} <= gpu_ops
+    for op in gpu_ops:
+        resources = per_step[op]["container_config"]["resources"]
+        want = "8" if op == "acceptance" else "2"  # tensor x pipeline parallel size; else gpu.gpus
+        assert resources["requests"] == {"cpu": "9", "memory": "11Gi", "nvidia.com/gpu": want}, op
+        assert resources["limits"] == {"memory": "11Gi", "nvidia.com/gpu": want}, op
+        assert per_step[op]["pod_spec_config"]["volumes"][0]["empty_dir"]["size_limit"] == "1Gi"
+    assert per_step["responses"]["container_config"]["resources"]["requests"] == {"cpu": "6", "memory": "7Gi"}
+    assert set(per_step) == gpu_ops | {"hidden_states_hidden_states_spot_check", "responses"}
+
+
+def test_pod_sizes_must_be_kubernetes_quantities(tmp_path):
+    import pytest
+
+    from eagle3_assets.config import ConfigError
+
+    for bad in ({"cpu": {"cpu": "two", "memory": "4Gi"}}, {"gpu": {"cpu": "1", "memory": "4Gi", "gpus": 0}}):
+        config = make_project(
+            tmp_path, {"B1": {"rows": user_rows(["x"])}}, execution={"executor": "k8s", "k8s_steps": bad}
+        )
+        with pytest.raises(ConfigError, match="k8s_steps"):
+            load_config(config)
 
 
 def test_every_shipped_instance_carries_the_one_run_per_dataset_limit():

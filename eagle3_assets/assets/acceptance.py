@@ -33,30 +33,37 @@ def gate_engines(
 
     settings = ExtractionSettings.from_config(cfg)
     t = cfg.target
+    if cfg.acceptance.engine == "vllm":
+        from resources.vllm.managed import ManagedServerError, prerequisites
+
+        # Everything the step's servers need, checked before the pieces are read and the draft is trained.
+        problems = prerequisites(cfg.acceptance.vllm, "acceptance.vllm")
+        if problems:
+            raise ManagedServerError(f"{layout.key}: nothing was trained:\n- " + "\n- ".join(problems))
     target = DraftTarget.load(settings.model_ref, t.revision, t.trust_remote_code)
+    room_for_drafts(layout, target)
     feature_ids = StoredStates.read(layout.hidden_states_dir).output_hidden_states_ids
     stop_ids = chat.stop_ids
     a = cfg.acceptance
     if a.engine == "vllm":
-        from resources.vllm import ServedSelfCheck, extraction_backend
         from resources.vllm.acceptance import VllmFeatures, VllmMeasurer
 
         from ..core.target.loading import cache_root
 
         # The servers' logs stay on the step's machine (named in any error), out of the partition's outputs.
-        measurer = VllmMeasurer(cfg, sorted(stop_ids), cache_root() / "acceptance-servers" / layout.key, log)
-        if extraction_backend(cfg, layout.key) is not None:
-            features = VllmFeatures(
-                cfg.hidden_states.vllm, layout.key, len(feature_ids), ServedSelfCheck.of(cfg), log
-            )
+        workdir = cache_root() / "acceptance-servers" / layout.key
+        measurer = VllmMeasurer(cfg, sorted(stop_ids), workdir, log)
+        if not a.compare_source_answers or cfg.hidden_states.engine == "vllm":
+            features = VllmFeatures(cfg, layout.key, len(feature_ids), workdir, log)
             return GateEngines(target, measurer, features, t.model)
         return GateEngines(
             target,
             measurer,
             None,
             t.model,
-            "with acceptance.engine vllm the source answers' states come from the hidden-states servers "
-            "(hidden_states.engine: vllm); this partition's were extracted in process",
+            "with acceptance.engine vllm the source answers' states are extracted by vLLM, as the "
+            "partition's own must have been for the two to compare (hidden_states.engine: vllm); this "
+            "partition's were extracted in process",
         )
     device = pick_device(a.device)
     model = load_target_model(settings)
@@ -67,6 +74,23 @@ def gate_engines(
         InProcessFeatures(model, feature_ids, device),
         t.model,
     )
+
+
+def room_for_drafts(layout: DatasetLayout, target: DraftTarget) -> None:
+    """Before any training: room for the drafts the gate writes (the trained one kept, the others while they
+    are measured), each about a decoder layer, the fused input projection and the embedding of the target's
+    size, in float32, twice over."""
+    from ..core.hidden_states.sizing import NotEnoughSpace, free_bytes, human
+
+    text = target.config.get_text_config()
+    hidden = int(text.hidden_size)
+    draft_bytes = 4 * (target.vocab_size * hidden * 2 + 16 * hidden * hidden)
+    need, free = 2 * 3 * draft_bytes, free_bytes(layout.acceptance_dir)
+    if free < need:
+        raise NotEnoughSpace(
+            f"{layout.key}: the gate's drafts need about {human(need)} where {layout.acceptance_dir} has "
+            f"{human(free)} free; free space there or move storage.root. Nothing was trained."
+        )
 
 
 def _part(name: str, part: PartMeasure) -> dict:

@@ -18,6 +18,7 @@ import polars as pl
 
 from resources import Project, Storage
 from resources.vllm import extraction_backend
+from resources.vllm.managed import extract_with_own_server
 
 from ..config import ProjectConfig
 from ..core.generation.stopping import watching
@@ -29,10 +30,12 @@ from ..core.hidden_states.extraction import (
     extract,
     finish,
     load_target_model,
+    planned_shards,
     prepare,
     skipped_samples,
     why_target_cannot_run_here,
 )
+from ..core.hidden_states.shards import ExtractionStats
 from ..core.hidden_states.spot_pieces import AnswerDecoding, spot_check_pieces
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import rows_version
@@ -80,12 +83,33 @@ def plan_hidden_state_shards(
             metadata=work.planned,
         )
     )
+    vllm = project.cfg.hidden_states.vllm
+    if project.cfg.hidden_states.engine == "vllm" and vllm.managed:
+        for unit in replica_units(len(work.todo), vllm.replicas):
+            yield dg.DynamicOutput(unit, mapping_key=unit.replace("-", "_"))
+        return
     if project.cfg.hidden_states.engine == "vllm":
         if work.todo:
             yield dg.DynamicOutput(ALL_SHARDS, mapping_key=ALL_SHARDS)
         return
     for plan in work.todo:
         yield dg.DynamicOutput(plan.name, mapping_key=_mapping_key(plan.name))
+
+
+def replica_units(n_shards: int, replicas: int) -> list[str]:
+    """The steps of a managed extraction: `replica-<i>-of-<n>` takes every n-th planned shard from the i-th
+    (never more steps than shards: a server started for nothing costs minutes of GPU time)."""
+    n = min(n_shards, replicas)
+    return [f"replica-{i}-of-{n}" for i in range(n)]
+
+
+def replica_shards(unit: str, layout: DatasetLayout) -> list[str]:
+    """The planned shards of one replica unit, from the plan the plan step wrote beside the shards."""
+    match = re.fullmatch(r"replica-(\d+)-of-(\d+)", unit)
+    if match is None:
+        raise ValueError(f"not a replica unit: {unit!r}")
+    i, n = int(match.group(1)), int(match.group(2))
+    return sorted(p.name for p in planned_shards(layout))[i::n]
 
 
 def _extract_unit(context: dg.OpExecutionContext, unit: str, project: Project, storage: Storage) -> dict:
@@ -95,6 +119,10 @@ def _extract_unit(context: dg.OpExecutionContext, unit: str, project: Project, s
     with storage.stage(key, "hidden_states") as layout, watching(operator_stop(context)):
         settings = ExtractionSettings.from_config(project.cfg)
         stats = extract(layout, settings, names, log=context.log.info, served=served)
+    return _stats(stats)
+
+
+def _stats(stats: ExtractionStats) -> dict:
     return {
         "samples": stats.samples,
         "tokens": stats.tokens,
@@ -133,6 +161,26 @@ def extract_hidden_states_served(
     return _extract_unit(context, shard, project, storage)
 
 
+@dg.op(
+    pool="gpu",
+    tags=GPU_STEP_TAGS,
+    out=dg.Out(dict, io_manager_key=IO),
+    description="Start vLLM on this step's devices, extract this replica's share of the planned shards "
+    "through it, and stop it whatever ends the step (`hidden_states.vllm.managed`).",
+)
+def extract_hidden_states_managed(
+    context: dg.OpExecutionContext,
+    unit: str,
+    project: dg.ResourceParam[Project],
+    storage: dg.ResourceParam[Storage],
+) -> dict:
+    key, cfg = context.partition_key, project.cfg
+    with storage.stage(key, "hidden_states") as layout, watching(operator_stop(context)):
+        names = replica_shards(unit, layout)
+        stats = extract_with_own_server(cfg, layout, names, unit, log=context.log.info)
+    return _stats(stats)
+
+
 @dg.op(out=dg.Out(io_manager_key=IO), description="Rebuild index.parquet from the shards on disk.")
 def index_hidden_states(
     context: dg.OpExecutionContext,
@@ -169,8 +217,15 @@ def build_hidden_states_asset(
     partitions: dg.PartitionsDefinition,
     automation_condition: dg.AutomationCondition | None = None,
     engine: str = "transformers",
+    managed: bool = False,
 ) -> dg.AssetsDefinition:
-    extract_op = extract_hidden_states_served if engine == "vllm" else extract_hidden_state_shard
+    extract_op = (
+        extract_hidden_states_managed
+        if engine == "vllm" and managed
+        else extract_hidden_states_served
+        if engine == "vllm"
+        else extract_hidden_state_shard
+    )
 
     @dg.graph_asset(
         name="hidden_states",

@@ -28,6 +28,7 @@ from .hidden_states import HiddenStatesConfig, VllmExtractionConfig
 from .loading import config_path, get_config, load_config
 from .project import AutomationConfig, ExecutionConfig, PoolsConfig, ProjectConfig
 from .storage_target import StorageConfig, TargetConfig
+from .vllm_server import VllmServerConfig
 
 __all__ = [
     "BACKEND_ENV",
@@ -60,6 +61,7 @@ __all__ = [
     "TargetConfig",
     "TokensConfig",
     "VllmExtractionConfig",
+    "VllmServerConfig",
     "config_path",
     "dataset_key_problem",
     "get_config",

@@ -7,54 +7,18 @@ from typing import Literal
 from pydantic import Field
 
 from .base import Strict
+from .vllm_server import VllmServerConfig
 
 
-class AcceptanceVllmConfig(Strict):
-    """The vLLM server the acceptance step starts itself: the target with the trained draft as EAGLE-3."""
+class AcceptanceVllmConfig(VllmServerConfig):
+    """The vLLM server the acceptance step starts itself: the target with the trained draft as EAGLE-3 (and,
+    for the source-answers arm, the target extracting the source answers' states), on the step's devices."""
 
-    cpu: bool = Field(
-        False,
-        description="Use vLLM's CPU build (tests, laptops), installed once in a cached environment of its "
-        "own; the server then runs without tensor parallelism.",
-    )
-    python: str | None = Field(
-        None,
-        description="The interpreter that runs vLLM (its GPU build, or with `cpu: true` a CPU build "
-        "installed elsewhere, such as another tested version's); null: the step's own Python, or with `cpu: "
-        "true` the cached CPU build of the newest tested version.",
-    )
-    tensor_parallel_size: int | None = Field(
-        None,
-        ge=1,
-        description="The server's `--tensor-parallel-size`; null: every GPU the step sees "
-        "(`CUDA_VISIBLE_DEVICES`) divided by `pipeline_parallel_size`.",
-    )
-    pipeline_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="The server's `--pipeline-parallel-size`.",
-    )
-    dtype: str = Field(
-        "auto",
-        description="The server's `--dtype`; `auto` on the CPU build means `float32` (bf16 arithmetic is "
-        "slow without AVX512-BF16).",
-    )
     max_model_len: int | None = Field(
         None,
         ge=16,
         description="The server's `--max-model-len`; null: the longest measured prompt plus "
         "`max_new_tokens`, `draft_tokens` and 8.",
-    )
-    kv_cache_gib: int = Field(
-        2,
-        ge=1,
-        description="KV-cache size of the CPU build in GiB (`VLLM_CPU_KVCACHE_SPACE`); unused on GPUs.",
-    )
-    start_timeout_s: float = Field(
-        1800.0,
-        gt=0,
-        description="Seconds the server may take to load and become ready before the step fails (a "
-        "1T-parameter target takes many minutes on 8 GPUs).",
     )
     request_timeout_s: float = Field(
         900.0,
@@ -72,11 +36,6 @@ class AcceptanceVllmConfig(Strict):
         description="Heldout prompts also decoded greedily by the target alone and compared token for token "
         "with the drafted outputs: speculative decoding must not change a greedy answer. Both engines read "
         "it.",
-    )
-    extra_args: list[str] = Field(
-        default_factory=list,
-        description="Further arguments appended to the server's command line, e.g. "
-        "`[--gpu-memory-utilization, '0.85']`.",
     )
 
 

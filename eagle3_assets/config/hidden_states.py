@@ -7,18 +7,33 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from .base import StorageDtype, Strict
+from .vllm_server import VllmServerConfig
 
 
-class VllmExtractionConfig(Strict):
-    """Running vLLM servers that extract hidden states (`eagle3 vllm-serve` prints the command for the
-    target)."""
+class VllmExtractionConfig(VllmServerConfig):
+    """vLLM servers that extract hidden states: started by each extraction step itself (`managed: true`), or
+    running already at `base_urls` (`eagle3 vllm-serve` prints the command for the target)."""
 
+    managed: bool = Field(
+        False,
+        description="Each extraction step starts vLLM itself on the devices it was given (the server "
+        "settings below: `cpu`, `python`, parallelism), extracts its share of the partition's shards and "
+        "stops the server whatever ends the step; no step relies on a server another stage or a person "
+        "started. `base_urls` and `storage_path` are then unused.",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="With `managed: true`: the partition's planned shards are split over this many steps, "
+        "each with a server of its own (on as many GPU slots or nodes as the executor gives them).",
+    )
     base_urls: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000/v1"],
         min_length=1,
-        description="The OpenAI-compatible roots (`http://host:port/v1`) of one or more data-parallel vLLM "
-        "replicas, each started with the `extract_hidden_states` method and the hidden-states connector and "
-        "each possibly spanning GPUs and nodes; a request goes to the replica with the fewest in flight.",
+        description="Without `managed`: the OpenAI-compatible roots (`http://host:port/v1`) of one or more "
+        "data-parallel vLLM replicas someone runs, each started with the `extract_hidden_states` method and "
+        "the hidden-states connector and each possibly spanning GPUs and nodes; a request goes to the "
+        "replica with the fewest in flight.",
     )
     model: str | None = Field(
         None,
@@ -26,9 +41,10 @@ class VllmExtractionConfig(Strict):
     )
     storage_path: str = Field(
         "/tmp/eagle3-hidden-states",
-        description="The folder the servers' connector writes to (its `shared_storage_path`): the extraction "
-        "reads and removes each sample's file there, so this process must see it at the same path (a shared "
-        "volume mounted alike).",
+        description="Without `managed`: the folder the servers' connector writes to (its "
+        "`shared_storage_path`): the extraction reads and removes each sample's file there, so this process "
+        "must see it at the same path (a shared volume mounted alike). A managed server writes to a folder "
+        "of its step's own.",
     )
     max_concurrency: int = Field(
         64,

@@ -20,6 +20,7 @@ from .base import (
 )
 from .datasets import ChecksConfig, DatasetConfig, TokensConfig
 from .hidden_states import HiddenStatesConfig
+from .k8s import K8sStepsConfig
 from .storage_target import StorageConfig, TargetConfig
 
 
@@ -79,6 +80,11 @@ class ExecutionConfig(Strict):
         "eagle3-openrouter",
         description="With `executor: k8s`: the Kubernetes secret holding the API key, mounted as environment "
         "variables into the pods of `responses` steps only.",
+    )
+    k8s_steps: K8sStepsConfig = Field(
+        default_factory=K8sStepsConfig,
+        description="With `executor: k8s`: what each kind of step's pod requests (CPU, memory, GPUs). The "
+        "run pod's own size is the deployment's (`deploy/k8s/values.yaml`); no step inherits it.",
     )
 
 

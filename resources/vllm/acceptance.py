@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -30,10 +28,15 @@ from eagle3_assets.core.acceptance.measure import Measured, PartMeasure, PromptS
 from eagle3_assets.core.storage.proxy import urlopen
 from eagle3_assets.core.target.loading import resolve
 
-from ..side_env import clean_env
-from .cpu_build import TESTED_VLLM_VERSIONS, is_tested
+from .managed import (
+    ManagedServerError,
+    extraction_spec,
+    server_dtype,
+    started,
+    tensor_parallel,
+)
 from .self_check import ServedSelfCheck
-from .server import RunningServer, ServeSpec, free_port, launch
+from .server import RunningServer, ServeSpec, free_port
 
 SERVED_NAME = "target"
 WAIT_TICK_S = 0.5
@@ -41,7 +44,7 @@ _METRIC = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+([0
 _POSITION = re.compile(r'position="(\d+)"')
 
 
-class ServedAcceptanceError(RuntimeError):
+class ServedAcceptanceError(ManagedServerError):
     """The acceptance server failed to start, died or answered wrongly; the message names its log."""
 
 
@@ -71,19 +74,6 @@ def read_counters(metrics_text: str) -> SpecCounters:
         int(totals["num_accepted_tokens"]),
         positions,
     )
-
-
-def visible_gpus() -> int:
-    """GPUs this step may use (CUDA_VISIBLE_DEVICES, else what torch sees)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
 
 
 class VllmMeasurer:
@@ -133,8 +123,6 @@ class VllmMeasurer:
     def spec(self, draft: Path | None, longest_prompt: int) -> ServeSpec:
         """The server of the target, with the draft as EAGLE-3 (or alone), sized for the prompts measured."""
         s, v, t = self.settings, self.settings.vllm, self.project.target
-        dtype = v.dtype if v.dtype != "auto" or not v.cpu else "float32"
-        tp = 1 if v.cpu else (v.tensor_parallel_size or max(1, visible_gpus() // v.pipeline_parallel_size))
         return ServeSpec(
             model=resolve(t.model, self.project.base_dir),
             aux_layers=[],
@@ -145,9 +133,9 @@ class VllmMeasurer:
             num_speculative_tokens=s.draft_tokens,
             served_model_name=SERVED_NAME,
             port=free_port(),
-            dtype=dtype,
+            dtype=server_dtype(v),
             max_model_len=v.max_model_len or longest_prompt + s.max_new_tokens + s.draft_tokens + 8,
-            tensor_parallel_size=tp,
+            tensor_parallel_size=tensor_parallel(v),
             pipeline_parallel_size=v.pipeline_parallel_size,
             trust_remote_code=t.trust_remote_code,
             revision=t.revision,
@@ -156,48 +144,22 @@ class VllmMeasurer:
             extra_args=list(v.extra_args),
         )
 
-    def python(self) -> str:
-        """`acceptance.vllm.python` where it is set (a GPU build, or a CPU build installed elsewhere); else
-        the cached CPU build with `cpu: true`, the step's own Python without."""
-        v = self.settings.vllm
-        if v.cpu:
-            from .cpu_build import cpu_supports_vllm, vllm_cpu_python
-
-            problem = cpu_supports_vllm()
-            if problem:
-                raise ServedAcceptanceError(f"acceptance.vllm.cpu is true, but {problem}")
-            return v.python or str(vllm_cpu_python())
-        return v.python or sys.executable
-
     @contextlib.contextmanager
     def serving(self, parts: Sequence[PromptSet], draft: Path | None) -> Iterator[RunningServer]:
         """A started server; its whole process group stopped on the way out, whatever ends the block. Its log
         stays on this machine only when the block failed."""
         longest = max((len(p) for ps in parts for p in ps.prompts), default=16)
-        spec = self.spec(draft, longest)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log_path = Path(tempfile.mkstemp(prefix="vllm-acceptance-", suffix=".log", dir=self.workdir)[1])
-        what = f"the draft {draft}" if draft is not None else "no draft"
-        self.log(f"acceptance: starting vLLM with {what} (log: {log_path})")
-        try:
-            server = launch(spec, self.python(), log_path, clean_env(), self.settings.vllm.start_timeout_s)
-        except RuntimeError as e:
-            raise ServedAcceptanceError(
-                f"the acceptance vLLM server did not start (log: {log_path}): {e}"
-            ) from e
-        if not is_tested(server.version):
-            named = server.version or "(no version at GET /version)"
-            tested = ", ".join(TESTED_VLLM_VERSIONS)
-            self.log(
-                f"WARNING: acceptance: the server runs vLLM {named}, which no test of this project ran "
-                f"(tested: {tested}); its counters are read as on a tested one, and the greedy check "
-                "compares its drafted and plain answers"
-            )
-        try:
+        what = f"the draft {draft}" if draft is not None else "the target alone (no draft)"
+        with started(
+            self.spec(draft, longest),
+            self.settings.vllm,
+            self.workdir,
+            f"acceptance: {what}",
+            self.log,
+            error=ServedAcceptanceError,
+            log_prefix="vllm-acceptance-",
+        ) as server:
             yield server
-        finally:
-            server.stop()
-        log_path.unlink(missing_ok=True)  # kept only where something went wrong (the error names it)
 
     # -- requests --------------------------------------------------------------------------------------------
     def _generate(self, server: RunningServer, prompts: PromptSet) -> list[list[int]]:
@@ -272,29 +234,45 @@ class VllmMeasurer:
 
 
 class VllmFeatures:
-    """`FeatureSource` from the hidden-states servers (`hidden_states.vllm`): the source answers' aux states
-    are extracted as the partition's own were, by the engine that holds the target."""
+    """`FeatureSource` for the source-answers arm: the source answers' aux states, extracted as the
+    partition's own were (vLLM's `extract_hidden_states`), by an extraction server this step starts on its own
+    devices (`acceptance.vllm`) after its measurements, never by servers another stage or a person runs. The
+    server is stopped as soon as the states are read."""
 
     def __init__(
-        self,
-        cfg: VllmExtractionConfig,
-        partition: str,
-        n_aux: int,
-        self_check: ServedSelfCheck | None = None,
-        log: Callable[[str], None] = print,
+        self, project: ProjectConfig, partition: str, n_aux: int, workdir: Path, log: Callable[[str], None]
     ):
-        self.cfg = cfg
+        self.project = project
         self.partition = partition
         self.n_aux = n_aux
-        self.self_check = self_check  # a replica on a vLLM version no test ran is checked first
+        self.workdir = Path(workdir)
         self.log = log
 
     def aux_states(self, samples: Sequence[np.ndarray]) -> list[Any]:
         from eagle3_assets.core.generation.stopping import run_loop
 
-        return run_loop(self._extract(samples))
+        a = self.project.acceptance.vllm
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="connector-", dir=self.workdir) as files:
+            spec = extraction_spec(
+                self.project,
+                files,
+                port=free_port(),
+                dtype=server_dtype(a),
+                tensor_parallel_size=tensor_parallel(a),
+                pipeline_parallel_size=a.pipeline_parallel_size,
+                cpu=a.cpu,
+                kv_cache_gib=a.kv_cache_gib,
+                extra_args=list(a.extra_args),
+            )
+            what = f"acceptance: the source answers' states ({len(samples)} samples)"
+            with started(spec, a, self.workdir, what, self.log, error=ServedAcceptanceError) as server:
+                cfg = self.project.hidden_states.vllm.model_copy(
+                    update={"base_urls": [server.base_url], "storage_path": files, "model": None}
+                )
+                return run_loop(self._extract(cfg, samples))
 
-    async def _extract(self, samples: Sequence[np.ndarray]) -> list[Any]:
+    async def _extract(self, cfg: VllmExtractionConfig, samples: Sequence[np.ndarray]) -> list[Any]:
         import asyncio
 
         from eagle3_assets.core.generation.protocol import CompletionRequest
@@ -302,7 +280,11 @@ class VllmFeatures:
         from .extraction import VllmHiddenStates
 
         backend = VllmHiddenStates(
-            self.cfg, f"{self.partition}-acceptance", self.n_aux + 1, self.self_check, log=self.log
+            cfg,
+            f"{self.partition}-acceptance",
+            self.n_aux + 1,
+            ServedSelfCheck.of(self.project),  # a server on a version no test ran is checked first
+            log=self.log,
         )
         await backend.start()
         try:

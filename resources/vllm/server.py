@@ -203,14 +203,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Run first in the server's process, then replaced by vLLM (execv keeps the setting): the kernel sends the
+# server SIGTERM when the thread that started it dies, however it dies (Linux). vLLM's shutdown then ends its
+# engine and workers. A wrapper, not `preexec_fn`: nothing runs between fork and exec in a threaded process.
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "sys.platform.startswith('linux') and ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def launch(
-    spec: ServeSpec, python: str, log: Path, env: dict[str, str], timeout_s: float = 600
+    spec: ServeSpec,
+    python: str,
+    log: Path,
+    env: dict[str, str],
+    timeout_s: float = 600,
+    die_with_parent: bool = False,
 ) -> RunningServer:
-    """Start the server, wait until it answers /v1/models, and spend its first (slow) request on a warm-up."""
+    """Start the server, wait until it answers /v1/models, and spend its first (slow) request on a warm-up.
+    `die_with_parent`: the server is told to end with the calling thread (a step's server must never outlive
+    the step; only a caller on its process's main thread should ask)."""
     Path(spec.storage_path).mkdir(parents=True, exist_ok=True)
+    argv = spec.argv(python)
+    if die_with_parent:
+        argv = [python, "-c", DIE_WITH_PARENT, *argv]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            spec.argv(python),
+            argv,
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**env, **spec.env()},
