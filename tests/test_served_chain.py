@@ -63,7 +63,7 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(
 ):
     import dagster as dg
 
-    import resources.vllm.acceptance as served_gate
+    import resources.vllm.managed as step_servers
     from eagle3_assets.config import load_config
     from eagle3_assets.definitions import (
         ACCEPTANCE_JOB,
@@ -76,15 +76,15 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(
     path = tmp_path / "eagle3.yaml"
     path.write_text(yaml.safe_dump(_served_config(tmp_path, server, vllm_version)))
     assert server.version == vllm_version
-    started: list[str | None] = []  # the version each acceptance server reported (GET /version)
+    started: list[str | None] = []  # the version each server the acceptance step started reported
 
     def launch_and_note(*args, **kwargs):
         running = real_launch(*args, **kwargs)
         started.append(running.version)
         return running
 
-    real_launch = served_gate.launch
-    monkeypatch.setattr(served_gate, "launch", launch_and_note)
+    real_launch = step_servers.launch
+    monkeypatch.setattr(step_servers, "launch", launch_and_note)
     config = load_config(path)
     defs = build_definitions(config, str(path))
     with dg.instance_for_test() as instance:

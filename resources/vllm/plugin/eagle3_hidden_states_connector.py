@@ -60,7 +60,10 @@ OPT_IN = "save_hidden_states"
 VERSION_KEY = "vllm_version"  # in each answer's kv_transfer_params
 FP8 = "float8_e4m3fn"
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-LAYOUT = "LBNHC"  # cache views [blocks, heads (the layer ids), block size, H]: a token's layers stay together
+# The KV-cache layout upstream's example asks for (a token's layers together); where the attention backends
+# support none such (vLLM 0.32's CPU build) vLLM picks another, and the block-size check of
+# `register_kv_caches` guards the [blocks, layer ids, block size, H] views that `_gather` indexes.
+LAYOUT = "LBNHC"
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's own handler
 
