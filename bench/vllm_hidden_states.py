@@ -30,6 +30,7 @@ from eagle3_assets.core.target.loading import builtin_dir
 from resources.side_env import clean_env
 from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python
 from resources.vllm.extraction import OPT_IN, VllmHiddenStates, leftover_files, request_prefix, sweep_orphans
+from resources.vllm.self_check import ServedSelfCheck
 from resources.vllm.server import ServeSpec, free_port, launch
 
 from .hidden_states_throughput import synthetic_tokens
@@ -88,7 +89,7 @@ def served(
     settings = ExtractionSettings(
         target=TargetConfig(model=model, tokenizer=model), hidden=HiddenStatesConfig(engine="vllm", vllm=cfg)
     )
-    backend = VllmHiddenStates(cfg, layout.key, 4)
+    backend = VllmHiddenStates(cfg, layout.key, 4, ServedSelfCheck(model))  # checked first if untested
     t0, c0 = time.perf_counter(), time.process_time()
     _, stats, _ = extract_dataset(layout, settings, lambda m: None, backend)
     cpu = time.process_time() - c0  # every thread of this process: requests, file reads, shards

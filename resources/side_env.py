@@ -61,7 +61,7 @@ def ensure(spec: SideEnv, nice: bool = False) -> Path:
     base = env.parent
     base.mkdir(parents=True, exist_ok=True)
     py = env / "bin" / "python"
-    with open(base / f".{spec.name}.lock", "w") as lock:
+    with open(base / f".{env.name}.lock", "w") as lock:  # one build per environment (versions build apart)
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         if (env / STAMP).exists():
             return py
@@ -125,16 +125,16 @@ class Prefetcher:
 
     def start(self, specs: list[SideEnv]) -> None:
         with self._lock:
-            todo = [s for s in specs if s.name not in self._futures]
+            todo = [s for s in specs if self._id(s) not in self._futures]
             for s in todo:
-                self._futures[s.name] = Future()
+                self._futures[self._id(s)] = Future()
 
         def build() -> None:
             for s in todo:
                 try:
-                    self._futures[s.name].set_result(ensure(s, nice=True))
+                    self._futures[self._id(s)].set_result(ensure(s, nice=True))
                 except BaseException as exc:
-                    self._futures[s.name].set_exception(exc)
+                    self._futures[self._id(s)].set_exception(exc)
 
         if todo:
             threading.Thread(target=build, name="side-environments", daemon=True).start()
@@ -142,8 +142,12 @@ class Prefetcher:
     def python(self, spec: SideEnv) -> Path:
         """The interpreter, waiting for a build in progress (or building it now)."""
         with self._lock:
-            future = self._futures.get(spec.name)
+            future = self._futures.get(self._id(spec))
         return future.result() if future is not None else ensure(spec)
+
+    @staticmethod
+    def _id(spec: SideEnv) -> str:
+        return f"{spec.name}-{spec.version}"
 
 
 def clean_env() -> dict[str, str]:

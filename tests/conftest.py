@@ -78,11 +78,20 @@ def aws_env(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
+# Older vLLM versions -> the collected tests that still need their session server (released after the last).
+_VLLM_PENDING: dict[str, set[str]] = {}
+
+
+def _vllm_version(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("vllm_version") if callspec is not None else None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Start building the training frameworks' environments in the background as soon as a collected test
     needs them (`@pytest.mark.consumers(...)`), the image's install (`@pytest.mark.runtime_install`) and the
-    session's vLLM server (`@pytest.mark.vllm`): a cold build takes minutes, the rest of the suite runs
-    meanwhile."""
+    session's vLLM servers (`@pytest.mark.vllm`; the versions a test is parametrized over, `vllm_version`, the
+    newest otherwise): a cold build takes minutes, the rest of the suite runs meanwhile."""
     names = {n for item in items if (m := item.get_closest_marker("consumers")) for n in m.args}
     if names:
         from .support.consumers import environments
@@ -92,11 +101,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         from .support import runtime_install
 
         runtime_install.prefetch()
-    if any(item.get_closest_marker("vllm") for item in items):
+    served = [item for item in items if item.get_closest_marker("vllm")]
+    if served:
         from .support import vllm_server
 
         if vllm_server.skip_reason() is None:
-            vllm_server.start_in_background()  # the build, then the server: minutes the other tests overlap
+            versions = [_vllm_version(item) or vllm_server.NEWEST for item in served]
+            vllm_server.start_in_background(versions)  # the builds, then the servers, in the background
+            for item, version in zip(served, versions, strict=True):
+                if version != vllm_server.NEWEST:
+                    _VLLM_PENDING.setdefault(version, set()).add(item.nodeid)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """An older vLLM version's session server stops once the last collected test that needs it has run."""
+    version = _vllm_version(item)
+    pending = _VLLM_PENDING.get(version or "")
+    if pending is None or item.nodeid not in pending:
+        return
+    pending.discard(item.nodeid)
+    if not pending:
+        from .support import vllm_server
+
+        vllm_server.release(str(version))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

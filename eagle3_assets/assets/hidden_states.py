@@ -114,7 +114,7 @@ def replica_shards(unit: str, layout: DatasetLayout) -> list[str]:
 
 def _extract_unit(context: dg.OpExecutionContext, unit: str, project: Project, storage: Storage) -> dict:
     key = context.partition_key
-    served = extraction_backend(project.cfg, key)
+    served = extraction_backend(project.cfg, key, context.log.info)
     names = None if unit == ALL_SHARDS else [unit]
     with storage.stage(key, "hidden_states") as layout, watching(operator_stop(context)):
         settings = ExtractionSettings.from_config(project.cfg)

@@ -61,14 +61,36 @@ class AutomationConfig(Strict):
     )
 
 
+class RayExecutionConfig(Strict):
+    """With `executor: ray`: the Ray cluster the steps run on, and what a GPU step asks it for."""
+
+    address: str | None = Field(
+        None,
+        description="The cluster's job API (its dashboard address), e.g. `http://127.0.0.1:8265` or a "
+        "KubeRay head service's; null: `RAY_ADDRESS` of the process that runs the run.",
+    )
+    gpu_step_resources: dict[str, float] = Field(
+        default_factory=lambda: {"GPU": 1.0},
+        description="What each GPU step (pool `gpu`: an extraction step, the acceptance gate) asks Ray for, "
+        "so that Ray places it on a node that has it: `{GPU: 1}` (Ray's own GPU count; `GPU: 8` for a whole "
+        "8-GPU node), or custom resources a node was started with (`ray start --resources "
+        "'{\"accel\": 1}'`). Other steps ask for nothing and run on the head node.",
+    )
+
+
 class ExecutionConfig(Strict):
     """How Dagster executes a run's steps."""
 
-    executor: Literal["in_process", "multiprocess", "k8s"] = Field(
+    executor: Literal["in_process", "multiprocess", "k8s", "ray"] = Field(
         "in_process",
         description="`in_process`: one process runs a run's steps in turn, sharing the loaded model and "
         "tokenizer (laptops, the demo); `multiprocess`: a process per step; `k8s`: a pod per step "
-        "(`k8s_job_executor`, needs dagster-k8s).",
+        "(`k8s_job_executor`, needs dagster-k8s); `ray`: a Ray job per step on the cluster `ray.address` "
+        "names (dagster-ray), GPU steps placed by `ray.gpu_step_resources` (the `ray` extra).",
+    )
+    ray: RayExecutionConfig = Field(
+        default_factory=RayExecutionConfig,
+        description="With `executor: ray`: the cluster and what a GPU step asks it for.",
     )
     max_concurrent_steps: int = Field(
         4,

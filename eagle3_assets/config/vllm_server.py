@@ -18,9 +18,10 @@ class VllmServerConfig(Strict):
     )
     python: str | None = Field(
         None,
-        description="The interpreter of the environment vLLM's GPU build is installed in (an absolute path, "
-        "such as `/home/me/venvs/vllm/bin/python`); null: the step's own Python. Ignored with `cpu: true`. "
-        "The step checks that it exists and imports vLLM before anything else.",
+        description="The interpreter of the environment vLLM is installed in (an absolute path, such as "
+        "`/home/me/venvs/vllm/bin/python`); null: the step's own Python, or with `cpu: true` the cached CPU "
+        "build of the newest tested version. With `cpu: true` it names a CPU build installed elsewhere (such "
+        "as another tested version's). The step checks that it exists and imports vLLM before anything else.",
     )
     tensor_parallel_size: int | None = Field(
         None,

@@ -35,6 +35,7 @@ from .managed import (
     started,
     tensor_parallel,
 )
+from .self_check import ServedSelfCheck
 from .server import RunningServer, ServeSpec, free_port
 
 SERVED_NAME = "target"
@@ -278,7 +279,13 @@ class VllmFeatures:
 
         from .extraction import VllmHiddenStates
 
-        backend = VllmHiddenStates(cfg, f"{self.partition}-acceptance", self.n_aux + 1)
+        backend = VllmHiddenStates(
+            cfg,
+            f"{self.partition}-acceptance",
+            self.n_aux + 1,
+            ServedSelfCheck.of(self.project),  # a server on a version no test ran is checked first
+            log=self.log,
+        )
         await backend.start()
         try:
             requests = [

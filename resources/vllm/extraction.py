@@ -9,6 +9,14 @@ it, checks it, removes it (a 10M-token partition must not leave terabytes behind
 the answer's payload. A file that is missing, late, truncated or holds other ids is a retried fault, never a
 sample.
 
+Engine versions: before it extracts, the backend asks every replica for its vLLM version (`GET /version`).
+On a version no test of this project ran (`cpu_build.TESTED_VLLM_VERSIONS`) it logs a warning naming it and
+the tested ones, and checks one known sample from that replica against pieces of the checkpoint
+(`self_check.py`); only a failed check refuses (`SelfCheckFailed`, nothing extracted). Each answer names the
+version that wrote its file (the connector's `kv_transfer_params.vllm_version`): one from a version neither
+tested nor checked in this run (an upgraded replica behind the same address) is a retried fault, never a
+sample.
+
 Replicas: `base_urls` are data-parallel servers; each request goes to the one with the fewest requests in
 flight. `max_concurrency` bounds the requests at the servers; the engine keeps up to twice as many going, so
 that waiting for a file (the server writes it after it answers) never leaves a server slot idle. Request ids
@@ -23,9 +31,11 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +50,11 @@ from eagle3_assets.core.generation.protocol import (
 from eagle3_assets.core.hidden_states.fp8 import QuantizedStates
 
 from ..inference.http import HttpSession, get_json, make_session, post_json
+from .cpu_build import TESTED_VLLM_VERSIONS, is_tested
+from .self_check import SelfCheckFailed, ServedSelfCheck, describe_verdict
 
 OPT_IN = "save_hidden_states"  # the connector's switch (plugin/eagle3_hidden_states_connector.py)
+VERSION_KEY = "vllm_version"  # the connector names its engine's version in each answer's kv_transfer_params
 
 
 def request_prefix(partition: str) -> str:
@@ -54,7 +67,15 @@ class VllmHiddenStates:
     wants_prompt_ids = True
     served = None  # the states of the served target: nothing is stored as an answer
 
-    def __init__(self, cfg: VllmExtractionConfig, partition: str, n_layer_ids: int):
+    def __init__(
+        self,
+        cfg: VllmExtractionConfig,
+        partition: str,
+        n_layer_ids: int,
+        self_check: ServedSelfCheck | None = None,
+        tested_versions: tuple[str, ...] = TESTED_VLLM_VERSIONS,
+        log: Callable[[str], None] = print,
+    ):
         self.cfg = cfg
         self.bases = [u.rstrip("/") for u in cfg.base_urls]
         self.model = cfg.model or ""
@@ -69,6 +90,11 @@ class VllmHiddenStates:
         self.files_read = 0
         self.file_bytes = 0
         self.file_wait_s = 0.0
+        self.self_check = self_check  # None: a replica on an untested version is refused, nothing checks it
+        self.tested_versions = tuple(tested_versions)
+        self.log = log
+        self.versions: dict[str, str | None] = {}  # replica -> the vLLM version it reported
+        self.checked: dict[str, Any] = {}  # untested version -> the self-check's metadata (passed)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -78,10 +104,15 @@ class VllmHiddenStates:
         )  # what a killed earlier run left, where this process sees it
         if self._session is None:
             self._session = make_session(self.cfg.request_timeout_s)
-        if not self.model:
-            problems = await self.preflight()
-            if problems:
-                raise InferenceError(ErrorKind.BAD_REQUEST, "; ".join(problems))
+        try:
+            if not self.model:
+                problems = await self.preflight()
+                if problems:
+                    raise InferenceError(ErrorKind.BAD_REQUEST, "; ".join(problems))
+            await self.verify_engines()
+        except BaseException:
+            await self.close()
+            raise
 
     async def preflight(self) -> list[str]:
         """Every replica answers /v1/models and serves the same model (the configured one, if named)."""
@@ -131,6 +162,14 @@ class VllmHiddenStates:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         assert self._session is not None, "start() was not called"
+        return (await self._extract_on(self._pick(), request))[0]
+
+    async def _extract_on(
+        self, base: str, request: CompletionRequest, verified_only: bool = True
+    ) -> tuple[Completion, str | None]:
+        """One sample through `base`: its states as the answer's payload, and the vLLM version the connector
+        named. `verified_only`: an answer from a version neither tested nor self-checked is a fault."""
+        assert self._session is not None, "start() was not called"
         ids = request.prompt_ids or []
         tag = hashlib.blake2b(request.id.encode(), digest_size=8).hexdigest()
         payload: dict[str, Any] = {
@@ -144,7 +183,6 @@ class VllmHiddenStates:
         }
         started = time.monotonic()
         async with self._slots:  # at the servers: max_concurrency; waiting for files does not hold a slot
-            base = self._pick()
             self._in_flight[base] += 1
             try:
                 body = await post_json(self._session, f"{base}/completions", payload)
@@ -154,7 +192,9 @@ class VllmHiddenStates:
         got = body.get("prompt_token_ids")
         if got is None and body.get("choices"):
             got = body["choices"][0].get("prompt_token_ids")
-        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+        params = body.get("kv_transfer_params") or {}
+        path = params.get("hidden_states_path")
+        version = params.get(VERSION_KEY)
         if not path:
             raise InferenceError(
                 ErrorKind.SERVER,
@@ -170,12 +210,20 @@ class VllmHiddenStates:
                 f"({'none returned' if got is None else f'{len(got)} ids'}); not stored",
                 status=200,
             )
+        if verified_only and version is not None and not self._verified(str(version)):
+            _remove(path)
+            raise InferenceError(
+                ErrorKind.SERVER,
+                f"{base} answered from vLLM {version}, which no test ran and this run did not self-check "
+                f"(the replica reported {self.versions.get(base)} before extracting); not stored",
+                status=200,
+            )
         self._sweep_once(Path(path).parent)
         t0 = time.monotonic()
         states = await self._read(path, ids)
         self.file_wait_s += time.monotonic() - t0
         usage = body.get("usage") or {}
-        return Completion(
+        completion = Completion(
             content="",
             finish_reason="stop",
             prompt_tokens=int(usage.get("prompt_tokens") or len(ids)),
@@ -186,6 +234,90 @@ class VllmHiddenStates:
             latency_s=latency,
             payload=states,
         )
+        return completion, None if version is None else str(version)
+
+    # -- the engines' versions ------------------------------------------------------------------------------
+    def _verified(self, version: str | None) -> bool:
+        """A version a test ran, or one whose self-check passed in this run."""
+        return is_tested(version, self.tested_versions) or (version or "").split("+")[0] in self.checked
+
+    async def served_version(self, base: str) -> str | None:
+        """The vLLM version a replica reports at `GET /version` (vLLM's own endpoint); None where it reports
+        none."""
+        assert self._session is not None
+        root = base.removesuffix("/v1")
+        try:
+            status, body = await get_json(self._session, f"{root}/version")
+        except Exception:
+            return None
+        if status != 200 or not isinstance(body, dict) or not body.get("version"):
+            return None
+        return str(body["version"])
+
+    async def verify_engines(self) -> None:
+        """Every replica's vLLM version; on one no test ran, a warning and the self-check of one known sample
+        from that replica, which must pass before anything is extracted (`SelfCheckFailed` otherwise)."""
+        tested = ", ".join(self.tested_versions) or "none"
+        for base in self.bases:
+            version = self.versions[base] = await self.served_version(base)
+            if self._verified(version):
+                self.log(f"{base} serves vLLM {version}, a version this project's tests ran")
+                continue
+            named = f"vLLM {version}" if version else "a vLLM that reports no version at GET /version"
+            self.log(
+                f"WARNING: {base} serves {named}, which no test of this project ran (tested: {tested}); "
+                "checking one known sample from it against pieces of the checkpoint before extracting"
+            )
+            if self.self_check is None:
+                raise SelfCheckFailed(
+                    f"{base} serves {named}, which no test of this project ran (tested: {tested}), and no "
+                    "self-check is configured to verify it; serve a tested version"
+                )
+            verdict, reported = await self._self_check(base, self.self_check)
+            version = version or reported
+            if not verdict.passed:
+                failed = ", ".join(json.loads(verdict.metadata["failing"]))
+                instead = (
+                    f"serve a tested version (vllm=={self.tested_versions[0]}) or "
+                    if tested != "none"
+                    else ""
+                )
+                raise SelfCheckFailed(
+                    f"{base} serves {named}, which no test of this project ran (tested: {tested}), and its "
+                    "states of a known sample disagree with the checkpoint recomputed here "
+                    f"({failed} failed: {describe_verdict(verdict)}). Nothing was extracted: {instead}fix "
+                    "the server (its layer ids, its connector)"
+                )
+            self.checked[(version or "unknown").split("+")[0]] = verdict.metadata
+            named = f"vLLM {version}" if version else named
+            self.log(f"{base}: {named} passed the self-check: {describe_verdict(verdict)}")
+
+    async def _self_check(self, base: str, check: ServedSelfCheck) -> tuple[Any, str | None]:
+        """The known text continued greedily by `base`, its ids extracted through `base` like any sample, and
+        the states checked against the checkpoint's pieces (in a thread)."""
+        from eagle3_assets.core.target.pieces import CheckpointError
+
+        assert self._session is not None
+        body = await post_json(self._session, f"{base}/completions", check.generation(self.model))
+        choice = (body.get("choices") or [{}])[0]
+        prompt = body.get("prompt_token_ids") or choice.get("prompt_token_ids") or []
+        answer = choice.get("token_ids") or []
+        if not prompt or not answer:
+            raise SelfCheckFailed(
+                f"{base} returned no token ids for the self-check's sample: {describe(body, 200)}"
+            )
+        ids = [int(i) for i in [*prompt, *answer]]
+        request = CompletionRequest(id="self-check", messages=[], max_tokens=1, prompt_ids=ids)
+        done, reported = await self._extract_on(base, request, verified_only=False)
+        try:
+            verdict = await asyncio.to_thread(check.verdict, ids, len(prompt), done.payload)
+        except CheckpointError as e:
+            raise SelfCheckFailed(
+                f"the self-check of {base} cannot run here: {e}. Put the target's checkpoint on this "
+                "machine (only the embedding, the first decoder layers, the final norm and the head are "
+                "read) or serve a tested version"
+            ) from e
+        return verdict, reported
 
     async def _read(self, path: str, ids: list[int]) -> Any:
         """Wait until the writer releases the file's lock, then load and check it (in a thread), then remove

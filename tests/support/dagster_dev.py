@@ -79,6 +79,10 @@ mutation($params: ReexecutionParams!) {
   }
 }"""
 
+TERMINATE = """
+mutation($ids: [String!]!) { terminateRuns(runIds: $ids, terminatePolicy: SAFE_TERMINATE) {
+  __typename ... on TerminateRunsResult { terminateRunResults { __typename
+    ... on TerminateRunSuccess { run { runId } } ... on TerminateRunFailure { message } } } } }"""
 RUN_MESSAGES = """
 query($id: ID!) {
   logsForRun(runId: $id, limit: 1000) {
@@ -268,6 +272,10 @@ class DagsterDev:
                 return run
             time.sleep(1)
         raise TimeoutError(f"run {run_id} not done in {timeout}s:\n{self.log_tail()}")
+
+    def terminate(self, run_id: str) -> dict:
+        """Terminate a run as the UI's *Terminate* button does; the mutation's result for it."""
+        return self.graphql(TERMINATE, {"ids": [run_id]})["terminateRuns"]["terminateRunResults"][0]
 
     def run_messages(self, run_id: str) -> str:
         """Every message and error text of a run's event log, one per line."""

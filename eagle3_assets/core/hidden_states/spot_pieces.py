@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 
 from ..report.validation import Verdict
-from .spot_rules import Agreement, StoredExtraction, agreement_summary, rules_metadata, worst_of
+from .spot_rules import (
+    Agreement,
+    StoredExtraction,
+    agreement_summary,
+    rules_metadata,
+    spot_rule,
+    worst_of,
+)
 
 # -- the spot check of a served target: pieces of the checkpoint, never the whole target
 # ----------------------- The last states through the final norm and the head predict the answer's next
@@ -245,3 +252,44 @@ def _head_summary(heads: HeadAgreement, decoding: AnswerDecoding) -> dict[str, A
         "head_share_one_row_earlier": round(heads.share(-1), 4),
         "head_share_one_row_later": round(heads.share(1), 4),
     }
+
+
+def check_known_sample(
+    pieces: Any,
+    aux_layers: list[int],
+    ids: list[int],
+    answer_start: int,
+    states: Any,
+    compute_dtype: str,
+    storage_dtype: str,
+    trust_remote_code: bool = False,
+) -> Verdict:
+    """One sample's served states [T, n_aux + 1, H] (the aux layers in `aux_layers`' order, then the last)
+    against pieces of the checkpoint, by the spot check's rules: the shallowest aux layer recomputed from the
+    embedding and the first decoder layers, and the head's argmax over the last states naming the answer the
+    same server decoded greedily (`ids[answer_start:]`). The self-check of a server whose engine version no
+    test ran, before anything of it is stored."""
+    import torch
+
+    first = min(aux_layers)
+    target = ShallowTarget.load(pieces, first + 1, trust_remote_code)
+    t = torch.as_tensor(ids, dtype=torch.long)
+    recomputed = target.layer_outputs(t)[first + 1]
+    got = Agreement.of(states[:, aux_layers.index(first)].float(), recomputed)
+    rule = spot_rule(compute_dtype, storage_dtype)
+    mask = torch.zeros(len(ids), dtype=torch.int8)
+    mask[answer_start:] = 1
+    head = head_agreement(target, t, mask, states[:, -1].float())
+    failing = ([f"aux{first}"] if not rule.passes(got) else []) + ([] if head.greedy_ok() else ["last"])
+    return Verdict(
+        not failing,
+        {
+            "tokens": len(ids),
+            "aux_layer_checked": first,
+            **agreement_summary(got),
+            "compute_dtype": compute_dtype,
+            "rule": json.dumps(rule.describe()),
+            **_head_summary(head, AnswerDecoding(True, "greedy (temperature 0), by the server checked")),
+            "failing": json.dumps(failing),
+        },
+    )
