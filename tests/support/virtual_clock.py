@@ -199,7 +199,7 @@ class VirtualProvider:
         self.answers += 1
         self.billed_tokens += tokens
         return Completion(
-            content="",
+            content="ok",  # a simulated answer: its length is `tokens`, its text a stand-in
             finish_reason="stop" if finished else "length",
             prompt_tokens=12,
             completion_tokens=tokens,
