@@ -25,23 +25,9 @@ from resources.vllm.managed import ManagedServerError
 
 from .support.hidden_states import reference_states, write_tokens
 from .support.projects import REPO, make_project
+from .support.vllm_server import vllm_server_pids
 
 pytestmark = pytest.mark.slow
-
-
-def vllm_servers(marker: str) -> list[int]:
-    """Pids of vLLM API servers whose command line names `marker` (a connector folder of this test's)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "vllm.entrypoints.openai.api_server" in cmd and marker in cmd:
-            pids.append(int(proc.name))
-    return pids
 
 
 def managed_project(root: Path, **vllm) -> Path:
@@ -96,7 +82,7 @@ def test_each_replica_step_serves_itself_and_stops_its_server(cpu_build, chat, t
         for stored_part, expected in ((got["aux_hidden_states"], aux), (got["last_hidden_state"], last)):
             cos = torch.nn.functional.cosine_similarity(stored_part.float(), expected.float(), dim=-1)
             assert float(cos.min()) >= 0.9999  # vLLM's kernels against transformers', both in fp32
-    assert vllm_servers(f"connector-{os.getpid()}-") == []  # no server outlives its step
+    assert vllm_server_pids(f"connector-{os.getpid()}-") == []  # no server outlives its step
     assert not list((Path.home() / ".cache/eagle3-assets/servers").glob(f"connector-{os.getpid()}-*"))
 
 
@@ -122,7 +108,7 @@ def test_a_step_killed_outright_leaves_no_server_behind(cpu_build, chat, tmp_pat
     marker = f"connector-{step.pid}-"
     try:
         deadline = time.monotonic() + 300
-        while not vllm_servers(marker):
+        while not vllm_server_pids(marker):
             assert step.poll() is None, step.stdout.read() if step.stdout else ""
             assert time.monotonic() < deadline, "the step's server never started"
             time.sleep(0.5)
@@ -131,11 +117,12 @@ def test_a_step_killed_outright_leaves_no_server_behind(cpu_build, chat, tmp_pat
         )  # the step's process group only: the server is a session of its own
         step.wait()
         deadline = time.monotonic() + 60
-        while vllm_servers(marker):
-            assert time.monotonic() < deadline, f"the server outlived its killed step: {vllm_servers(marker)}"
+        while vllm_server_pids(marker):
+            left = vllm_server_pids(marker)
+            assert time.monotonic() < deadline, f"the server outlived its killed step: {left}"
             time.sleep(0.5)
     finally:
-        for pid in vllm_servers(marker):  # never leave one holding memory, whatever failed above
+        for pid in vllm_server_pids(marker):  # never leave one holding memory, whatever failed above
             os.killpg(pid, signal.SIGKILL)
 
 

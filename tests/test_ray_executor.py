@@ -26,6 +26,7 @@ from resources.vllm.cpu_build import cpu_supports_vllm
 from .support.hidden_states import reference_states, write_tokens
 from .support.projects import REPO, make_project
 from .support.ray_cluster import SLOT, WORKER_IP, RayCluster
+from .support.vllm_server import vllm_server_pids
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="the `ray` extra (Ray and dagster-ray) is not installed")
@@ -107,16 +108,7 @@ def extraction_steps(cluster: RayCluster) -> list[dict]:
 def vllm_servers() -> list[int]:
     """Pids of the vLLM servers managed steps started (their connector folders are in the cache's
     `servers/`; the suite's own session servers write elsewhere)."""
-    marker = str(cache_root() / "servers" / "connector-")
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "vllm.entrypoints.openai.api_server" in cmd and marker in cmd:
-            pids.append(int(proc.name))
-    return pids
+    return vllm_server_pids(str(cache_root() / "servers" / "connector-"))
 
 
 def running_extraction(cluster: RayCluster) -> list[dict] | None:

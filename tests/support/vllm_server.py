@@ -182,3 +182,19 @@ def fp8_server(dtype: str = "float32", version: str = NEWEST) -> VllmServer:
     """A server whose connector writes FP8 files (`storage_dtype: float8_e4m3fn`), started on demand (not one
     of the session's background servers); the caller stops it."""
     return _start(dtype, storage_dtype="float8_e4m3fn", version=version)
+
+
+def vllm_server_pids(marker: str) -> list[int]:
+    """Pids of vLLM API servers whose command line names `marker` (a connector folder the caller knows):
+    how a test sees that no server outlived the step that started it."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "vllm.entrypoints.openai.api_server" in cmd and marker in cmd:
+            pids.append(int(proc.name))
+    return pids
