@@ -16,7 +16,13 @@ from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 from eagle3_assets.core.prompts.ingest import PROMPT_SCHEMA, ingest, write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.target.chat import Answer, ChatTokenizer
-from eagle3_assets.core.target.tool_calls import ToolCall, calls_json, parse_calls, template_message
+from eagle3_assets.core.target.tool_calls import (
+    ToolCall,
+    calls_json,
+    parse_calls,
+    template_message,
+    unparsed_call,
+)
 from eagle3_assets.core.tokens.build import build_tokens
 
 from .support.engine_runs import KEY, KEY_ENV, run, stored
@@ -300,6 +306,52 @@ def test_tool_calls_answered_stored_and_tokenized(tmp_path, monkeypatch, stream)
     )
     assert not row["answer_empty"]
     assert set(tokens["id"].to_list()) == {"w1", "p1", "t1"}
+
+
+def test_a_call_left_inside_the_reasoning_is_asked_again_never_stored(tmp_path, monkeypatch):
+    """Kimi's reasoning can run straight into its calls without `</think>`: the server's reasoning parser then
+    returns the whole turn, call marks included, as reasoning and no `tool_calls`. Stored, it would train a
+    `</think>` the model never wrote and no call. It is a retried fault; the next answer's call is stored."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    layout = DatasetLayout(tmp_path / "data", "B1").ensure()
+    rows = [{"id": "k1", "tools": TOOLS, "messages": [{"role": "user", "content": "Weather in Oslo?"}]}]
+    src = write_jsonl(tmp_path / "B1.jsonl", rows)
+    write_prompts(src, layout, DatasetConfig(source=str(src), format="messages"))
+    tries: list[str] = []
+    run_on = (
+        "I should look it up.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+
+    def kimi_like(prompt: str, body: dict):
+        tries.append(prompt)
+        if len(tries) == 1:
+            return {"content": None, "reasoning": run_on}, "stop"
+        return {"content": None, "tool_calls": [_call("functions.get_weather:0", "Oslo")]}, "tool_calls"
+
+    chat = ChatTokenizer(kimi_tools(tmp_path / "kimi"))
+    with FakeOpenRouter(key=KEY, answer_message=kimi_like) as server:
+        run(layout, server, chat, retries=0, reasoning=None)  # no retry: the failure row is kept
+        responses, failures = stored(layout)
+        assert responses.height == 0
+        fail = failures.row(0, named=True)
+        assert fail["error_kind"] == "malformed" and not fail["permanent"]
+        assert "left unparsed in the answer's reasoning" in fail["message"]
+        run(layout, server, chat, retries=0, reasoning=None)  # the next run asks again
+    responses, _ = stored(layout)
+    assert len(tries) == 2
+    row = responses.row(0, named=True)
+    assert parse_calls(row["tool_calls"]) == [
+        ToolCall("get_weather", '{"city": "Oslo"}', "functions.get_weather:0")
+    ]
+    assert not row["reasoning"]
+    # Without tools offered the same marks are text like any other (a question about Kimi's format).
+    assert unparsed_call(None, "the format is <tool_call>") is not None
+    from eagle3_assets.core.generation.protocol import Completion, CompletionRequest
+
+    plain = CompletionRequest("p", [{"role": "user", "content": "?"}], 10)
+    talk = Completion("the format is <|tool_call_begin|>", "stop", 5, 5, "m")
+    assert talk.defect(plain) is None
 
 
 # -- 3. agent traces turn by turn, and 5. the report and the blocking check -------------------------------

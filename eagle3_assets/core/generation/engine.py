@@ -309,16 +309,13 @@ class GenerationEngine:
             self._fail(p, err)
             self._count_streak(p, err, token.sent_at)
         else:
-            if c.empty and c.payload is None:
-                # Neither text nor calls: nothing the draft could learn from, and storing it would close the
-                # prompt for good. Charged, and asked again like any fault.
+            defect = c.defect(p.request)
+            if defect is not None:
+                # Nothing the draft could learn from, or a call the template cannot render as written: storing
+                # it would close the prompt for good. Charged, and asked again like any fault.
                 lane.budget.settle(ticket, c.charged_tokens, c.cost_usd)
-                empty = InferenceError(
-                    ErrorKind.MALFORMED,
-                    f"an answer with neither text nor tool calls (finish_reason={c.finish_reason!r})",
-                    billed_tokens=c.charged_tokens,
-                )
-                self._on_error(p, empty, token)
+                fault = InferenceError(ErrorKind.MALFORMED, defect, billed_tokens=c.charged_tokens)
+                self._on_error(p, fault, token)
                 return
             learned = c.latency_s  # where the backend timed the answer itself
             if not learned:

@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ...config import SamplingConfig as Sampling  # one sampling model: eagle3.yaml's
-from ..target.tool_calls import ToolCall
+from ..target.tool_calls import ToolCall, unparsed_call
 
 if TYPE_CHECKING:
     from .binding import ServedModels
@@ -76,6 +76,23 @@ class Completion:
     def empty(self) -> bool:
         """Neither text nor calls: nothing to train, never stored as an answer (a retryable failure)."""
         return not (self.content or self.reasoning or self.tool_calls)
+
+    def defect(self, request: CompletionRequest) -> str | None:
+        """Why this answer cannot be stored as the target's answer, or None: neither text nor calls, or (with
+        tools offered) a call left as raw text. Either would close the prompt with nothing, or with text the
+        template cannot render as what the model wrote; both are asked again."""
+        if self.payload is not None:
+            return None
+        if self.empty:
+            return f"an answer with neither text nor tool calls (finish_reason={self.finish_reason!r})"
+        if request.tools and not self.tool_calls:
+            where = unparsed_call(self.reasoning, self.content)
+            if where:
+                return (
+                    f"{where}: the reasoning ran into the call without its end-of-thinking mark, or the "
+                    "server parses no tool calls (vLLM: --enable-auto-tool-choice --tool-call-parser)"
+                )
+        return None
 
     @property
     def charged_tokens(self) -> int:

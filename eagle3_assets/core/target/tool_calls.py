@@ -121,3 +121,19 @@ FINISHED_REASONS = ("stop", "tool_calls")
 
 def finished(reason: str | None) -> bool:
     return reason in FINISHED_REASONS
+
+
+# The marks that open a call in the tool formats the platform renders (Kimi's section, Hermes/Qwen's tag,
+# Llama-3.1's built-in-tool tag). Found in the text of an answer whose calls came back empty, they are a call
+# the server did not parse: reasoning that ran into the call without its end-of-thinking mark (a Kimi failure
+# met in the field), or a server started without a tool-call parser.
+CALL_MARKS = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<tool_call>", "<|python_tag|>")
+
+
+def unparsed_call(reasoning: str | None, content: str | None) -> str | None:
+    """Where a call sits unparsed in an answer's text: a description of it, or None."""
+    for part, text in (("reasoning", reasoning), ("content", content)):
+        for mark in CALL_MARKS:
+            if text and mark in text:
+                return f"a tool call left unparsed in the answer's {part} ({mark!r})"
+    return None
