@@ -246,6 +246,15 @@ def cmd_instance(args: argparse.Namespace) -> int:
     return 0 if guarded else 1
 
 
+def cmd_sql(args: argparse.Namespace) -> int:
+    """SQL over every partition's files (the warehouse's views); no query: an interactive prompt."""
+    from .sql_command import run_sql
+
+    path = Path(args.config).resolve() if args.config else config_path()
+    fmt = "markdown" if args.markdown else "csv" if args.csv else "box"
+    return run_sql(load_config(path, args.backend), args.query, fmt)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main
 
@@ -319,6 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
         "instance",
         help="apply the launch guard, the config's pools and one run per dataset to DAGSTER_HOME's instance",
     )
+    sql = sub.add_parser(
+        "sql",
+        help="SQL over every dataset's files (views answers, failures, cost, tokens, acceptance, summary); "
+        "no query: an interactive prompt",
+    )
+    sql.add_argument("query", nargs="?", default=None, help='e.g. "SELECT * FROM cost"')
+    sql_fmt = sql.add_mutually_exclusive_group()
+    sql_fmt.add_argument("--markdown", action="store_true", help="print a markdown table")
+    sql_fmt.add_argument("--csv", action="store_true", help="print CSV")
     demo = sub.add_parser("demo", help="the main job over all (or the given) datasets, then a summary table")
     demo.add_argument("datasets", nargs="*")
     return p
@@ -332,6 +350,7 @@ COMMANDS = {
     "vllm-serve": cmd_vllm_serve,
     "compact": cmd_compact,
     "instance": cmd_instance,
+    "sql": cmd_sql,
     "demo": cmd_demo,
 }
 

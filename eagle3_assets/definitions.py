@@ -22,6 +22,7 @@ from .assets import (
     build_acceptance_asset,
     build_checks,
     build_hidden_states_asset,
+    build_overview_asset,
     build_prompts_asset,
     build_report_asset,
     build_responses_asset,
@@ -117,6 +118,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
             cfg.hidden_states.vllm.managed,
         ),
         build_acceptance_asset(partitions),
+        build_overview_asset(),
     ]
     training_data = dg.define_asset_job(
         TRAINING_DATA_JOB,

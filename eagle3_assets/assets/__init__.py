@@ -5,6 +5,7 @@ import dagster as dg
 
 from .acceptance import build_acceptance_asset, build_acceptance_checks
 from .hidden_states import build_hidden_states_asset, build_hidden_states_checks
+from .overview import build_overview_asset
 from .prompts import build_prompts_asset, build_prompts_checks
 from .quarantine import build_quarantine_checks
 from .report import build_report_asset, build_report_checks
@@ -15,6 +16,7 @@ __all__ = [
     "build_acceptance_asset",
     "build_checks",
     "build_hidden_states_asset",
+    "build_overview_asset",
     "build_prompts_asset",
     "build_report_asset",
     "build_responses_asset",
