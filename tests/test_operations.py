@@ -56,7 +56,15 @@ def test_steps_carry_their_pools_and_gpu_requests(tmp_path):
     assert k8s["container_config"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert defs.resolve_job_def("training_data").executor_def.name == "multiprocess"
     specs = {s.key.to_user_string(): s for s in defs.resolve_all_asset_specs()}
-    stages = ["prompts", "responses", "tokens", "validation_report", "hidden_states", "acceptance"]
+    stages = [
+        "prompts",
+        "responses",
+        "tokens",
+        "validation_report",
+        "hidden_states",
+        "acceptance",
+        "overview",
+    ]
     assert {k: s.group_name for k, s in specs.items()} == dict.fromkeys(stages, "eagle3")
     gate = defs.resolve_assets_def("acceptance").op  # the gate trains and runs the target: a GPU step
     assert gate.pool == "gpu" and json.loads(gate.tags["dagster-k8s/config"]) == k8s
