@@ -274,6 +274,15 @@ def test_overview_materialises_with_table_metadata_and_the_markdown_report(tmp_p
     assert "| B2 | 5 |" in text
 
 
+def test_bar_chart_starts_at_its_floor_and_shows_a_missing_value_as_missing():
+    from eagle3_assets.core.report.markdown_table import bar_chart
+
+    lines = bar_chart("t", [("B1", 1.8), ("B2", None), ("B3", 1.4), ("B4", 1.0)], width=20, floor=1.0)
+    bars = {line.split()[0]: line.count("█") for line in lines.splitlines()[2:-1]}
+    assert bars == {"B1": 20, "B2": 0, "B3": 10, "B4": 0}
+    assert "B2  (none)" in lines
+
+
 def rounded(rows: list[tuple]) -> list[tuple]:
     return [tuple(round(v, 9) if isinstance(v, float) else v for v in r) for r in rows]
 

@@ -27,18 +27,25 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([head, rule, *body]) + "\n"
 
 
-def bar_chart(title: str, bars: Sequence[tuple[str, float | None]], width: int = 40, unit: str = "") -> str:
+def bar_chart(
+    title: str,
+    bars: Sequence[tuple[str, float | None]],
+    width: int = 40,
+    unit: str = "",
+    floor: float = 0.0,
+) -> str:
     """A horizontal bar chart in a code block (renders the same in the UI, a terminal and a markdown file);
-    a missing value is shown as such, not as a zero bar."""
+    bars start at `floor` (1.0 for acceptance lengths, which never go below it); a missing value is shown as
+    such, not as a zero bar."""
     values = [v for _, v in bars if v is not None]
-    top = max(values, default=0.0)
+    top = max(values, default=floor) - floor
     label_w = max((len(label) for label, _ in bars), default=0)
     lines = [f"{title}", "```"]
     for label, v in bars:
         if v is None:
             lines.append(f"{label:<{label_w}}  (none)")
             continue
-        n = round(width * v / top) if top > 0 else 0
+        n = min(width, max(0, round(width * (v - floor) / top))) if top > 0 else 0
         lines.append(f"{label:<{label_w}}  {'█' * n}{' ' * (width - n)}  {v:.4g}{unit}")
     lines.append("```")
     return "\n".join(lines) + "\n"

@@ -69,8 +69,9 @@ def charts(tables: dict[str, QueryTable]) -> str:
     datasets = [str(d) for d in summary.column("dataset")]
     out = [
         bar_chart(
-            "Held-out acceptance length per dataset (acceptance gate; each on its own prompts)",
+            "Held-out acceptance length per dataset (the gate, each on its own prompts; bars from 1.0)",
             list(zip(datasets, summary.column("heldout_acceptance_length"), strict=True)),
+            floor=1.0,
         )
     ]
     acc = tables["acceptance"]
@@ -80,7 +81,9 @@ def charts(tables: dict[str, QueryTable]) -> str:
         if s == "data_value"
     ]
     if suite:
-        out.append(bar_chart("Acceptance length on the common suite (data_value)", suite))
+        out.append(
+            bar_chart("Acceptance length on the common suite (data_value; bars from 1.0)", suite, floor=1.0)
+        )
     cost = summary.column("cost_usd")
     if any(c is not None for c in cost):
         out.append(bar_chart("Cost per dataset (USD)", list(zip(datasets, cost, strict=True)), unit=" $"))
