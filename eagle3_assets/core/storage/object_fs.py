@@ -19,6 +19,9 @@ from obstore.exceptions import NotFoundError
 
 PROTOCOL = "eagle3root"
 PARQUET_MAGIC = b"PAR1"
+# The last bytes of each object read once and kept: a Parquet footer (schema, row groups) is read again
+# each time DuckDB binds a view over the file, and every view built on a view binds it again.
+TAIL_BYTES = 64 * 1024
 
 
 class _ObjectFile(AbstractBufferedFile):
@@ -28,12 +31,16 @@ class _ObjectFile(AbstractBufferedFile):
         fs: ObjectStoreFileSystem = self.fs
         if end <= start:
             return b""
-        return bytes(obstore.get_range(fs.store, fs.key(self.path), start=start, end=end))
+        key = fs.key(self.path)
+        tail_start, tail = fs.tail(key)
+        if start >= tail_start:
+            return tail[start - tail_start : end - tail_start]
+        return bytes(obstore.get_range(fs.store, key, start=start, end=end))
 
 
 class ObjectStoreFileSystem(AbstractFileSystem):
     """The objects under a store's prefix, read-only. `info` answers from the last listing when it can (DuckDB
-    asks for a file's size several times per query)."""
+    asks for a file's size several times per query), and each object's tail is fetched once (`tail`)."""
 
     protocol = PROTOCOL
     cachable = False  # one instance per store: fsspec's instance cache would share it between roots
@@ -42,6 +49,7 @@ class ObjectStoreFileSystem(AbstractFileSystem):
         super().__init__(**kwargs)
         self.store = store
         self._meta: dict[str, dict[str, Any]] = {}
+        self._tails: dict[str, tuple[int, bytes]] = {}
 
     def key(self, path: str) -> str:
         p = path.split("://", 1)[1] if "://" in path else path
@@ -90,13 +98,24 @@ class ObjectStoreFileSystem(AbstractFileSystem):
             return bytes(obstore.get(self.store, self.key(path)).bytes())
         return super().cat_file(path, start, end, **kwargs)
 
+    def tail(self, key: str) -> tuple[int, bytes]:
+        """(offset, bytes) of the object's last `TAIL_BYTES` (all of a smaller one), fetched once. Objects
+        are immutable here (parts are written once; a replaced file has a new listing entry), and the cache
+        lives as long as this filesystem: one warehouse connection."""
+        if key not in self._tails:
+            size = self.info(key)["size"]
+            start = max(0, size - TAIL_BYTES)
+            self._tails[key] = (start, bytes(obstore.get_range(self.store, key, start=start, end=size)))
+        return self._tails[key]
+
     def is_parquet(self, key: str) -> bool:
         """Both ends say PAR1: an object cut short or not Parquet at all fails (as `has_parquet_magic`)."""
         size = self.info(key)["size"]
         if size < 8:
             return False
-        head, tail = obstore.get_ranges(self.store, key, starts=[0, size - 4], ends=[4, size])
-        return bytes(head) == PARQUET_MAGIC and bytes(tail) == PARQUET_MAGIC
+        start, tail = self.tail(key)
+        head = tail[:4] if start == 0 else bytes(obstore.get_range(self.store, key, start=0, end=4))
+        return head == PARQUET_MAGIC and tail[-4:] == PARQUET_MAGIC
 
     def _open(
         self,

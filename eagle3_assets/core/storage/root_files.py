@@ -84,7 +84,12 @@ class ObjectRootFiles:
             for k in self.fs.list_files(folder)
             if k.endswith(".parquet") and not k.rsplit("/", 1)[-1].startswith(".")
         ]
-        return [self.fs.url(k) for k in keys if self.fs.is_parquet(k)]
+        # A ranged read or two per object, each a round trip: asked together (a part per flush adds up).
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            whole = list(pool.map(self.fs.is_parquet, keys))
+        return [self.fs.url(k) for k, ok in zip(keys, whole, strict=True) if ok]
 
     def sql_path(self, rel: str) -> str | None:
         return self.fs.url(rel) if self.fs.exists(rel) else None
