@@ -205,6 +205,13 @@ def test_partitions_missing_a_file_are_left_out_and_empty_views_keep_their_colum
                 "flags": [],
             },
             {"draft": "all", "acceptance_length": 1.9, "cost_usd": 0.57, "flags": ["degenerate_loop"]},
+            {
+                "draft": "untrained",
+                "acceptance_length": 1.1,
+                "cost_usd": 0.0,
+                "gain_over_floor": 0.0,
+                "flags": [],
+            },
         ],
     )
     con = open_warehouse(root_files(root), KEYS)
@@ -213,12 +220,20 @@ def test_partitions_missing_a_file_are_left_out_and_empty_views_keep_their_colum
         "WHERE source = 'gate' ORDER BY dataset"
     ).fetchall()
     assert gate == [("B1", 1.8, 1.05, True), ("B3", 1.4, 1.02, False)]  # B2: no report, no row
+    gains = con.execute(
+        "SELECT round(gain_over_floor, 9) FROM acceptance WHERE source = 'gate' ORDER BY dataset"
+    )
+    assert gains.fetchall() == [(0.75,), (0.38,)]
     assert con.execute("SELECT count(*) FROM answers WHERE dataset = 'B2'").fetchone() == (5,)
     suite = con.execute(
-        "SELECT dataset, draft, acceptance_length, n_prompts, flags FROM acceptance "
-        "WHERE source = 'data_value' ORDER BY draft"
+        "SELECT dataset, draft, acceptance_length, round(gain_over_floor, 9), n_prompts, draft_tokens, flags "
+        "FROM acceptance WHERE source = 'data_value' ORDER BY draft"
     ).fetchall()
-    assert suite == [("B1", "B1", 1.6, 5, None), (None, "all", 1.9, 5, ["degenerate_loop"])]
+    assert suite == [
+        ("B1", "B1", 1.6, 0.5, 5, 3, None),
+        (None, "all", 1.9, 0.8, 5, 3, ["degenerate_loop"]),
+        (None, "untrained", 1.1, 0.0, 5, 3, None),
+    ]
 
     # A part cut short (a crash mid-copy on another machine) is skipped, as JournalTable.files skips it.
     part = next((root / "B3" / "responses").glob("*.parquet"))

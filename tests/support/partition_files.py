@@ -105,7 +105,14 @@ def write_gate_report(root: Path, key: str, heldout: float, untrained: float, pa
 def write_data_value_report(root: Path, rows: list[dict]) -> Path:
     path = root / "data_value" / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"suite": {"n_prompts": 5, "source": "suite.jsonl"}, "rows": rows}))
+    report = {
+        "suite": {"n_prompts": 5, "source": "suite.jsonl", "prompt_ids": []},
+        "rows": rows,
+        "floor_acceptance_length": 1.1,
+        "engine": "transformers",
+        "draft_tokens": 3,
+    }
+    path.write_text(json.dumps(report))
     return path
 
 

@@ -23,8 +23,8 @@ QUERIES: dict[str, tuple[str, str]] = {
     "acceptance": (
         "Acceptance",
         """SELECT dataset, source, draft, engine, acceptance_length, untrained_acceptance_length,
-                  train_acceptance_length, n_prompts, passed, cost_usd, gpu_seconds, usd_per_0_1_acceptance,
-                  flags
+                  gain_over_floor, train_acceptance_length, n_prompts, passed, cost_usd, gpu_seconds,
+                  usd_per_0_1_acceptance, flags
            FROM acceptance ORDER BY source, draft""",
     ),
     "failures": (

@@ -5,7 +5,7 @@ is null), so reports written by older versions still show."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass
 from typing import Any
 
 ACCEPTANCE_COLUMNS: list[tuple[str, str]] = [
@@ -15,7 +15,8 @@ ACCEPTANCE_COLUMNS: list[tuple[str, str]] = [
     ("engine", "VARCHAR"),
     ("draft_tokens", "INTEGER"),
     ("acceptance_length", "DOUBLE"),  # gate: held-out part; data_value: on the suite
-    ("untrained_acceptance_length", "DOUBLE"),  # gate: the untrained draft on the same prompts
+    ("untrained_acceptance_length", "DOUBLE"),  # the untrained draft on the same prompts (the floor)
+    ("gain_over_floor", "DOUBLE"),  # acceptance_length - untrained_acceptance_length
     ("train_acceptance_length", "DOUBLE"),  # gate: on the prompts it was trained on
     ("n_prompts", "INTEGER"),
     ("per_position", "DOUBLE[]"),
@@ -37,6 +38,7 @@ class AcceptanceRow:
     draft_tokens: int | None = None
     acceptance_length: float | None = None
     untrained_acceptance_length: float | None = None
+    gain_over_floor: float | None = None
     train_acceptance_length: float | None = None
     n_prompts: int | None = None
     per_position: list[float] | None = None
@@ -56,8 +58,15 @@ def _part(report: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return part if isinstance(part, Mapping) else {}
 
 
+def _gain(acceptance: Any, floor: Any) -> float | None:
+    if isinstance(acceptance, int | float) and isinstance(floor, int | float):
+        return float(acceptance) - float(floor)
+    return None
+
+
 def gate_row(key: str, report: Mapping[str, Any]) -> AcceptanceRow:
     heldout = _part(report, "heldout")
+    untrained = _part(report, "untrained").get("acceptance_length")
     gate = _part(report, "gate")
     passed = gate.get("passed")
     return AcceptanceRow(
@@ -67,7 +76,8 @@ def gate_row(key: str, report: Mapping[str, Any]) -> AcceptanceRow:
         engine=report.get("engine"),
         draft_tokens=report.get("draft_tokens"),
         acceptance_length=heldout.get("acceptance_length"),
-        untrained_acceptance_length=_part(report, "untrained").get("acceptance_length"),
+        untrained_acceptance_length=untrained,
+        gain_over_floor=_gain(heldout.get("acceptance_length"), untrained),
         train_acceptance_length=_part(report, "train").get("acceptance_length"),
         n_prompts=heldout.get("n_prompts"),
         per_position=heldout.get("per_position"),
@@ -76,17 +86,24 @@ def gate_row(key: str, report: Mapping[str, Any]) -> AcceptanceRow:
     )
 
 
-def data_value_row(row: Mapping[str, Any], keys: Sequence[str], engine: str | None) -> AcceptanceRow:
+def data_value_row(row: Mapping[str, Any], keys: Sequence[str], report: Mapping[str, Any]) -> AcceptanceRow:
+    """A row of the data_value report; what the report states once for all rows (engine, k, the untrained
+    floor, the suite's size) fills each."""
     draft = row.get("draft")
     flags = row.get("flags")
+    floor = report.get("floor_acceptance_length")
+    acceptance = row.get("acceptance_length")
+    gain = row.get("gain_over_floor")
     return AcceptanceRow(
         dataset=draft if draft in keys else None,
         source="data_value",
         draft=draft,
-        engine=row.get("engine", engine),
-        draft_tokens=row.get("draft_tokens"),
-        acceptance_length=row.get("acceptance_length"),
-        n_prompts=row.get("n_prompts"),
+        engine=row.get("engine", report.get("engine")),
+        draft_tokens=row.get("draft_tokens", report.get("draft_tokens")),
+        acceptance_length=acceptance,
+        untrained_acceptance_length=floor,
+        gain_over_floor=gain if isinstance(gain, int | float) else _gain(acceptance, floor),
+        n_prompts=row.get("n_prompts", _part(report, "suite").get("n_prompts")),
         per_position=row.get("per_position"),
         cost_usd=row.get("cost_usd"),
         completion_tokens=row.get("completion_tokens"),
@@ -104,12 +121,9 @@ def acceptance_rows(
     """Gate rows in the order of `keys` (those with a report), then the data_value report's rows."""
     rows = [gate_row(k, gate_reports[k]) for k in keys if k in gate_reports]
     if data_value:
-        suite = _part(data_value, "suite")
-        n_suite = suite.get("n_prompts")
-        for r in data_value.get("rows") or []:
-            if isinstance(r, Mapping):
-                row = data_value_row(r, keys, data_value.get("engine"))
-                if row.n_prompts is None and n_suite is not None:
-                    row = replace(row, n_prompts=n_suite)
-                rows.append(row)
+        rows += [
+            data_value_row(r, keys, data_value)
+            for r in data_value.get("rows") or []
+            if isinstance(r, Mapping)
+        ]
     return rows
