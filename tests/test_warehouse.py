@@ -393,3 +393,28 @@ def test_the_object_filesystem_reads_any_range_of_an_object_larger_than_its_tail
         "SELECT id, content FROM read_parquet('eagle3root://big.parquet') ORDER BY id"
     ).fetchall()
     assert got == list(df.sort("id").iter_rows())
+
+
+def test_the_overview_reads_again_when_a_part_was_folded_away_after_the_listing(tmp_path):
+    import duckdb
+
+    from eagle3_assets.core.report.overview import build_overview, build_overview_fresh
+
+    def opener(root: Path, opened: list):
+        build_partitions(root)
+
+        def open_then_compact():
+            con = open_warehouse(root_files(root), KEYS)
+            if not opened:  # B1's journal folded into one file right after the first listing
+                JournalTable(DatasetLayout(root, "B1").responses_dir, RESPONSE_SCHEMA).compact()
+            opened.append(con)
+            return con
+
+        return open_then_compact
+
+    with pytest.raises(duckdb.IOException):  # the stale listing alone fails
+        build_overview(opener(tmp_path / "a", [])())
+    opened: list = []
+    overview = build_overview_fresh(opener(tmp_path / "b", opened))
+    assert len(opened) == 2
+    assert overview.tables["summary"].column("answers") == [4, 5, 2]

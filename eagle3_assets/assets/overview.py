@@ -15,7 +15,7 @@ import dagster as dg
 
 from resources import Project
 
-from ..core.report.overview import OVERVIEW_FILE, QueryTable, build_overview
+from ..core.report.overview import OVERVIEW_FILE, QueryTable, build_overview_fresh
 from ..core.storage.versions import content_version
 from .common import GROUP
 
@@ -63,11 +63,7 @@ def build_overview_asset() -> dg.AssetsDefinition:
         from ..core.report.warehouse import open_project_warehouse, project_root_files
 
         cfg = project.cfg
-        con = open_project_warehouse(cfg)
-        try:
-            result = build_overview(con)
-        finally:
-            con.close()
+        result = build_overview_fresh(lambda: open_project_warehouse(cfg))
         where = project_root_files(cfg).write_text(OVERVIEW_FILE, result.markdown)
         context.log.info(f"overview of {len(cfg.datasets)} datasets written to {where}")
         content = {name: [list(map(str, r)) for r in t.rows] for name, t in result.tables.items()}

@@ -4,6 +4,7 @@ as the markdown report `<root>/overview.md`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -113,3 +114,23 @@ def render_overview(tables: dict[str, QueryTable], generated_at: datetime | None
 def build_overview(con: duckdb.DuckDBPyConnection) -> Overview:
     tables = {name: query_table(con, sql, title) for name, (title, sql) in QUERIES.items()}
     return Overview(tables, render_overview(tables))
+
+
+def build_overview_fresh(
+    open_connection: Callable[[], duckdb.DuckDBPyConnection], attempts: int = 3
+) -> Overview:
+    """`build_overview` on a new connection, again on another when a file listed at opening was gone by the
+    time it was read (a partition's run folding its journal parts meanwhile: the new file is in place before
+    the old ones go, so a fresh listing reads it)."""
+    import duckdb
+
+    for attempt in range(1, attempts + 1):
+        con = open_connection()
+        try:
+            return build_overview(con)
+        except (duckdb.IOException, FileNotFoundError):
+            if attempt == attempts:
+                raise
+        finally:
+            con.close()
+    raise AssertionError("unreachable")
