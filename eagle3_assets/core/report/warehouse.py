@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from ...config import ProjectConfig
+from ..storage.layout import DatasetLayout
 from ..storage.root_files import RootFiles, root_files
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA
 from .warehouse_acceptance import ACCEPTANCE_COLUMNS, acceptance_rows
@@ -26,7 +28,9 @@ from .warehouse_acceptance import ACCEPTANCE_COLUMNS, acceptance_rows
 if TYPE_CHECKING:
     import duckdb
 
-# What each view holds, for `eagle3 sql` and the docs (docs/outputs.md lists the columns).
+DATA_VALUE_REPORT = "data_value/report.json"  # the data_value asset's report (design page, section 4)
+
+# What each view holds, for `eagle3 sql` (docs/warehouse.md lists the columns).
 VIEWS: dict[str, str] = {
     "answers": "one row per answered prompt id and dataset (the journal's first copy of an id)",
     "failures": "one row per failed prompt id and dataset (its last failure); `answered` once answered",
@@ -94,8 +98,9 @@ def open_warehouse(root: RootFiles, keys: Sequence[str]) -> duckdb.DuckDBPyConne
     con.execute("CREATE TABLE datasets (dataset VARCHAR)")
     if keys:
         con.executemany("INSERT INTO datasets VALUES (?)", [[k] for k in keys])
-    answers = [Partitioned(k, root.parquet_files(f"{k}/responses")) for k in keys]
-    failures = [Partitioned(k, root.parquet_files(f"{k}/failures")) for k in keys]
+    layouts = {k: DatasetLayout(Path(), k) for k in keys}  # paths relative to the root
+    answers = [Partitioned(k, root.parquet_files(str(layouts[k].responses_dir))) for k in keys]
+    failures = [Partitioned(k, root.parquet_files(str(layouts[k].failures_dir))) for k in keys]
     _journal_view(con, "answers", answers, ANSWER_COLUMNS, keep="first")
     _journal_view(con, "failures_rows", failures, FAILURE_COLUMNS, keep="last")
     con.execute(
@@ -111,7 +116,7 @@ def open_warehouse(root: RootFiles, keys: Sequence[str]) -> duckdb.DuckDBPyConne
                1000 * sum(cost_usd) / nullif(sum(completion_tokens), 0) AS usd_per_1k_tokens
            FROM answers GROUP BY dataset, model ORDER BY dataset, model"""
     )
-    tokens = [Partitioned(k, [p]) for k in keys if (p := root.sql_path(f"{k}/tokens.parquet"))]
+    tokens = [Partitioned(k, [p]) for k in keys if (p := root.sql_path(str(layouts[k].tokens)))]
     _token_rows_view(con, tokens)
     con.execute(
         """CREATE VIEW tokens AS SELECT dataset, count(*) AS samples, CAST(sum(n_tokens) AS BIGINT) AS tokens,
@@ -120,7 +125,7 @@ def open_warehouse(root: RootFiles, keys: Sequence[str]) -> duckdb.DuckDBPyConne
                count(reference_match) AS reference_checked
            FROM token_rows GROUP BY dataset ORDER BY dataset"""
     )
-    _acceptance_table(con, root, keys)
+    _acceptance_table(con, root, layouts)
     con.execute(
         """CREATE VIEW summary AS
            WITH c AS (SELECT dataset, CAST(sum(answers) AS BIGINT) AS answers,
@@ -207,18 +212,20 @@ def _token_rows_view(con: duckdb.DuckDBPyConnection, parts: Sequence[Partitioned
     con.execute("CREATE VIEW token_rows AS " + " UNION ALL ".join(selects))
 
 
-def _acceptance_table(con: duckdb.DuckDBPyConnection, root: RootFiles, keys: Sequence[str]) -> None:
+def _acceptance_table(
+    con: duckdb.DuckDBPyConnection, root: RootFiles, layouts: dict[str, DatasetLayout]
+) -> None:
     """The gate's reports and the data_value rows, parsed here (small JSON files) into one typed table."""
     cols = ", ".join(f"{n} {t}" for n, t in ACCEPTANCE_COLUMNS)
     con.execute(f"CREATE TABLE acceptance ({cols})")
     reports: dict[str, dict[str, Any]] = {}
-    for k in keys:
-        text = root.read_text(f"{k}/acceptance/report.json")
+    for k, layout in layouts.items():
+        text = root.read_text(str(layout.acceptance_report))
         if text is not None:
             reports[k] = json.loads(text)
-    data_value_text = root.read_text("data_value/report.json")
+    data_value_text = root.read_text(DATA_VALUE_REPORT)
     data_value = json.loads(data_value_text) if data_value_text is not None else None
-    rows = acceptance_rows(reports, data_value, keys)
+    rows = acceptance_rows(reports, data_value, list(layouts))
     if rows:
         marks = ", ".join("?" for _ in ACCEPTANCE_COLUMNS)
         con.executemany(f"INSERT INTO acceptance VALUES ({marks})", [r.values() for r in rows])
