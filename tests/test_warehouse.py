@@ -24,6 +24,7 @@ from .support.partition_files import (
     answers,
     append_answers,
     append_failures,
+    append_set_aside,
     failures,
     upload_tree,
     write_data_value_report,
@@ -418,3 +419,30 @@ def test_the_overview_reads_again_when_a_part_was_folded_away_after_the_listing(
     overview = build_overview_fresh(opener(tmp_path / "b", opened))
     assert len(opened) == 2
     assert overview.tables["summary"].column("answers") == [4, 5, 2]
+
+
+def test_spent_dollars_add_the_answers_set_aside_once_as_the_validation_report_does(tmp_path):
+    from eagle3_assets.core.report.summary import StoredTables
+
+    root = tmp_path / "data"
+    build_partitions(root)
+    append_set_aside(root, "B1", answers(["old-0", "old-1"], cost=0.25, tokens=50))
+    append_set_aside(root, "B1", answers(["old-1"], cost=0.25, tokens=50))  # a crash's second copy
+    append_set_aside(root, "B3", answers(["old-9"], cost=None, tokens=5))
+    con = open_warehouse(root_files(root), KEYS)
+    got = dict(con.execute("SELECT dataset, spent_usd FROM summary").fetchall())
+    for key in KEYS:
+        tables = StoredTables.read(DatasetLayout(root, key))
+        costs = pl.concat([tables.responses["cost_usd"], tables.aside["cost_usd"]]).drop_nulls()
+        want = float(costs.sum()) if costs.len() else None
+        assert (got[key] is None) == (want is None), key
+        if want is not None:
+            assert got[key] == pytest.approx(want), key
+    assert got["B1"] == pytest.approx(0.02 + 0.021 + 0.022 + 0.5 + 0.25 + 0.251)
+    assert got["B3"] is None  # nothing priced, neither kept nor set aside
+    assert con.execute("SELECT dataset, set_aside FROM summary WHERE set_aside > 0").fetchall() == [
+        ("B1", 2),
+        ("B3", 1),
+    ]
+    reasons = con.execute("SELECT DISTINCT aside_reason FROM set_aside").fetchall()
+    assert reasons == [("prompt_edited",)]

@@ -12,7 +12,7 @@ import obstore as obs
 import polars as pl
 
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
+from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, SET_ASIDE_SCHEMA, JournalTable
 
 
 def answers(
@@ -58,6 +58,20 @@ def append_answers(root: Path, key: str, rows: pl.DataFrame) -> Path:
 
 def append_failures(root: Path, key: str, rows: pl.DataFrame) -> Path:
     path = JournalTable(DatasetLayout(root, key).failures_dir, FAILURE_SCHEMA).append(rows)
+    assert path is not None
+    return path
+
+
+def append_set_aside(root: Path, key: str, rows: pl.DataFrame, reason: str = "prompt_edited") -> Path:
+    """Answers set aside (`rows`: response rows), one aside_key each (the id and when it was stored)."""
+    aside = rows.with_columns(
+        aside_key=pl.col("id") + "@1",
+        aside_reason=pl.lit(reason),
+        aside_detail=pl.lit(None, pl.String),
+        set_aside_at=pl.lit(1.0),
+    )
+    table = JournalTable(DatasetLayout(root, key).set_aside_dir, SET_ASIDE_SCHEMA, key="aside_key")
+    path = table.append(aside.select(list(SET_ASIDE_SCHEMA)))
     assert path is not None
     return path
 

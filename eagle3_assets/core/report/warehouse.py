@@ -22,7 +22,7 @@ import polars as pl
 from ...config import ProjectConfig
 from ..storage.layout import DatasetLayout
 from ..storage.root_files import RootFiles, root_files
-from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA
+from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, SET_ASIDE_SCHEMA
 from .warehouse_acceptance import ACCEPTANCE_COLUMNS, acceptance_rows
 
 if TYPE_CHECKING:
@@ -34,11 +34,13 @@ DATA_VALUE_REPORT = "data_value/report.json"  # the data_value asset's report (d
 VIEWS: dict[str, str] = {
     "answers": "one row per answered prompt id and dataset (the journal's first copy of an id)",
     "failures": "one row per failed prompt id and dataset (its last failure); `answered` once answered",
+    "set_aside": "one row per answer set aside (never trained, still paid for): why, and what it cost",
     "cost": "per dataset and model: answers, prompt and completion tokens, cost_usd, usd_per_1k_tokens",
     "token_rows": "one row per training sample: dataset, id, n_tokens, trained_tokens, reference_match",
     "tokens": "per dataset: samples, tokens, trained_tokens, reference_match_rate",
     "acceptance": "per gate report (source 'gate') and data_value row (source 'data_value')",
-    "summary": "per configured dataset: answers, cost, trained tokens, failures and the gate's acceptance",
+    "summary": "per configured dataset: answers, cost, trained tokens, failures, the gate's acceptance and "
+    "spent_usd (kept and set-aside answers: the validation report's cost_usd)",
     "datasets": "the configured dataset keys",
 }
 
@@ -61,6 +63,7 @@ def duck_columns(schema: dict[str, pl.DataType]) -> list[tuple[str, str]]:
 
 ANSWER_COLUMNS = duck_columns(RESPONSE_SCHEMA)
 FAILURE_COLUMNS = duck_columns(FAILURE_SCHEMA)
+SET_ASIDE_COLUMNS = duck_columns(SET_ASIDE_SCHEMA)
 TOKEN_ROW_COLUMNS = [
     ("id", "VARCHAR"),
     ("n_tokens", "BIGINT"),
@@ -101,8 +104,10 @@ def open_warehouse(root: RootFiles, keys: Sequence[str]) -> duckdb.DuckDBPyConne
     layouts = {k: DatasetLayout(Path(), k) for k in keys}  # paths relative to the root
     answers = [Partitioned(k, root.parquet_files(str(layouts[k].responses_dir))) for k in keys]
     failures = [Partitioned(k, root.parquet_files(str(layouts[k].failures_dir))) for k in keys]
+    aside = [Partitioned(k, root.parquet_files(str(layouts[k].set_aside_dir))) for k in keys]
     _journal_view(con, "answers", answers, ANSWER_COLUMNS, keep="first")
     _journal_view(con, "failures_rows", failures, FAILURE_COLUMNS, keep="last")
+    _journal_view(con, "set_aside", aside, SET_ASIDE_COLUMNS, keep="first", key="aside_key")
     con.execute(
         """CREATE VIEW failures AS SELECT f.*, EXISTS (
                SELECT 1 FROM answers a WHERE a.dataset = f.dataset AND a.id = f.id) AS answered
@@ -133,14 +138,19 @@ def open_warehouse(root: RootFiles, keys: Sequence[str]) -> duckdb.DuckDBPyConne
                              sum(cost_usd) AS cost_usd FROM cost GROUP BY dataset),
                 f AS (SELECT dataset, count(*) AS failures FROM failures WHERE NOT answered GROUP BY dataset),
                 g AS (SELECT dataset, acceptance_length AS heldout_acceptance_length,
-                             untrained_acceptance_length FROM acceptance WHERE source = 'gate')
+                             untrained_acceptance_length FROM acceptance WHERE source = 'gate'),
+                s AS (SELECT dataset, count(*) AS set_aside, sum(cost_usd) AS set_aside_usd
+                      FROM set_aside GROUP BY dataset)
            SELECT d.dataset, coalesce(c.answers, 0) AS answers,
                   coalesce(c.completion_tokens, 0) AS completion_tokens, c.cost_usd,
                   coalesce(t.samples, 0) AS samples, coalesce(t.trained_tokens, 0) AS trained_tokens,
                   t.reference_match_rate, coalesce(f.failures, 0) AS failures,
-                  g.heldout_acceptance_length, g.untrained_acceptance_length
+                  g.heldout_acceptance_length, g.untrained_acceptance_length,
+                  coalesce(s.set_aside, 0) AS set_aside, s.set_aside_usd,
+                  CASE WHEN c.cost_usd IS NULL AND s.set_aside_usd IS NULL THEN NULL
+                       ELSE coalesce(c.cost_usd, 0) + coalesce(s.set_aside_usd, 0) END AS spent_usd
            FROM datasets d LEFT JOIN c USING (dataset) LEFT JOIN tokens t USING (dataset)
-                LEFT JOIN f USING (dataset) LEFT JOIN g USING (dataset)
+                LEFT JOIN f USING (dataset) LEFT JOIN g USING (dataset) LEFT JOIN s USING (dataset)
            ORDER BY d.dataset"""
     )
     return con
@@ -166,8 +176,9 @@ def _journal_view(
     parts: Sequence[Partitioned],
     columns: Sequence[tuple[str, str]],
     keep: str,
+    key: str = "id",
 ) -> None:
-    """View `name`: the journal parts of every partition, one row per (dataset, id): the first copy
+    """View `name`: the journal parts of every partition, one row per (dataset, `key`): the first copy
     (`keep="first"`) or the last, in the order `JournalTable` reads them (part name, then row)."""
     order = [(p.dataset, i, f) for p in parts for i, f in enumerate(p.files)]
     if not order:
@@ -187,7 +198,7 @@ def _journal_view(
         f"""CREATE VIEW {name} AS SELECT f.dataset, {cols}
             FROM {reader} r JOIN {files_table} f ON r.filename = f.filename
             QUALIFY row_number() OVER (
-                PARTITION BY f.dataset, r.id
+                PARTITION BY f.dataset, r.{key}
                 ORDER BY f.ordinal{direction}, r.file_row_number{direction}) = 1"""
     )
 
