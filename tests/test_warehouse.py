@@ -288,6 +288,7 @@ def test_overview_materialises_with_table_metadata_and_the_markdown_report(tmp_p
     assert text == md["overview"].value
     assert "Held-out acceptance length per dataset" in text and "█" in text
     assert "| B2 | 5 |" in text
+    assert "Dollars spent per dataset" in text  # B1 and B2 paid
 
 
 def test_bar_chart_starts_at_its_floor_and_shows_a_missing_value_as_missing():

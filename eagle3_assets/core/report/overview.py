@@ -85,9 +85,10 @@ def charts(tables: dict[str, QueryTable]) -> str:
         out.append(
             bar_chart("Acceptance length on the common suite (data_value; bars from 1.0)", suite, floor=1.0)
         )
-    cost = summary.column("cost_usd")
-    if any(c is not None for c in cost):
-        out.append(bar_chart("Cost per dataset (USD)", list(zip(datasets, cost, strict=True)), unit=" $"))
+    spent = summary.column("spent_usd")
+    if any(c is not None for c in spent):
+        title = "Dollars spent per dataset (answers kept and set aside)"
+        out.append(bar_chart(title, list(zip(datasets, spent, strict=True)), unit=" $"))
     out.append(
         bar_chart(
             "Trained tokens per dataset",
