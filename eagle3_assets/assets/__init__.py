@@ -4,6 +4,7 @@
 import dagster as dg
 
 from .acceptance import build_acceptance_asset, build_acceptance_checks
+from .data_value import build_data_value_asset, build_data_value_checks
 from .hidden_states import build_hidden_states_asset, build_hidden_states_checks
 from .prompts import build_prompts_asset, build_prompts_checks
 from .quarantine import build_quarantine_checks
@@ -14,6 +15,7 @@ from .tokens import build_tokens_asset, build_tokens_checks
 __all__ = [
     "build_acceptance_asset",
     "build_checks",
+    "build_data_value_asset",
     "build_hidden_states_asset",
     "build_prompts_asset",
     "build_report_asset",
@@ -35,4 +37,5 @@ def build_checks(
         *build_hidden_states_checks(partitions),
         *build_acceptance_checks(partitions),
         *build_quarantine_checks(partitions),
+        *build_data_value_checks(),
     ]
