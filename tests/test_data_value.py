@@ -252,3 +252,47 @@ def test_without_a_section_the_asset_says_not_configured_and_its_check_fails(pro
         if e.event_type_value == "ASSET_CHECK_EVALUATION"
     )
     assert not check.passed and check.metadata["reason"].value.startswith("not configured")
+
+
+# Data versioning: these run last (they rewrite the module's report).
+
+
+def test_a_rerun_with_nothing_changed_trains_nothing_and_re_reports(project):
+    root, path, instance, first, _ = project
+    report = root / "data" / "data_value" / "report.json"
+    before, text = report.stat().st_mtime_ns, report.read_text()
+    result = _data_value(path, instance)
+    assert result.success
+    meta = result.asset_materializations_for_node("data_value")[-1].metadata
+    assert meta["reused"].value is True and meta["status"].value.startswith("reused")
+    assert (
+        meta["inputs_version"].value
+        == first.asset_materializations_for_node("data_value")[-1].metadata["inputs_version"].value
+    )
+    assert report.stat().st_mtime_ns == before and report.read_text() == text
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert any("inputs unchanged" in m for m in logs)
+    assert not any("data_value all:" in m for m in logs)  # no draft was trained
+
+
+def test_a_changed_input_reruns(project):
+    """One more answer's cost in B3 (its answers changed) and one suite prompt fewer: both name themselves,
+    and the report is computed again."""
+    root, _, instance, _, paid = project
+    _set_costs(DatasetLayout(root / "data", "B3"), 2 * COSTS["B3"])
+    path = _config(
+        root,
+        {"source": "suite.jsonl", "format": "messages", "max_prompts": 2},
+        leave_one_out=False,
+        name="changed.yaml",
+    )
+    result = _data_value(path, instance)
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    meta = result.asset_materializations_for_node("data_value")[-1].metadata
+    assert meta["reused"].value is False
+    assert set(meta["inputs_changed"].value) == {"partition:B3", "settings"}
+    report = json.loads((root / "data" / "data_value" / "report.json").read_text())
+    assert report["suite"]["n_prompts"] == 2
+    rows = {r["draft"]: r for r in report["rows"]}
+    assert set(rows) == {"untrained", "B1", "B3", "all"}
+    assert rows["B3"]["cost_usd"] == pytest.approx(2 * paid["B3"][0])

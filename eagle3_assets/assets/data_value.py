@@ -4,15 +4,23 @@ common held-out suite with the gate's engine, beside the dollars, tokens and GPU
 (`core.data_value`); and its check `data_value_drafts_beat_floor`."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import dagster as dg
 
 from resources import Project, Storage, Target
 
 from ..config import ProjectConfig
+from ..core.data_value.inputs import value_inputs
 from ..core.data_value.report import DATA_VALUE_DIR, FLOOR, DataValueReport, table
 from ..core.data_value.run import Engines, PartitionData, read_partition, run_data_value
 from ..core.data_value.suite import load_suite, refuse_overlaps
+from ..core.storage.data_version import (
+    InputsVersion,
+    record_inputs_version,
+    recorded_inputs_version,
+    unchanged_since,
+)
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
 from ..core.target.chat import ChatTokenizer
@@ -74,15 +82,24 @@ def _metadata(r: DataValueReport) -> dict:
     }
 
 
+@dataclass
+class Measured:
+    report: DataValueReport
+    inputs: InputsVersion
+    reused: bool  # the stored report was computed from exactly these inputs: nothing was trained
+    changed: list[str]  # the inputs that changed since the stored report (all of them where there was none)
+
+
 def measure_value(
     cfg: ProjectConfig,
     storage: Storage,
     chat: ChatTokenizer,
     instance: dg.DagsterInstance,
     log: Callable[[str], None],
-) -> DataValueReport:
-    """The suite (refused where it overlaps a training prompt: before any training), each partition's
-    training samples and cost, the gate's engines, then every draft."""
+) -> Measured:
+    """The suite (refused where it overlaps a training prompt: before any training), the inputs version (the
+    stored report re-reported where it is unchanged), each partition's training samples and cost, the gate's
+    engines, then every draft."""
     assert cfg.data_value is not None
     suite = load_suite(cfg)
     layouts = partitions_with_states(cfg, storage, suite.held_out_dataset)
@@ -93,14 +110,25 @@ def measure_value(
     skipped = sorted(set(layouts) - set(with_states))
     if skipped:
         log(f"data_value: no hidden states yet for {', '.join(skipped)}: left out of every draft")
+    folder = storage.root / DATA_VALUE_DIR
+    inputs = value_inputs(cfg, with_states)
+    stored = read_value_report(storage)
+    if stored is not None and unchanged_since(folder, inputs) is not None:
+        log(
+            f"data_value: inputs unchanged (version {inputs.version}): the stored report stands; nothing "
+            "was trained"
+        )
+        return Measured(stored, inputs, True, [])
+    previous = recorded_inputs_version(folder)
+    changed = inputs.changed(previous.inputs if previous else None)
+    log(f"data_value: measuring; changed since the stored report: {', '.join(changed)}")
     data: dict[str, PartitionData] = {}
     for k, lay in with_states.items():
         refuse_another_targets_answers(lay, cfg, k)
         data[k] = read_partition(lay, cfg.acceptance, chat, extraction_seconds(instance, k))
     first = next(iter(with_states.values()))
     g = gate_engines(cfg, first, chat, log)
-    folder = storage.root / DATA_VALUE_DIR
-    return run_data_value(
+    report = run_data_value(
         suite,
         data,
         cfg.acceptance,
@@ -110,6 +138,8 @@ def measure_value(
         cfg.data_value.leave_one_out,
         log,
     )
+    record_inputs_version(folder, inputs)  # last: a failed run leaves no record, so it reruns
+    return Measured(report, inputs, False, changed)
 
 
 def build_data_value_asset() -> dg.AssetsDefinition:
@@ -136,12 +166,15 @@ def build_data_value_asset() -> dg.AssetsDefinition:
         if cfg.data_value is None:
             context.log.warning(f"data_value: {NOT_CONFIGURED}")
             return dg.MaterializeResult(metadata={"status": NOT_CONFIGURED})
-        report = measure_value(cfg, storage, target.chat_tokenizer(), context.instance, context.log.info)
-        folder = storage.root / DATA_VALUE_DIR
+        got = measure_value(cfg, storage, target.chat_tokenizer(), context.instance, context.log.info)
+        report, folder = got.report, storage.root / DATA_VALUE_DIR
         return dg.MaterializeResult(
             data_version=dg.DataVersion(content_version(report.model_dump(exclude={"seconds", "device"}))),
             metadata={
-                "status": "measured",
+                "status": "reused: inputs unchanged" if got.reused else "measured",
+                "reused": got.reused,
+                "inputs_version": got.inputs.version,
+                "inputs_changed": dg.MetadataValue.json(got.changed),
                 **_metadata(report),
                 "report_json": dg.MetadataValue.path(str(folder / "report.json")),
                 "report_md": dg.MetadataValue.path(str(folder / "report.md")),
