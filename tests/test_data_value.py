@@ -7,6 +7,7 @@ flagged; the asset without a data_value section says it is not configured and it
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -282,3 +283,21 @@ def test_a_changed_input_reruns(project):
     rows = {r["draft"]: r for r in report["rows"]}
     assert set(rows) == {"untrained", "B1", "B3", "all"}
     assert rows["B3"]["cost_usd"] == pytest.approx(2 * paid["B3"][0])
+
+
+def test_a_dataset_held_out_as_the_suite_and_the_sections_rules(tmp_path):
+    from eagle3_assets.config import ConfigError
+    from eagle3_assets.core.data_value.suite import load_suite
+
+    shutil.copy(REPO / "prompts" / "B3.jsonl", tmp_path / "B3.jsonl")
+    shutil.copy(REPO / "prompts" / "B1.jsonl", tmp_path / "B1.jsonl")
+    suite = load_suite(load_config(_config(tmp_path, {"dataset": "B3", "max_prompts": 2})))
+    assert suite.held_out_dataset == "B3" and suite.origin == "dataset:B3 (B3.jsonl)"
+    assert len(suite.prompts) == 2 and suite.n_source_prompts == 28
+    for bad, says in (
+        ({"dataset": "B9"}, "data_value.suite.dataset 'B9' is not a configured dataset"),
+        ({"dataset": "B3", "source": "B3.jsonl"}, "exactly one of `source`"),
+        ({}, "exactly one of `source`"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(_config(tmp_path, bad, name="bad.yaml"))
