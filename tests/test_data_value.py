@@ -205,7 +205,9 @@ def test_an_overlapping_suite_is_refused_naming_the_rows(project):
     path = _config(root, {"source": "overlap.jsonl"}, name="overlap.yaml")
     result = _data_value(path, instance)
     assert not result.success
-    message = "\n".join(e.message or "" for e in result.all_events if e.is_failure)
+    failure = result.failure_data_for_node("data_value")
+    assert failure is not None and failure.error is not None
+    message = failure.error.to_string()
     assert (
         f"suite copied = B1/{b1['id']} (same normalised text)" in message and "nothing was trained" in message
     )
