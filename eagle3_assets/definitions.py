@@ -21,6 +21,7 @@ from resources import (
 from .assets import (
     build_acceptance_asset,
     build_checks,
+    build_data_value_asset,
     build_hidden_states_asset,
     build_overview_asset,
     build_prompts_asset,
@@ -53,6 +54,7 @@ for _message, _category in KNOWN_NOTICES:
 TRAINING_DATA_JOB = "training_data"
 HIDDEN_STATES_JOB = "hidden_states_job"
 ACCEPTANCE_JOB = "acceptance_job"
+DATA_VALUE_JOB = "data_value_job"
 OFFLINE_STAGES = ["prompts", "responses", "tokens", "validation_report"]
 
 
@@ -119,6 +121,7 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         ),
         build_acceptance_asset(partitions),
         build_overview_asset(),
+        build_data_value_asset(),
     ]
     training_data = dg.define_asset_job(
         TRAINING_DATA_JOB,
@@ -136,11 +139,17 @@ def build_definitions(cfg: ProjectConfig, config_path: str) -> dg.Definitions:
         description="The acceptance gate for one dataset: a small EAGLE-3 draft trained on its hidden "
         "states, measured against the target (GPU pool; CPU for the embedded target).",
     )
+    data_value_job = dg.define_asset_job(
+        DATA_VALUE_JOB,
+        selection=dg.AssetSelection.assets("data_value"),
+        description="What each dataset buys: drafts per dataset, on all and (opt-in) on all but each, "
+        "measured on a common held-out suite beside what each dataset cost (not partitioned).",
+    )
     checks = build_checks(partitions, reference_ids=cfg.backend != "openrouter")
     return dg.Definitions(
         assets=assets,
         asset_checks=checks,
-        jobs=[training_data, hidden_states_job, acceptance_job],
+        jobs=[training_data, hidden_states_job, acceptance_job, data_value_job],
         sensors=[automation_sensor(cfg.automation.enabled)],
         resources=build_resources(cfg, config_path),
         executor=build_executor(cfg, [*assets, *checks], config_path),

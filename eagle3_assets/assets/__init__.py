@@ -4,6 +4,7 @@
 import dagster as dg
 
 from .acceptance import build_acceptance_asset, build_acceptance_checks
+from .data_value import build_data_value_asset, build_data_value_checks
 from .hidden_states import build_hidden_states_asset, build_hidden_states_checks
 from .overview import build_overview_asset
 from .prompts import build_prompts_asset, build_prompts_checks
@@ -15,6 +16,7 @@ from .tokens import build_tokens_asset, build_tokens_checks
 __all__ = [
     "build_acceptance_asset",
     "build_checks",
+    "build_data_value_asset",
     "build_hidden_states_asset",
     "build_overview_asset",
     "build_prompts_asset",
@@ -37,4 +39,5 @@ def build_checks(
         *build_hidden_states_checks(partitions),
         *build_acceptance_checks(partitions),
         *build_quarantine_checks(partitions),
+        *build_data_value_checks(),
     ]

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .acceptance import AcceptanceConfig
 from .backends import BackendsConfig, SamplingConfig
@@ -18,6 +18,7 @@ from .base import (
     Strict,
     dataset_key_problem,
 )
+from .data_value import DataValueConfig
 from .datasets import ChecksConfig, DatasetConfig, TokensConfig
 from .hidden_states import HiddenStatesConfig
 from .k8s import K8sStepsConfig
@@ -179,6 +180,11 @@ class ProjectConfig(Strict):
         description="The acceptance gate (the `acceptance` asset): a small EAGLE-3 draft trained on the "
         "partition and measured against the target with greedy speculative decoding.",
     )
+    data_value: DataValueConfig | None = Field(
+        None,
+        description="What the data buys (the `data_value` asset): drafts per dataset measured on a common "
+        "held-out suite, beside what each dataset cost; null: the asset reports that it is not configured.",
+    )
     automation: AutomationConfig = Field(
         default_factory=AutomationConfig,
         description="Scheduled top-ups and the automation sensor.",
@@ -208,6 +214,16 @@ class ProjectConfig(Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return v
+
+    @model_validator(mode="after")
+    def _suite_dataset_is_configured(self) -> ProjectConfig:
+        suite = self.data_value.suite if self.data_value else None
+        if suite is not None and suite.dataset is not None and suite.dataset not in self.datasets:
+            raise ValueError(
+                f"data_value.suite.dataset {suite.dataset!r} is not a configured dataset "
+                f"({', '.join(self.datasets)})"
+            )
+        return self
 
     # -- derived values -------------------------------------------------------------------------------------
     def resolve_path(self, p: str) -> Path:

@@ -12,6 +12,7 @@ Stages, in the order data flows, each importing only the ones listed before it (
     report         per-dataset statistics and the rules of the asset checks
     hidden_states  the target's aux hidden states in packed shards, their checks, the trainers' exports
     acceptance     a small EAGLE-3 draft trained on a partition and measured against the target
+    data_value     drafts per dataset (on all, on all but each) on a common held-out suite, priced
 
 `tests/test_layering.py` holds every module to this order.
 """

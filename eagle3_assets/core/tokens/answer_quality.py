@@ -13,9 +13,14 @@ DEGENERATE_MAX_RATIO = 0.17
 _LZ4 = pa.Codec("lz4_raw")
 
 
+def compression_ratio(text: str) -> float:
+    """LZ4-compressed size over raw size (1.0 for an empty text)."""
+    raw = text.encode("utf-8")
+    return len(_LZ4.compress(raw, asbytes=True)) / len(raw) if raw else 1.0
+
+
 def is_degenerate(text: str | None) -> bool:
     """Long answers that compress extremely well are loops of the same n-grams."""
     if not text or len(text) < DEGENERATE_MIN_CHARS:
         return False
-    raw = text.encode("utf-8")
-    return len(_LZ4.compress(raw, asbytes=True)) / len(raw) < DEGENERATE_MAX_RATIO
+    return compression_ratio(text) < DEGENERATE_MAX_RATIO
