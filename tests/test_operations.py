@@ -64,10 +64,12 @@ def test_steps_carry_their_pools_and_gpu_requests(tmp_path):
         "hidden_states",
         "acceptance",
         "overview",
+        "data_value",
     ]
     assert {k: s.group_name for k, s in specs.items()} == dict.fromkeys(stages, "eagle3")
     gate = defs.resolve_assets_def("acceptance").op  # the gate trains and runs the target: a GPU step
     assert gate.pool == "gpu" and json.loads(gate.tags["dagster-k8s/config"]) == k8s
+    assert defs.resolve_assets_def("data_value").op.pool == "gpu"  # trains and measures drafts too
     assert all(s.description for s in specs.values()) and all(s.kinds for s in specs.values())
 
 
