@@ -1,7 +1,7 @@
 """Exact ids across tokenizer families: for every family the rebuilt ids equal the tokenizer's own encoding
 of the rendered conversation; what a family cannot rebuild is a per-row error (independent of row order) or
-a preflight finding, never silently wrong ids. The Kimi K2.5 stand-in has its own file
-(test_kimi_template.py)."""
+a preflight finding, never silently wrong ids. The Kimi K2.5 stand-in (a template and
+tokenizer of Kimi's shape, not Moonshot's files) has its own file (test_kimi_template.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Agentic rows: tools and tool calls from the source to exact, masked ids, through a real HTTP provider.
 
 The provider is the OpenRouter-shaped server on loopback (`fake_servers`), answering with calls as OpenAI
-does, streamed as deltas or whole; the targets are the tool-rendering families of `tool_templates`.
+does, streamed as deltas or whole; the targets are the tool-rendering families of `tool_templates`, templates
+written here in each family's documented shape (Kimi's is the stand-in, `kimi_standin`): they prove the
+rebuild of a template of that shape, not any vendor's own template file.
 """
 
 from __future__ import annotations
