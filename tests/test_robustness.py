@@ -12,7 +12,8 @@ import pytest
 
 from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.engine import GenerationEngine
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.lanes import Lane

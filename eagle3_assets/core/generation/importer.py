@@ -29,9 +29,10 @@ from ..storage.layout import DatasetLayout
 from ..storage.tables import IMPORT_REJECTED_SCHEMA
 from ..target.chat import ChatTokenizer
 from ..target.tool_calls import ToolCall, finished
-from .binding import IMPORTED, ServedModels
+from .binding import IMPORTED
 from .journal import JournalWriter, ResponseJournal
 from .protocol import Completion
+from .served_models import ServedModels
 
 REJECTED_SCHEMA = IMPORT_REJECTED_SCHEMA
 

@@ -19,10 +19,10 @@ from .protocol import ErrorKind, InferenceError
 from .report import EngineReport
 
 if TYPE_CHECKING:
-    from .binding import ServedModels
     from .ledger import DispatchLedger
     from .limiter import DispatchToken
     from .protocol import Completion, CompletionRequest
+    from .served_models import ServedModels
 
 
 class LaneBudget(Protocol):

@@ -16,7 +16,7 @@ from ...config import SamplingConfig as Sampling  # one sampling model: eagle3.y
 from ..target.tool_calls import ToolCall, unparsed_call
 
 if TYPE_CHECKING:
-    from .binding import ServedModels
+    from .served_models import ServedModels
 
 
 @dataclass(slots=True)

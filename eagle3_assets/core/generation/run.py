@@ -31,7 +31,8 @@ from ..target.tool_render import tools_of
 from .binding import TARGET_CHANGED, AnswerRules, AsideReason, Standing, standing_answers
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
-from .engine import EngineSettings, GenerationEngine
+from .engine import GenerationEngine
+from .engine_settings import EngineSettings
 from .flushing import StorageRoom
 from .identity import TargetIdentity, read_identity, refusal, write_identity
 from .journal import JournalWriter, ResponseJournal, SetAside

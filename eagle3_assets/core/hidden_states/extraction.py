@@ -19,7 +19,7 @@ from typing import Any
 import polars as pl
 
 from ...config import HiddenStatesConfig, ProjectConfig, TargetConfig
-from ..generation.engine import EngineSettings
+from ..generation.engine_settings import EngineSettings
 from ..generation.protocol import InferenceBackend
 from ..storage.files import write_json
 from ..storage.layout import EXTRACTION_PLAN, HIDDEN_STATES_INDEX, DatasetLayout
