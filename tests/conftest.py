@@ -31,21 +31,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
 
     return builtin_dir("smollm2")
 
 
 @pytest.fixture(scope="session")
 def smol_tok(smollm2_dir):
-    from eagle3_assets.core.target.loading import load_tokenizer
+    from eagle3_assets.core.target_model.loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_dir))
 
 
 @pytest.fixture(scope="session")
 def chat(smol_tok):
-    from eagle3_assets.core.target.chat import ChatTokenizer
+    from eagle3_assets.core.target_model.chat import ChatTokenizer
 
     return ChatTokenizer(smol_tok)
 
@@ -54,7 +54,7 @@ def chat(smol_tok):
 def reference_model(smollm2_dir):
     """The embedded SmolLM2 loaded whole, in fp32 on the CPU: the independent forward that stored states are
     compared with (one per test module, freed with it)."""
-    from eagle3_assets.core.target.loading import load_model
+    from eagle3_assets.core.target_model.loading import load_model
 
     return load_model(str(smollm2_dir), device="cpu", dtype="float32")
 

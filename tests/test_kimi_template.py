@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer
-from eagle3_assets.core.target.preflight import special_token_problems
-from eagle3_assets.core.target.text_encoder import SlowTextEncoder
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer
+from eagle3_assets.core.target_model.preflight import special_token_problems
+from eagle3_assets.core.target_model.text_encoder import SlowTextEncoder
 
 from .support.kimi_standin import build_kimi_standin
 

@@ -1,6 +1,6 @@
 """The core's stages import downward only, and nothing under core imports Dagster or the layers above it.
 
-Order (eagle3_assets/core/__init__.py): storage < target < prompts < generation < tokens < report <
+Order (eagle3_assets/core/__init__.py): storage < target_model < prompts < generation < tokens < report <
 hidden_states < acceptance. A module may import its own stage, any stage before it, and
 `eagle3_assets.config`.
 """
@@ -15,7 +15,16 @@ import pytest
 from .support.projects import REPO
 
 CORE = REPO / "eagle3_assets" / "core"
-ORDER = ["storage", "target", "prompts", "generation", "tokens", "report", "hidden_states", "acceptance"]
+ORDER = [
+    "storage",
+    "target_model",
+    "prompts",
+    "generation",
+    "tokens",
+    "report",
+    "hidden_states",
+    "acceptance",
+]
 
 
 def _imports(path: Path, root: Path) -> list[str]:

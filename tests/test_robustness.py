@@ -22,7 +22,7 @@ from eagle3_assets.core.generation.topup import top_up_status
 from eagle3_assets.core.hidden_states.shards import ShardWriter
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, JournalTable
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer, TemplateError
 from resources.inference.sglang import split_reasoning
 
 from .support.engine_runs import IMPORTED_AS_TARGET, KEY, KEY_ENV, SMOLLM2, dataset, run

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.config import ProjectConfig, TargetConfig, load_config
-from eagle3_assets.core.target import pairing
-from eagle3_assets.core.target.loading import load_tokenizer, pin_problems
-from eagle3_assets.core.target.pairing import PAIRING_FIX, SERVER_FIX, model_pairing, pairing_preflight
+from eagle3_assets.core.target_model import pairing
+from eagle3_assets.core.target_model.loading import load_tokenizer, pin_problems
+from eagle3_assets.core.target_model.pairing import PAIRING_FIX, SERVER_FIX, model_pairing, pairing_preflight
 
 from .support.fake_servers import FakeOpenRouter
 from .support.kimi_standin import build_kimi_standin

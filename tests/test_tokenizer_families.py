@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
-from eagle3_assets.core.target.preflight import exactness, reference_ids, special_token_problems
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target_model.preflight import exactness, reference_ids, special_token_problems
 
 from .support.tokenizer_families import FAMILIES
 

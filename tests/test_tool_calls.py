@@ -17,8 +17,8 @@ from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 from eagle3_assets.core.prompts.ingest import PROMPT_SCHEMA, ingest, write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer
-from eagle3_assets.core.target.tool_calls import (
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer
+from eagle3_assets.core.target_model.tool_calls import (
     ToolCall,
     calls_json,
     parse_calls,

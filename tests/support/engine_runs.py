@@ -16,7 +16,7 @@ from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
-from eagle3_assets.core.target.chat import ChatTokenizer
+from eagle3_assets.core.target_model.chat import ChatTokenizer
 from resources import Target
 from resources.inference.openrouter import OpenRouterBackend
 

@@ -92,7 +92,7 @@ LLAMA31_TOOLS_TEMPLATE = """\
 
 
 def _smollm2_json() -> dict:
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
 
     return json.loads((builtin_dir("smollm2") / "tokenizer.json").read_text())
 
@@ -143,7 +143,7 @@ def llama31_tools() -> PreTrainedTokenizerFast:
 def kimi_tools(folder: Path):
     """The Kimi K2.5 stand-in (not Moonshot's template), built into `folder` and loaded as a Kimi target is
     (trust_remote_code)."""
-    from eagle3_assets.core.target.loading import load_tokenizer
+    from eagle3_assets.core.target_model.loading import load_tokenizer
 
     from .kimi_standin import build_kimi_standin
 

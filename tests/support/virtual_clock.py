@@ -15,13 +15,13 @@ from eagle3_assets.core.generation.budget import Budget
 from eagle3_assets.core.generation.engine import GenerationEngine
 from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.lanes import Lane
+from eagle3_assets.core.generation.progress_report import EngineReport
 from eagle3_assets.core.generation.protocol import (
     Completion,
     CompletionRequest,
     ErrorKind,
     InferenceError,
 )
-from eagle3_assets.core.generation.report import EngineReport
 
 from .limited_provider import ProviderSpec
 

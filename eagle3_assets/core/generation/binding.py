@@ -33,7 +33,7 @@ import polars as pl
 from ...config import BUILTIN_SMOLLM2, OpenRouterConfig, ProjectConfig, SamplingConfig, SGLangConfig
 from ..prompts.fingerprints import digest, prompt_fingerprint
 from ..prompts.tools import RowTools
-from ..target.tool_calls import parse_calls
+from ..target_model.tool_calls import parse_calls
 from .conversations import TurnAnswer, assistant_slots, split_turn_id, turn_fingerprint
 from .served_models import ServedModels
 

@@ -55,6 +55,7 @@ from .guards import ConfigurationStreak, StallWatch
 from .heartbeat import TICK_S, LoopHeartbeat
 from .lanes import Lane, PendingPrompt
 from .limiter import AdaptiveLimit, DispatchToken
+from .progress_report import EngineReport, RunProgress
 from .protocol import (
     Completion,
     ErrorKind,
@@ -63,7 +64,6 @@ from .protocol import (
     InferenceError,
 )
 from .ramp import FirstTokenRamp
-from .report import EngineReport, RunProgress
 from .scheduler import LaneScheduler
 
 FATAL_ADVICE = {

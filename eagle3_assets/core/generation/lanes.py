@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .progress_report import EngineReport
 from .protocol import ErrorKind, InferenceError
-from .report import EngineReport
 
 if TYPE_CHECKING:
     from .ledger import DispatchLedger
