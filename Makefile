@@ -8,7 +8,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster
 HOST ?= 127.0.0.1
 PORT ?= 3000
 
-.PHONY: setup instance demo dev test lint docs code-layout bench clean
+.PHONY: setup instance demo dev test defs lint docs code-layout bench clean
 
 setup: $(STAMP)
 
@@ -36,10 +36,17 @@ dev: instance
 
 # The end-to-end tests start a real PostgreSQL server and a real Chromium: scripts/test-deps.sh installs Debian's
 # postgresql and chromium when they are missing.
-# Style, types and the documentation first (a minute): a failure there stops before the suite's half hour.
-test: setup lint docs
+# The shipped definitions first (seconds), then style, types and the documentation (a minute): a failure there
+# stops before the suite's half hour.
+test: setup defs lint docs
 	@./scripts/test-deps.sh
 	$(PY) -m pytest -q -ra
+
+# The shipped workspace (workspace.yaml, eagle3.yaml) loads and validates as `dagster dev` would load it, on a
+# throwaway instance holding the shipped local instance settings (`dg check defs` needs dagster-dg-cli, not installed).
+defs: setup
+	@home=$$(mktemp -d) && cp deploy/local/dagster.yaml "$$home/" && \
+	  DAGSTER_HOME="$$home" EAGLE3_CONFIG="$(CURDIR)/eagle3.yaml" $(VENV)/bin/dagster definitions validate -w workspace.yaml; rc=$$?; rm -rf "$$home"; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check eagle3_assets resources tests bench scripts

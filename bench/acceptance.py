@@ -69,7 +69,7 @@ def run(quick: bool = False) -> dict:
         load_target_model,
     )
     from eagle3_assets.core.storage.layout import DatasetLayout
-    from eagle3_assets.core.target.loading import pick_device
+    from eagle3_assets.core.target_model.loading import pick_device
     from resources import Target
 
     with tempfile.TemporaryDirectory() as tmp:

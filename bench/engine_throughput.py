@@ -19,7 +19,8 @@ import openai
 
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.engine import GenerationEngine
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.lanes import Lane
 from eagle3_assets.core.generation.protocol import CompletionRequest

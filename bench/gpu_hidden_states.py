@@ -197,7 +197,7 @@ def measure_vllm(name: str, shape: dict, device: str, n_tokens: int, python: str
 
     from bench.vllm_hidden_states import measure_served
     from eagle3_assets.core.storage.layout import DatasetLayout
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
 
     smol = builtin_dir("smollm2")
     folder = smol

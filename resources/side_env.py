@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3_assets.core.target.loading import cache_root
+from eagle3_assets.core.target_model.loading import cache_root
 
 TORCH = "torch==2.13.0"
 STAMP = "eagle3-side-env.json"

@@ -8,10 +8,10 @@ from contextlib import suppress
 from eagle3_assets.config import ProjectConfig, TargetConfig
 from eagle3_assets.core.prompts.context import ChatCounter, ContextGuard
 from eagle3_assets.core.storage.files import write_json
-from eagle3_assets.core.target.chat import ChatRecipe, ChatTokenizer, DeferredChat, chat_tokenizer
-from eagle3_assets.core.target.context import ContextLimit, context_limit
-from eagle3_assets.core.target.loading import pin_problems, resolve
-from eagle3_assets.core.target.preflight import exactness, passed_record, special_token_problems
+from eagle3_assets.core.target_model.chat import ChatRecipe, ChatTokenizer, DeferredChat, chat_tokenizer
+from eagle3_assets.core.target_model.context import ContextLimit, context_limit
+from eagle3_assets.core.target_model.loading import pin_problems, resolve
+from eagle3_assets.core.target_model.preflight import exactness, passed_record, special_token_problems
 
 
 class Target:

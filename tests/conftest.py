@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,21 +31,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
 
     return builtin_dir("smollm2")
 
 
 @pytest.fixture(scope="session")
 def smol_tok(smollm2_dir):
-    from eagle3_assets.core.target.loading import load_tokenizer
+    from eagle3_assets.core.target_model.loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_dir))
 
 
 @pytest.fixture(scope="session")
 def chat(smol_tok):
-    from eagle3_assets.core.target.chat import ChatTokenizer
+    from eagle3_assets.core.target_model.chat import ChatTokenizer
 
     return ChatTokenizer(smol_tok)
 
@@ -53,7 +54,7 @@ def chat(smol_tok):
 def reference_model(smollm2_dir):
     """The embedded SmolLM2 loaded whole, in fp32 on the CPU: the independent forward that stored states are
     compared with (one per test module, freed with it)."""
-    from eagle3_assets.core.target.loading import load_model
+    from eagle3_assets.core.target_model.loading import load_model
 
     return load_model(str(smollm2_dir), device="cpu", dtype="float32")
 
@@ -87,11 +88,18 @@ def _vllm_version(item: pytest.Item) -> str | None:
     return callspec.params.get("vllm_version") if callspec is not None else None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Start building the training frameworks' environments in the background as soon as a collected test
-    needs them (`@pytest.mark.consumers(...)`), the image's install (`@pytest.mark.runtime_install`) and the
-    session's vLLM servers (`@pytest.mark.vllm`; the versions a test is parametrized over, `vllm_version`, the
-    newest otherwise): a cold build takes minutes, the rest of the suite runs meanwhile."""
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start building the training frameworks' environments in the background as soon as a test selected
+    to run needs them (`@pytest.mark.consumers(...)`), the image's install (`@pytest.mark.runtime_install`)
+    and the session's vLLM servers (`@pytest.mark.vllm`; the versions a test is parametrized over,
+    `vllm_version`, the newest otherwise): a cold build takes minutes, the rest of the suite runs meanwhile.
+
+    `trylast`: pytest's own selection (`-k`, `-m`, `--deselect`) has run by then, so `items` holds only the
+    tests that will run and a slice of the suite pays only for its own set-up; `--collect-only` runs nothing,
+    so it starts nothing (tests/test_suite_slicing.py)."""
+    if config.option.collectonly:
+        return
     names = {n for item in items if (m := item.get_closest_marker("consumers")) for n in m.args}
     if names:
         from .support.consumers import environments
@@ -127,9 +135,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from .support import vllm_server
-
-    vllm_server.stop()
+    """Stop the session's vLLM servers, if a test or the hook above asked for any (a session that never
+    imported the module started none)."""
+    vllm_server = sys.modules.get(f"{__package__}.support.vllm_server")
+    if vllm_server is not None:
+        vllm_server.stop()
 
 
 @dataclass

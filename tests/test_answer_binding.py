@@ -15,7 +15,6 @@ from eagle3_assets.core.generation.binding import (
     SETTINGS_CHANGED,
     STANDING_COLUMNS,
     AnswerRules,
-    ServedModels,
     openrouter_served,
     settings_fingerprint,
     settings_fingerprints,
@@ -23,6 +22,7 @@ from eagle3_assets.core.generation.binding import (
     standing_answers,
 )
 from eagle3_assets.core.generation.conversations import TurnAnswer, turn_fingerprint, turn_id
+from eagle3_assets.core.generation.served_models import ServedModels
 from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 
 MODEL = "moonshotai/kimi-k2.5"

@@ -8,7 +8,7 @@ import shutil
 import polars as pl
 
 from eagle3_assets.config import BUILTIN_SMOLLM2, OpenRouterConfig, SGLangConfig
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.protocol import Sampling
 from eagle3_assets.core.generation.run import generate_responses

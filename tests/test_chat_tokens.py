@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle3_assets.core.target.chat import Answer, TemplateError
-from eagle3_assets.core.target.preflight import special_token_problems
+from eagle3_assets.core.target_model.chat import Answer, TemplateError
+from eagle3_assets.core.target_model.preflight import special_token_problems
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}],

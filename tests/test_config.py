@@ -96,7 +96,7 @@ def test_the_key_goes_over_plain_http_only_to_loopback_or_when_allowed(tmp_path)
 
 def test_remote_code_from_the_hub_must_be_pinned(tmp_path):
     from eagle3_assets.config import TargetConfig
-    from eagle3_assets.core.target.loading import pin_problems
+    from eagle3_assets.core.target_model.loading import pin_problems
 
     hub = TargetConfig(tokenizer="moonshotai/Kimi-K2.5", model="moonshotai/Kimi-K2.5", trust_remote_code=True)
     assert "target.revision" in pin_problems(hub, tmp_path)[0]

@@ -17,7 +17,7 @@ import polars as pl
 import pytest
 
 from eagle3_assets.config import DatasetConfig, load_config
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.generation.ledger import lost_rows
 from eagle3_assets.core.generation.protocol import Completion

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from eagle3_assets.config import DatasetConfig, OpenRouterConfig
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.generation.protocol import FatalRunError
 from eagle3_assets.core.generation.run import generate_responses

@@ -8,7 +8,7 @@ import zlib
 import polars as pl
 import pytest
 
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.protocol import FatalRunError
 from eagle3_assets.core.generation.run import PreflightError, generate_responses
 

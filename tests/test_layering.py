@@ -1,6 +1,6 @@
 """The core's stages import downward only, and nothing under core imports Dagster or the layers above it.
 
-Order (eagle3_assets/core/__init__.py): storage < target < prompts < generation < tokens < report <
+Order (eagle3_assets/core/__init__.py): storage < target_model < prompts < generation < tokens < report <
 hidden_states < acceptance < data_value. A module may import its own stage, any stage before it, and
 `eagle3_assets.config`.
 """
@@ -17,7 +17,7 @@ from .support.projects import REPO
 CORE = REPO / "eagle3_assets" / "core"
 ORDER = [
     "storage",
-    "target",
+    "target_model",
     "prompts",
     "generation",
     "tokens",

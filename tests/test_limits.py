@@ -21,7 +21,7 @@ import pytest
 
 from eagle3_assets.config import OpenRouterConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.generation.limiter import AdaptiveLimit
 from eagle3_assets.core.generation.protocol import (

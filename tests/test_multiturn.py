@@ -226,7 +226,7 @@ def test_a_turn_that_fails_for_good_ends_its_conversation_with_a_failure_row_nam
 def thinking_chats(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from eagle3_assets.core.target.chat import ChatTokenizer
+    from eagle3_assets.core.target_model.chat import ChatTokenizer
 
     from .support.kimi_standin import build_kimi_standin
     from .support.tokenizer_families import FAMILIES
@@ -244,7 +244,7 @@ def test_templates_that_drop_earlier_reasoning_get_a_row_per_turn_equal_to_their
     """Qwen3 and Kimi K2.5 drop earlier turns' reasoning from the history: turn k's row is the template's own
     rendering of what the model saw when it wrote turn k (earlier reasoning gone), then turn k as written (its
     reasoning kept), loss on turn k only."""
-    from eagle3_assets.core.target.chat import Answer
+    from eagle3_assets.core.target_model.chat import Answer
 
     chat = thinking_chats[family]
     source = [
@@ -364,7 +364,7 @@ def test_a_turn_the_template_refuses_cuts_only_its_conversation_and_is_not_a_fai
     to the turn the template refuses; that turn is recorded with the reason, naming the turn; every other
     conversation goes on; and the blocking failure-share check passes (one conversation of four cut would be
     25% > 5%): the rest of a conversation that cannot be rendered is bad data, not a failed request."""
-    from eagle3_assets.core.target.chat import ChatTokenizer
+    from eagle3_assets.core.target_model.chat import ChatTokenizer
 
     from .support.fake_servers import FakeSGLang
 
@@ -472,7 +472,7 @@ def _turns_partition(tmp_path, chat, reasoning: bool):
 
 
 def _qwen3_chat():
-    from eagle3_assets.core.target.chat import ChatTokenizer
+    from eagle3_assets.core.target_model.chat import ChatTokenizer
 
     from .support.tokenizer_families import FAMILIES
 

@@ -18,8 +18,8 @@ from eagle3_assets.core.prompts.context import (
 )
 from eagle3_assets.core.prompts.ingest import ensure_prompts, ingest, write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.context import context_limit, longest_token_bytes
-from eagle3_assets.core.target.loading import TargetError
+from eagle3_assets.core.target_model.context import context_limit, longest_token_bytes
+from eagle3_assets.core.target_model.loading import TargetError
 
 from .support.projects import make_project, materialize_in_process, user_rows, write_jsonl
 

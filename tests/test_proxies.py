@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceError
 from eagle3_assets.core.generation.run import PreflightError, generate_responses
 from eagle3_assets.core.storage import proxy as proxies

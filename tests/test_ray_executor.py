@@ -19,7 +19,7 @@ from dagster._core.definitions.reconstruct import ReconstructableRepository
 
 from eagle3_assets.assets.hidden_states import replica_shards
 from eagle3_assets.core.hidden_states.reader import HiddenStatesReader
-from eagle3_assets.core.target.loading import cache_root
+from eagle3_assets.core.target_model.loading import cache_root
 from eagle3_assets.definitions import HIDDEN_STATES_JOB
 from resources.vllm.cpu_build import cpu_supports_vllm
 

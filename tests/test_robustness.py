@@ -12,7 +12,8 @@ import pytest
 
 from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.engine import GenerationEngine
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.importer import import_responses
 from eagle3_assets.core.generation.journal import JournalWriter, ResponseJournal
 from eagle3_assets.core.generation.lanes import Lane
@@ -21,7 +22,7 @@ from eagle3_assets.core.generation.topup import top_up_status
 from eagle3_assets.core.hidden_states.shards import ShardWriter
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, JournalTable
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer, TemplateError
 from resources.inference.sglang import split_reasoning
 
 from .support.engine_runs import IMPORTED_AS_TARGET, KEY, KEY_ENV, SMOLLM2, dataset, run

@@ -1,5 +1,7 @@
 """Installs as documented: what the Kubernetes image installs (the project with its runtime extras, no dev
-extra) loads every shipped recipe, Kimi-K2.5's tiktoken tokenizer included. The first run builds the cached
+extra) loads every shipped recipe, Kimi-K2.5's tiktoken tokenizer included (the recipes' tokenizer pointed at
+the Kimi stand-in, tests/support/kimi_standin: it proves the install carries what a slow tiktoken tokenizer
+with remote code needs, not that Moonshot's own files load). The first run builds the cached
 environment (tests/support/runtime_install.py; a few minutes, from the package registries); later runs
 reuse it."""
 

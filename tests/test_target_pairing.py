@@ -1,5 +1,10 @@
 """Preflight: target.tokenizer and target.model belong together (the model's config files against the
-tokenizer, and every hidden-states vLLM server's /tokenize against ours), and the shipped Kimi-K2.5 recipe."""
+tokenizer, and every hidden-states vLLM server's /tokenize against ours), and the shipped Kimi-K2.5 recipe.
+
+The "Kimi" tokenizer here is the stand-in (tests/support/kimi_standin: Kimi's special ids and slow tiktoken
+shape over another vocabulary) and the "Kimi-shaped" checkpoints are config files written here in Kimi-K2.5's
+layout (ids under text_config, an eos list): they prove the pairing checks on a target of that shape, not on
+Moonshot's real files."""
 
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from eagle3_assets.config import ProjectConfig, TargetConfig, load_config
-from eagle3_assets.core.target import pairing
-from eagle3_assets.core.target.loading import load_tokenizer, pin_problems
-from eagle3_assets.core.target.pairing import PAIRING_FIX, SERVER_FIX, model_pairing, pairing_preflight
+from eagle3_assets.core.target_model import pairing
+from eagle3_assets.core.target_model.loading import load_tokenizer, pin_problems
+from eagle3_assets.core.target_model.pairing import PAIRING_FIX, SERVER_FIX, model_pairing, pairing_preflight
 
 from .support.fake_servers import FakeOpenRouter
 from .support.kimi_standin import build_kimi_standin

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from eagle3_assets.config import DatasetConfig, OpenRouterConfig
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.journal import ResponseJournal
 from eagle3_assets.core.generation.run import generate_responses
 from eagle3_assets.core.generation.stopping import RunTerminated, run_loop

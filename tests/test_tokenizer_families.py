@@ -1,7 +1,7 @@
 """Exact ids across tokenizer families: for every family the rebuilt ids equal the tokenizer's own encoding
 of the rendered conversation; what a family cannot rebuild is a per-row error (independent of row order) or
-a preflight finding, never silently wrong ids. The Kimi K2.5 stand-in has its own file
-(test_kimi_template.py)."""
+a preflight finding, never silently wrong ids. The Kimi K2.5 stand-in (a template and
+tokenizer of Kimi's shape, not Moonshot's files) has its own file (test_kimi_template.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
-from eagle3_assets.core.target.preflight import exactness, reference_ids, special_token_problems
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target_model.preflight import exactness, reference_ids, special_token_problems
 
 from .support.tokenizer_families import FAMILIES
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_assets.core.target import loading as target
-from eagle3_assets.core.target.loading import (
+from eagle3_assets.core.target_model import loading as target
+from eagle3_assets.core.target_model.loading import (
     _class_record_path,
     _recorded_class,
     load_tokenizer,
@@ -26,8 +26,8 @@ from .support.projects import REPO, make_project
 
 PROBE = r"""
 import json, sys
-from eagle3_assets.core.target.chat import ChatTokenizer
-from eagle3_assets.core.target.loading import load_tokenizer
+from eagle3_assets.core.target_model.chat import ChatTokenizer
+from eagle3_assets.core.target_model.loading import load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 chat = ChatTokenizer(tok)
 msgs = [
@@ -165,7 +165,7 @@ def test_a_passed_preflight_is_remembered_until_the_files_or_settings_change(tok
 GENERATE = r"""
 import json, sys
 from pathlib import Path
-from eagle3_assets.core.target.chat import ChatRecipe, DeferredChat
+from eagle3_assets.core.target_model.chat import ChatRecipe, DeferredChat
 from tests.support.engine_runs import dataset, run, stored
 
 class Server:

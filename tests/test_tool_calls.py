@@ -1,7 +1,9 @@
 """Agentic rows: tools and tool calls from the source to exact, masked ids, through a real HTTP provider.
 
 The provider is the OpenRouter-shaped server on loopback (`fake_servers`), answering with calls as OpenAI
-does, streamed as deltas or whole; the targets are the tool-rendering families of `tool_templates`.
+does, streamed as deltas or whole; the targets are the tool-rendering families of `tool_templates`, templates
+written here in each family's documented shape (Kimi's is the stand-in, `kimi_standin`): they prove the
+rebuild of a template of that shape, not any vendor's own template file.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from eagle3_assets.config import DatasetConfig
 from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 from eagle3_assets.core.prompts.ingest import PROMPT_SCHEMA, ingest, write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer
-from eagle3_assets.core.target.tool_calls import (
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer
+from eagle3_assets.core.target_model.tool_calls import (
     ToolCall,
     calls_json,
     parse_calls,
@@ -510,7 +512,7 @@ def test_backends_taking_ids_get_the_prompt_rendered_with_its_tools(tmp_path):
     """SGLang's native API (and the embedded model) take token ids: the prompt is the target's template
     rendered with the row's tools, exactly apply_chat_template's ids."""
     from eagle3_assets.config import BUILTIN_SMOLLM2, SamplingConfig, SGLangConfig
-    from eagle3_assets.core.generation.engine import EngineSettings
+    from eagle3_assets.core.generation.engine_settings import EngineSettings
     from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
     from resources.inference.sglang import SGLangBackend
 
@@ -565,9 +567,10 @@ def test_tool_definitions_count_toward_the_targets_context(tmp_path):
 def test_imported_answers_keep_their_calls_and_an_empty_one_is_refused(tmp_path):
     """`eagle3 import-responses`: an answer produced elsewhere keeps its calls, stays bound to its tools
     prompt, and an answer with neither text nor calls is rejected, never stored."""
-    from eagle3_assets.core.generation.binding import IMPORTED, AnswerRules, ServedModels
+    from eagle3_assets.core.generation.binding import IMPORTED, AnswerRules
     from eagle3_assets.core.generation.importer import import_responses
     from eagle3_assets.core.generation.journal import ResponseJournal
+    from eagle3_assets.core.generation.served_models import ServedModels
 
     layout = DatasetLayout(tmp_path / "data", "B1").ensure()
     rows = [

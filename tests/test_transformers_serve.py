@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from eagle3_assets.config import OpenRouterConfig
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.run import generate_responses
 from resources.inference.openrouter import OpenRouterBackend
 

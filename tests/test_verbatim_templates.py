@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_assets.core.target.chat import Answer, ChatTokenizer, TemplateError
-from eagle3_assets.core.target.verbatim import verbatim_problem
+from eagle3_assets.core.target_model.chat import Answer, ChatTokenizer, TemplateError
+from eagle3_assets.core.target_model.verbatim import verbatim_problem
 
 from .support.kimi_standin import CHAT_TEMPLATE
 from .support.tokenizer_families import FAMILIES

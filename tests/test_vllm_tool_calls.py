@@ -26,9 +26,9 @@ from eagle3_assets.core.generation.tool_splice import TOOL_DIVERGED
 from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.report.summary import build_report
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.chat import ChatTokenizer
-from eagle3_assets.core.target.loading import builtin_dir
-from eagle3_assets.core.target.tool_calls import parse_calls, wire_message
+from eagle3_assets.core.target_model.chat import ChatTokenizer
+from eagle3_assets.core.target_model.loading import builtin_dir
+from eagle3_assets.core.target_model.tool_calls import parse_calls, wire_message
 from eagle3_assets.core.tokens.build import build_tokens
 from resources.inference.openrouter import OpenRouterBackend
 from resources.side_env import clean_env

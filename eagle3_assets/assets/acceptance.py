@@ -17,7 +17,7 @@ from ..core.hidden_states.extraction import ExtractionSettings, load_target_mode
 from ..core.hidden_states.reader import StoredStates
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
-from ..core.target.chat import ChatTokenizer
+from ..core.target_model.chat import ChatTokenizer
 from .common import GROUP, MISSING, refuse_another_targets_answers
 from .hidden_states import GPU_STEP_TAGS
 
@@ -29,7 +29,7 @@ def gate_engines(
     measures it: the target in this process (`acceptance.engine: transformers`) or vLLM started by the step
     (`vllm`). The source-answers arm's states come from the engine that extracted the partition's own."""
     from ..core.acceptance.decoding import InProcessFeatures, InProcessMeasurer, SpeculativeDecoder
-    from ..core.target.loading import pick_device
+    from ..core.target_model.loading import pick_device
 
     settings = ExtractionSettings.from_config(cfg)
     t = cfg.target
@@ -48,7 +48,7 @@ def gate_engines(
     if a.engine == "vllm":
         from resources.vllm.acceptance import VllmFeatures, VllmMeasurer
 
-        from ..core.target.loading import cache_root
+        from ..core.target_model.loading import cache_root
 
         # The servers' logs stay on the step's machine (named in any error), out of the partition's outputs.
         workdir = cache_root() / "acceptance-servers" / layout.key

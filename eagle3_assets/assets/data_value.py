@@ -12,9 +12,9 @@ from resources import Project, Storage, Target
 
 from ..config import ProjectConfig
 from ..core.data_value.inputs import value_inputs
-from ..core.data_value.report import DATA_VALUE_DIR, FLOOR, DataValueReport, table
 from ..core.data_value.run import Engines, PartitionData, read_partition, run_data_value
 from ..core.data_value.suite import load_suite, refuse_overlaps
+from ..core.data_value.value_report import DATA_VALUE_DIR, FLOOR, DataValueReport, table
 from ..core.storage.data_version import (
     InputsVersion,
     record_inputs_version,
@@ -23,7 +23,7 @@ from ..core.storage.data_version import (
 )
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
-from ..core.target.chat import ChatTokenizer
+from ..core.target_model.chat import ChatTokenizer
 from .acceptance import gate_engines
 from .common import GROUP, refuse_another_targets_answers
 from .hidden_states import GPU_STEP_TAGS

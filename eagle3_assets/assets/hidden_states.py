@@ -250,7 +250,7 @@ def _spot_check_with_pieces(
 ) -> dg.AssetCheckResult:
     """The spot check from pieces of the checkpoint (embedding, first layers, final norm, head); a checkpoint
     that is not on this machine fails the check, naming the fix: states nobody recomputed never pass."""
-    from ..core.target.pieces import CheckpointError, CheckpointPieces
+    from ..core.target_model.pieces import CheckpointError, CheckpointPieces
 
     settings = ExtractionSettings.from_config(cfg)
     sampling = cfg.sampling_for(key)

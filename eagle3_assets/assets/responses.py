@@ -28,7 +28,7 @@ from ..core.report import validation
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
 from ..core.storage.versions import content_version, rows_version
-from ..core.target.pairing import pairing_preflight
+from ..core.target_model.pairing import pairing_preflight
 from .common import GROUP, check_each_partition, check_result, counts_table, operator_stop
 
 

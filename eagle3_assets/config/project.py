@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from ..core.storage.schemes import cache_folder, is_remote
 from .acceptance import AcceptanceConfig
 from .backends import BackendsConfig, SamplingConfig
 from .base import (
@@ -232,18 +233,14 @@ class ProjectConfig(Strict):
 
     @property
     def storage_is_remote(self) -> bool:
-        return self.storage.root.startswith(("s3://", "gs://", "az://", "abfs://", "abfss://", "memory://"))
+        return is_remote(self.storage.root)
 
     @property
     def storage_root(self) -> Path:
         """The local folder of every partition: the root itself, or the working copies of an object-store
         root."""
         if self.storage_is_remote:
-            from ..core.storage.remote import RemoteRoot
-
-            return RemoteRoot.cache_folder(
-                self.storage.root, Path(os.path.expanduser(self.storage.cache_dir))
-            )
+            return cache_folder(self.storage.root, Path(os.path.expanduser(self.storage.cache_dir)))
         return self.resolve_path(self.storage.root)
 
     def dataset(self, key: str) -> DatasetConfig:

@@ -5,7 +5,7 @@ Stages, in the order data flows, each importing only the ones listed before it (
 
     storage        paths of a partition, crash-safe files, append-only tables, object stores, data versions,
                    the HTTP proxy of every outbound request
-    target         the target model, its tokenizer and chat template, its context (shared by every stage)
+    target_model   the target model, its tokenizer and chat template, its context (shared by every stage)
     prompts        dataset sources -> chat prompts with stable ids, bad rows and over-long prompts quarantined
     generation     the engine that answers prompts through any backend: budget, journal, limiter, imports
     tokens         answered conversations -> input_ids + loss_mask, checked against the ids the model produced

@@ -4,9 +4,9 @@ engine."""
 from __future__ import annotations
 
 from eagle3_assets.config import DOCS_BACKENDS, ProjectConfig
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.protocol import InferenceBackend
-from eagle3_assets.core.target.chat import ChatTokenizer
+from eagle3_assets.core.target_model.chat import ChatTokenizer
 
 from .local import LocalBackend
 from .openrouter import OpenRouterBackend

@@ -22,8 +22,8 @@ from eagle3_assets.core.generation.protocol import (
     InferenceError,
     Sampling,
 )
-from eagle3_assets.core.target.chat import ChatTokenizer
-from eagle3_assets.core.target.loading import pick_device, resolve, shared_model
+from eagle3_assets.core.target_model.chat import ChatTokenizer
+from eagle3_assets.core.target_model.loading import pick_device, resolve, shared_model
 
 _GENERATE_LOCK = threading.Lock()
 

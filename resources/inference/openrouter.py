@@ -24,8 +24,8 @@ from eagle3_assets.core.generation.protocol import (
     InferenceError,
     describe,
 )
-from eagle3_assets.core.target.chat import ChatTokenizer
-from eagle3_assets.core.target.tool_calls import ToolCall, wire_message
+from eagle3_assets.core.target_model.chat import ChatTokenizer
+from eagle3_assets.core.target_model.tool_calls import ToolCall, wire_message
 
 from .http import HttpSession, classify, dumps, get_json, make_session, post_json, secret_forms
 from .streaming import StreamClient

@@ -18,7 +18,7 @@ from eagle3_assets.core.generation.protocol import (
     InferenceError,
     describe,
 )
-from eagle3_assets.core.target.chat import ChatTokenizer
+from eagle3_assets.core.target_model.chat import ChatTokenizer
 
 from .http import CONTEXT_MARKERS, HttpSession, get_json, make_session, post_json
 

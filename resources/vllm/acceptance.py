@@ -26,7 +26,7 @@ import numpy as np
 from eagle3_assets.config import AcceptanceConfig, ProjectConfig, VllmExtractionConfig
 from eagle3_assets.core.acceptance.measure import Measured, PartMeasure, PromptSet, SpecCounters
 from eagle3_assets.core.storage.proxy import urlopen
-from eagle3_assets.core.target.loading import resolve
+from eagle3_assets.core.target_model.loading import resolve
 
 from .managed import (
     ManagedServerError,

@@ -295,7 +295,7 @@ class VllmHiddenStates:
     async def _self_check(self, base: str, check: ServedSelfCheck) -> tuple[Any, str | None]:
         """The known text continued greedily by `base`, its ids extracted through `base` like any sample, and
         the states checked against the checkpoint's pieces (in a thread)."""
-        from eagle3_assets.core.target.pieces import CheckpointError
+        from eagle3_assets.core.target_model.pieces import CheckpointError
 
         assert self._session is not None
         body = await post_json(self._session, f"{base}/completions", check.generation(self.model))

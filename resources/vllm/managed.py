@@ -221,7 +221,7 @@ def extract_with_own_server(
     machine's own, removed at the end: steps on other nodes share nothing but the storage root."""
     from eagle3_assets.core.hidden_states.extraction import ExtractionSettings, extract
     from eagle3_assets.core.hidden_states.layer_ids import aux_layer_count
-    from eagle3_assets.core.target.loading import cache_root
+    from eagle3_assets.core.target_model.loading import cache_root
 
     v = cfg.hidden_states.vllm
     pending = [n for n in shard_names if not (layout.hidden_states_dir / n).exists()]

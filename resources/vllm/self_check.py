@@ -21,7 +21,7 @@ from eagle3_assets.core.hidden_states.fp8 import FP8, QuantizedStates
 from eagle3_assets.core.hidden_states.layer_ids import default_aux_layers
 from eagle3_assets.core.hidden_states.spot_pieces import check_known_sample
 from eagle3_assets.core.report.validation import Verdict
-from eagle3_assets.core.target.loading import resolve
+from eagle3_assets.core.target_model.loading import resolve
 
 KNOWN_TEXT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
 ANSWER_TOKENS = 16
@@ -67,7 +67,7 @@ class ServedSelfCheck:
     def verdict(self, ids: list[int], answer_start: int, states: Any) -> Verdict:
         """The served states of the known sample ([T, n_aux + 1, H], or as the connector wrote them in FP8)
         against the checkpoint's pieces. Raises `CheckpointError` where the checkpoint is not here."""
-        from eagle3_assets.core.target.pieces import CheckpointPieces
+        from eagle3_assets.core.target_model.pieces import CheckpointPieces
 
         pieces = CheckpointPieces.find(self.model_ref, self.revision)
         depth = int(pieces.text_config["num_hidden_layers"])

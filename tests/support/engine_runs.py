@@ -10,13 +10,13 @@ import polars as pl
 
 from eagle3_assets.config import BUILTIN_SMOLLM2, DatasetConfig, OpenRouterConfig, SamplingConfig, load_config
 from eagle3_assets.core.generation.binding import local_model_name, local_served, settings_fingerprint
-from eagle3_assets.core.generation.engine import EngineSettings
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.run import GenerationPlan, generate_responses
 from eagle3_assets.core.prompts.fingerprints import prompt_fingerprint
 from eagle3_assets.core.prompts.ingest import write_prompts
 from eagle3_assets.core.storage.layout import DatasetLayout
 from eagle3_assets.core.storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, JournalTable
-from eagle3_assets.core.target.chat import ChatTokenizer
+from eagle3_assets.core.target_model.chat import ChatTokenizer
 from resources import Target
 from resources.inference.openrouter import OpenRouterBackend
 

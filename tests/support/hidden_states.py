@@ -22,7 +22,7 @@ from eagle3_assets.core.hidden_states.extraction import (
 )
 from eagle3_assets.core.hidden_states.shards import finished_shards
 from eagle3_assets.core.storage.layout import DatasetLayout
-from eagle3_assets.core.target.chat import Answer
+from eagle3_assets.core.target_model.chat import Answer
 
 H, L = 576, 30  # SmolLM2-135M: hidden size, decoder layers
 QUESTIONS = [

@@ -19,9 +19,9 @@ from pathlib import Path
 
 def probe(recipe: Path, kimi: str) -> dict[str, object]:
     from eagle3_assets.config import load_config
-    from eagle3_assets.core.target.chat import Answer
-    from eagle3_assets.core.target.loading import is_hub_reference
-    from eagle3_assets.core.target.preflight import special_token_problems
+    from eagle3_assets.core.target_model.chat import Answer
+    from eagle3_assets.core.target_model.loading import is_hub_reference
+    from eagle3_assets.core.target_model.preflight import special_token_problems
     from eagle3_assets.definitions import build_definitions
     from resources import Target
 

@@ -14,7 +14,7 @@ class FullTargetGuard:
         import transformers
         from transformers.models.llama import modeling_llama
 
-        from eagle3_assets.core.target import loading
+        from eagle3_assets.core.target_model import loading
 
         self.depths: list[int] = []
         forward = modeling_llama.LlamaModel.forward

@@ -66,7 +66,7 @@ DEEPSEEK_V3_TEMPLATE = (
 
 
 def _smollm2_json() -> dict:
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
 
     return json.loads((builtin_dir("smollm2") / "tokenizer.json").read_text())
 

@@ -7,8 +7,12 @@ on offline vocabularies (as `tokenizer_families` does for plain chat):
   added tokens, as Qwen2.5 has them);
 - `llama31_tools`: Llama-3.1 JSON tool calling: the tools as JSON in the first user turn, a call written as
   `{"name": ..., "parameters": ...}` ending the turn with `<|eot_id|>`, results in `ipython` turns;
-- `kimi_tools`: the Kimi K2.5 stand-in (`kimi_standin`), whose template declares tools in a `tool_declare`
-  system turn and writes calls with Kimi's tool-call tokens.
+- `kimi_tools`: the Kimi K2.5 stand-in (`kimi_standin`), whose hand-written template declares tools in a
+  `tool_declare` system turn and writes calls with Kimi's tool-call tokens: it proves tool rendering of a
+  template of that shape on the slow-tokenizer path, not Moonshot's own template.
+
+None of these is a family's real template file: each proves the rebuild of a template of that documented
+shape.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ LLAMA31_TOOLS_TEMPLATE = """\
 
 
 def _smollm2_json() -> dict:
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
 
     return json.loads((builtin_dir("smollm2") / "tokenizer.json").read_text())
 
@@ -137,8 +141,9 @@ def llama31_tools() -> PreTrainedTokenizerFast:
 
 
 def kimi_tools(folder: Path):
-    """The Kimi K2.5 stand-in, built into `folder` and loaded as a Kimi target is (trust_remote_code)."""
-    from eagle3_assets.core.target.loading import load_tokenizer
+    """The Kimi K2.5 stand-in (not Moonshot's template), built into `folder` and loaded as a Kimi target is
+    (trust_remote_code)."""
+    from eagle3_assets.core.target_model.loading import load_tokenizer
 
     from .kimi_standin import build_kimi_standin
 

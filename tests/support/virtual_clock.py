@@ -12,15 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eagle3_assets.core.generation.budget import Budget
-from eagle3_assets.core.generation.engine import EngineSettings, GenerationEngine
+from eagle3_assets.core.generation.engine import GenerationEngine
+from eagle3_assets.core.generation.engine_settings import EngineSettings
 from eagle3_assets.core.generation.lanes import Lane
+from eagle3_assets.core.generation.progress_report import EngineReport
 from eagle3_assets.core.generation.protocol import (
     Completion,
     CompletionRequest,
     ErrorKind,
     InferenceError,
 )
-from eagle3_assets.core.generation.report import EngineReport
 
 from .limited_provider import ProviderSpec
 

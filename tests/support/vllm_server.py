@@ -149,7 +149,7 @@ def python_of(version: str) -> Path:
 
 
 def _start(dtype: str, storage_dtype: str = "bfloat16", version: str = NEWEST) -> VllmServer:
-    from eagle3_assets.core.target.loading import builtin_dir
+    from eagle3_assets.core.target_model.loading import builtin_dir
 
     dev = os.environ.get(f"EAGLE3_TEST_VLLM_{dtype.upper()}")
     if dev and storage_dtype == "bfloat16" and version == NEWEST:

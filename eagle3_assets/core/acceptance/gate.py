@@ -39,7 +39,7 @@ from ...config import AcceptanceConfig
 from ..hidden_states.layer_ids import decoder_output_ids
 from ..hidden_states.reader import StoredStates
 from ..storage.layout import DatasetLayout
-from ..target.chat import ChatTokenizer
+from ..target_model.chat import ChatTokenizer
 from .gate_report import (
     BoundaryCheck,
     DraftLocation,

@@ -149,7 +149,7 @@ class DraftTarget:
         """The config and the embedding, read from the checkpoint by tensor name (never the whole model)."""
         from transformers import AutoConfig
 
-        from ..target.pieces import CheckpointPieces
+        from ..target_model.pieces import CheckpointPieces
 
         pieces = CheckpointPieces.find(model_ref, revision)
         config = AutoConfig.from_pretrained(str(pieces.root), trust_remote_code=trust_remote_code)

@@ -15,8 +15,8 @@ import polars as pl
 from ...config import AcceptanceConfig
 from ..hidden_states.reader import HiddenStatesReader
 from ..storage.layout import DatasetLayout
-from ..target.chat import Answer, ChatTokenizer, TemplateError
-from ..target.tool_calls import has_tool_fields
+from ..target_model.chat import Answer, ChatTokenizer, TemplateError
+from ..target_model.tool_calls import has_tool_fields
 from ..tokens.turns import row_prompts
 from .measure import FeatureSource, PromptSet
 

@@ -23,11 +23,11 @@ from ..acceptance.measure import DraftMeasurer, DraftTarget, PromptSet
 from ..acceptance.samples import as_train_samples, load_samples, split_ids
 from ..hidden_states.reader import HiddenStatesReader, StoredStates
 from ..storage.layout import DatasetLayout
-from ..target.chat import ChatTokenizer
+from ..target_model.chat import ChatTokenizer
 from .loops import looping_prompts
 from .pricing import BoughtAnswers, price_of_gain
-from .report import FLOOR, DataValueReport, DraftRow, SuiteSummary
 from .suite import Suite
+from .value_report import FLOOR, DataValueReport, DraftRow, SuiteSummary
 
 ALL = "all"
 COST_BASIS = (

@@ -21,8 +21,8 @@ from ..acceptance.measure import PromptSet
 from ..acceptance.samples import GateSample, rendered_prompts
 from ..prompts.fingerprints import prompt_fingerprint
 from ..prompts.ingest import ingest, read_prompts
-from ..target.chat import ChatTokenizer
-from ..target.tool_render import tools_of
+from ..target_model.chat import ChatTokenizer
+from ..target_model.tool_render import tools_of
 
 
 class SuiteOverlap(ValueError):

@@ -24,10 +24,8 @@ trains them.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import Any
 
 import polars as pl
@@ -35,8 +33,9 @@ import polars as pl
 from ...config import BUILTIN_SMOLLM2, OpenRouterConfig, ProjectConfig, SamplingConfig, SGLangConfig
 from ..prompts.fingerprints import digest, prompt_fingerprint
 from ..prompts.tools import RowTools
-from ..target.tool_calls import parse_calls
+from ..target_model.tool_calls import parse_calls
 from .conversations import TurnAnswer, assistant_slots, split_turn_id, turn_fingerprint
+from .served_models import ServedModels
 
 IMPORTED = "imported"  # the `backend` of rows `eagle3 import-responses` stored
 SMOLLM2_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")
@@ -91,40 +90,6 @@ def settings_fingerprints(cfg: ProjectConfig, key: str) -> dict[str, str | None]
 def local_model_name(model: str) -> str:
     """The name the embedded backend stores for `target.model`."""
     return SMOLLM2_NAMES[1] if model == BUILTIN_SMOLLM2 else model
-
-
-@dataclass(frozen=True)
-class ServedModels:
-    """The names under which a backend may serve the target: exact names (compared without case) and glob
-    patterns of `accepted_models`; a served path matches a name when their last components are equal (a local
-    copy of the same checkpoint)."""
-
-    names: tuple[str, ...]
-    patterns: tuple[str, ...] = ()
-    by_basename: bool = False
-
-    def accepts(self, served: str | None) -> bool:
-        if not served:
-            return False
-        low = served.lower()
-        if any(low == n.lower() for n in self.names):
-            return True
-        if any(fnmatch.fnmatchcase(low, p.lower()) for p in self.patterns):
-            return True
-        if self.by_basename:
-            base = PurePosixPath(low.rstrip("/")).name
-            return any(base == PurePosixPath(n.lower().rstrip("/")).name for n in self.names)
-        return False
-
-    def describe(self) -> str:
-        return ", ".join([*self.names, *self.patterns])
-
-    def __or__(self, other: ServedModels) -> ServedModels:
-        return ServedModels(
-            tuple(dict.fromkeys(self.names + other.names)),
-            tuple(dict.fromkeys(self.patterns + other.patterns)),
-            self.by_basename or other.by_basename,
-        )
 
 
 def openrouter_served(cfg: OpenRouterConfig) -> ServedModels:

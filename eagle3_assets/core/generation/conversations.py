@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 from ..prompts.fingerprints import request_fingerprint
-from ..target.tool_calls import ToolCall, calls_json, parse_calls
+from ..target_model.tool_calls import ToolCall, calls_json, parse_calls
 from .protocol import Completion, CompletionRequest, Sampling
 from .tool_splice import TOOL_DIVERGED, call_ids, divergence
 

@@ -27,11 +27,12 @@ from ..prompts.tools import normalise_calls
 from ..storage.files import write_parquet
 from ..storage.layout import DatasetLayout
 from ..storage.tables import IMPORT_REJECTED_SCHEMA
-from ..target.chat import ChatTokenizer
-from ..target.tool_calls import ToolCall, finished
-from .binding import IMPORTED, ServedModels
+from ..target_model.chat import ChatTokenizer
+from ..target_model.tool_calls import ToolCall, finished
+from .binding import IMPORTED
 from .journal import JournalWriter, ResponseJournal
 from .protocol import Completion
+from .served_models import ServedModels
 
 REJECTED_SCHEMA = IMPORT_REJECTED_SCHEMA
 

@@ -22,7 +22,7 @@ from ..storage.tables import (
     JournalTable,
     empty_columns,
 )
-from ..target.tool_calls import calls_json
+from ..target_model.tool_calls import calls_json
 from .binding import FOREIGN_MODEL, STANDING_COLUMNS, AnswerRules, AsideReason, Standing, standing_answers
 from .budget import CostFit, LengthHistory, PriorUsage
 from .ledger import LOST_SCHEMA, DispatchLedger, bought_and_unstored, lost_rows

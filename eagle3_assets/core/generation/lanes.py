@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .progress_report import EngineReport
 from .protocol import ErrorKind, InferenceError
-from .report import EngineReport
 
 if TYPE_CHECKING:
-    from .binding import ServedModels
     from .ledger import DispatchLedger
     from .limiter import DispatchToken
     from .protocol import Completion, CompletionRequest
+    from .served_models import ServedModels
 
 
 class LaneBudget(Protocol):

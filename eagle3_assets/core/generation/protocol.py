@@ -13,10 +13,10 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ...config import SamplingConfig as Sampling  # one sampling model: eagle3.yaml's
-from ..target.tool_calls import ToolCall, unparsed_call
+from ..target_model.tool_calls import ToolCall, unparsed_call
 
 if TYPE_CHECKING:
-    from .binding import ServedModels
+    from .served_models import ServedModels
 
 
 @dataclass(slots=True)

@@ -26,18 +26,19 @@ from ..prompts.ingest import read_prompts
 from ..prompts.tools import RowTools
 from ..storage.layout import DatasetLayout
 from ..storage.tables import BusyError
-from ..target.chat import ChatTokenizer, TemplateError
-from ..target.tool_render import tools_of
+from ..target_model.chat import ChatTokenizer, TemplateError
+from ..target_model.tool_render import tools_of
 from .binding import TARGET_CHANGED, AnswerRules, AsideReason, Standing, standing_answers
 from .budget import Budget, PriorUsage
 from .conversations import Chain, Chains, assistant_slots, split_turn_id, stored_turn_answers, turn_id
-from .engine import EngineSettings, GenerationEngine
+from .engine import GenerationEngine
+from .engine_settings import EngineSettings
 from .flushing import StorageRoom
 from .identity import TargetIdentity, read_identity, refusal, write_identity
 from .journal import JournalWriter, ResponseJournal, SetAside
 from .lanes import Lane
+from .progress_report import EngineReport
 from .protocol import CompletionRequest, InferenceBackend, Sampling
-from .report import EngineReport
 from .stopping import run_loop
 
 PROMPT_CHUNK = 1024

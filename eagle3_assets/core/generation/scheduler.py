@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import EngineSettings
+    from .engine_settings import EngineSettings
     from .lanes import Lane, LaneBudget, PendingPrompt
 
 # A lane whose budget blocks dispatch once this share of it is committed (spent, or expected from what is in

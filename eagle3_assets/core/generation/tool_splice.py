@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..target.tool_calls import ToolCall, parse_calls
+from ..target_model.tool_calls import ToolCall, parse_calls
 
 # The failure kind of a conversation stopped where the target left the trace's tool calls: its turns up to
 # there are answered and stored; the rest is not asked, and not counted as a failed request.

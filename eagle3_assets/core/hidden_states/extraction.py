@@ -19,12 +19,12 @@ from typing import Any
 import polars as pl
 
 from ...config import HiddenStatesConfig, ProjectConfig, TargetConfig
-from ..generation.engine import EngineSettings
+from ..generation.engine_settings import EngineSettings
 from ..generation.protocol import InferenceBackend
 from ..storage.files import write_json
 from ..storage.layout import EXTRACTION_PLAN, HIDDEN_STATES_INDEX, DatasetLayout
-from ..target.loading import pick_device, resolve, shared_model
-from ..target.pieces import local_checkpoint
+from ..target_model.loading import pick_device, resolve, shared_model
+from ..target_model.pieces import local_checkpoint
 from .capture import HiddenStateCapture, packing_is_exact
 from .final_norm import save_final_norm, save_final_norm_from_checkpoint
 from .fp8 import FP8_SCALES, is_fp8

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..storage.files import atomic_write
 from ..storage.layout import FINAL_NORM
-from ..target.pieces import local_checkpoint
+from ..target_model.pieces import local_checkpoint
 from .capture import _base_model
 
 

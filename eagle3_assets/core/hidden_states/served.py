@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..generation.engine import EngineSettings, GenerationEngine
+from ..generation.engine import GenerationEngine
+from ..generation.engine_settings import EngineSettings
 from ..generation.lanes import Lane
 from ..generation.protocol import Completion, CompletionRequest, ErrorKind, InferenceBackend
 from ..generation.stopping import run_loop

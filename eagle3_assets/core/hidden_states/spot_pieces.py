@@ -150,12 +150,12 @@ def spot_check_pieces(
     decoding: AnswerDecoding = AnswerDecoding(True, "greedy (temperature 0)"),
     trust_remote_code: bool = False,
 ) -> Verdict:
-    """The spot check with pieces of the checkpoint only (`core.target.pieces.CheckpointPieces`), for a target
-    served elsewhere: the shallowest aux layer recomputed from the embedding and the first decoder layers
-    (held to `SPOT_RULES` like the whole forward), and the stored last states through the final norm and the
-    head, whose argmax must name the greedy answer's next tokens (`HeadAgreement`). A layer off by one or
-    states shifted by a position fail either part. The deeper aux layers would need most of the target: they
-    are not recomputed, and the metadata says so."""
+    """The spot check with pieces of the checkpoint only (`core.target_model.pieces.CheckpointPieces`), for a
+    target served elsewhere: the shallowest aux layer recomputed from the embedding and the first decoder
+    layers (held to `SPOT_RULES` like the whole forward), and the stored last states through the final norm
+    and the head, whose argmax must name the greedy answer's next tokens (`HeadAgreement`). A layer off by one
+    or states shifted by a position fail either part. The deeper aux layers would need most of the target:
+    they are not recomputed, and the metadata says so."""
     from .reader import HiddenStatesReader
 
     reader = HiddenStatesReader(folder)

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import polars as pl
 
-from ..target.context import longest_token_bytes
+from ..target_model.context import longest_token_bytes
 
 if TYPE_CHECKING:
-    from ..target.chat import ChatTokenizer
+    from ..target_model.chat import ChatTokenizer
 
 TEMPLATE_TOKENS_PER_MESSAGE = 32
 TEMPLATE_TOKENS_FIXED = 1024

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from ...config import DatasetConfig
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import Quarantined, parquet_problem, sweep_parquet
-from ..target.tool_calls import TOOL_FIELDS, calls_json, canonical, has_tool_fields
+from ..target_model.tool_calls import TOOL_FIELDS, calls_json, canonical, has_tool_fields
 from .context import CONTEXT_CLASS, CONTEXT_MARK, PromptGuard, RecordedVerdicts
 from .fingerprints import request_fingerprint
 from .reading import RAW_PREVIEW_CHARS, RowError, clip, iter_source_rows

@@ -10,7 +10,7 @@ from typing import Any
 
 import polars as pl
 
-from ..target.tool_calls import ToolCall, calls_json, parse_calls
+from ..target_model.tool_calls import ToolCall, calls_json, parse_calls
 from .reading import RowError
 
 

@@ -25,7 +25,7 @@ from ..storage.files import write_json, write_text
 from ..storage.layout import DatasetLayout
 from ..storage.quarantine import parquet_problem, quarantined
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, SET_ASIDE_SCHEMA, JournalTable
-from ..target.tool_calls import FINISHED_REASONS
+from ..target_model.tool_calls import FINISHED_REASONS
 from .dataset_report import (
     DamagedFile,
     DuplicateIds,

@@ -11,7 +11,7 @@ import polars as pl
 
 from ..generation.conversations import split_turn_id
 from ..generation.tool_splice import TOOL_DIVERGED
-from ..target.tool_calls import parse_calls
+from ..target_model.tool_calls import parse_calls
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..generation.conversations import TEMPLATE_REST, split_turn_id, turn_id
 from ..generation.identity import TargetIdentity
 from ..generation.tool_splice import TOOL_DIVERGED
 from ..prompts.ingest import reason_class
-from ..target.tool_calls import FINISHED_REASONS
+from ..target_model.tool_calls import FINISHED_REASONS
 from .summary import wilson_interval
 
 

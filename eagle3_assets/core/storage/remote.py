@@ -52,17 +52,16 @@ import threading
 import uuid
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from .layout import check_key
 from .remote_lease import hold_lease
 from .remote_writes import ConditionalWrites, RetryPolicy, StoreUnavailable, make_store
+from .schemes import cache_folder
 
 log = logging.getLogger(__name__)
 
 MANIFEST = ".remote-manifest.json"  # per local partition copy: relative path -> [etag, size, mtime_ns]
 LEASE = ".lease.json"
-SCHEMES = ("s3://", "gs://", "az://", "abfs://", "abfss://", "memory://")
 # Files that name other files of their folder: published after them, so a reader never follows a name to
 # nothing.
 PUBLISHED_LAST = ("index.parquet", "manifest.json", ".index.json", "report.json", "report.md")
@@ -71,10 +70,6 @@ PENDING_DELETE = "delete"  # 4th field of a manifest entry: deleted locally, the
 
 class ConflictError(RuntimeError):
     """Another writer changed the object since this copy saw it (or created it first): this write lost."""
-
-
-def is_remote(root: str) -> bool:
-    return root.startswith(SCHEMES)
 
 
 class RemoteRoot:
@@ -98,8 +93,7 @@ class RemoteRoot:
 
     @staticmethod
     def cache_folder(url: str, cache_dir: Path) -> Path:
-        parsed = urlparse(url.rstrip("/"))
-        return Path(cache_dir) / f"{parsed.scheme}-{parsed.netloc}{parsed.path}".replace("/", "_")
+        return cache_folder(url, cache_dir)
 
     def local(self, key: str) -> Path:
         """The working copy of partition `key` (every pull and push starts here, so a key that would name an

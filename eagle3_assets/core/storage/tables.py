@@ -55,8 +55,8 @@ RESPONSE_SCHEMA: dict[str, pl.DataType] = {
     "counted_completion_tokens": pl.Int64(),
     "quantization": pl.String(),  # where the provider says which quantization served it
     "cut_at_max_tokens": pl.Boolean(),  # the provider sent more than max_tokens: kept up to the limit
-    # The answer's tool calls (core.target.tool_calls: compact JSON of id, name and the arguments' text as the
-    # target wrote it); null for an answer without calls.
+    # The answer's tool calls (core.target_model.tool_calls: compact JSON of id, name and the arguments' text
+    # as the target wrote it); null for an answer without calls.
     "tool_calls": pl.String(),
 }
 

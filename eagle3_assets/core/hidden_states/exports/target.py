@@ -28,7 +28,7 @@ def read_target(ref: str, revision: str | None = None, trust_remote_code: bool =
     local)."""
     from transformers import AutoConfig
 
-    from ...target.loading import resolve
+    from ...target_model.loading import resolve
 
     path = resolve(ref)
     cfg = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)

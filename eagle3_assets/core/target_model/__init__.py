@@ -1,4 +1,4 @@
-"""target: the target model, its tokenizer and chat template, loaded and cached once per process.
+"""target_model: the target model, its tokenizer and chat template, loaded and cached once per process.
 
 `loading` finds and caches the model and tokenizer (the embedded SmolLM2 included); `chat` rebuilds the exact
 ids and loss mask of a conversation with the template, from a plan per conversation shape (`template_plan`)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -25,7 +25,30 @@ from .template_render import failure_reason
 from .tool_calls import ToolCall, calls_json, template_message
 
 if TYPE_CHECKING:
-    from .chat import Answer, ChatTokenizer
+    from .answer import Answer
+
+
+class ToolChat(Protocol):
+    """What tool rendering reads of a chat tokenizer (`chat.ChatTokenizer` is one): named here, so that this
+    module needs nothing of the chat tokenizer, which builds a renderer (no circle)."""
+
+    @property
+    def tok(self) -> Any: ...
+
+    @property
+    def kwargs(self) -> dict[str, Any]: ...
+
+    @property
+    def think_open(self) -> str: ...
+
+    @property
+    def think_close(self) -> str: ...
+
+    @property
+    def template_has_reasoning(self) -> bool: ...
+
+    @property
+    def eot_token(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +60,7 @@ class Segment:
 class ToolRenderer:
     """Renders and encodes tool conversations for one ChatTokenizer (its template, options and markers)."""
 
-    def __init__(self, chat: ChatTokenizer):
+    def __init__(self, chat: ToolChat):
         self.chat = chat
 
     # -- messages as the template takes them ----------------------------------------------------------------

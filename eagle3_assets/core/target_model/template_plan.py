@@ -20,7 +20,7 @@ import numpy as np
 from .text_encoder import TextEncoder
 
 if TYPE_CHECKING:
-    from .chat import Answer
+    from .answer import Answer
 
 # Private-use characters no tokenizer writes: sentinel i c (i r) stands for message i's content (reasoning).
 OPEN, CLOSE = "\ue000", "\ue001"

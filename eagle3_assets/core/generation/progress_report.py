@@ -12,12 +12,29 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .lanes import Lane
     from .limiter import AdaptiveLimit
     from .protocol import Completion
+
+
+class _DescribedBudget(Protocol):
+    def describe(self) -> str: ...
+
+
+class ReportedLane(Protocol):
+    """What the key-wide counters read of a lane (`lanes.Lane` is one): named here so that this module needs
+    nothing of the lanes, which carry its reports (no circle)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def report(self) -> EngineReport: ...
+
+    @property
+    def budget(self) -> _DescribedBudget: ...
 
 
 @dataclass
@@ -120,7 +137,7 @@ class RunProgress:
             self.first_dispatch_at, self.first_dispatch_wall = at, time.time()
 
     def fill_reports(
-        self, lanes: Sequence[Lane], limiter: AdaptiveLimit, start: float, now: float, elapsed: float
+        self, lanes: Sequence[ReportedLane], limiter: AdaptiveLimit, start: float, now: float, elapsed: float
     ) -> None:
         """The key's window and in-flight figures, the same in every lane's report (the lanes share
         them)."""
@@ -149,7 +166,7 @@ class RunProgress:
         return goodput, (self.refused - since.refused) / max(self.attempts - since.attempts, 1)
 
     def line(
-        self, lanes: Sequence[Lane], limiter: AdaptiveLimit, start: float, now: float, final: bool
+        self, lanes: Sequence[ReportedLane], limiter: AdaptiveLimit, start: float, now: float, final: bool
     ) -> str:
         """One progress line (or the run's last, `final`) over every lane."""
         elapsed = max(now - start, 1e-9)

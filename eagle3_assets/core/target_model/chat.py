@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .answer import Answer
 from .rewrites import rebuilt_row
 from .template_plan import (
     CLOSE,
@@ -37,7 +38,7 @@ from .template_plan import (
 )
 from .template_render import ChatTemplate, failure_reason
 from .text_encoder import TextEncoder, make_text_encoder
-from .tool_calls import ToolCall, has_tool_fields
+from .tool_calls import has_tool_fields
 from .tool_render import ToolRenderer, render_error
 
 
@@ -62,14 +63,6 @@ class TextRewritten(TemplateError):
             f"cannot be rebuilt exactly: at character {at} the template wrote {real[at : at + 24]!r} "
             f"where the text has {filled[at : at + 24]!r}"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    content: str
-    reasoning: str | None = None
-    finished: bool = True
-    tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer makes (rendered by `tool_render`)
 
 
 @dataclass(slots=True)
