@@ -3,8 +3,9 @@ instead of training and measuring again (minutes on a GPU, most of a no-op `make
 
 What the gate reads, each a part of the version (`core.storage.data_version`):
 
-- `hidden_states`: every file of hidden_states/ (the index by content, shards by size, header and stored
-  identity);
+- `hidden_states`: the index and the safetensors files of hidden_states/ (the index by content, shards by
+  size, header and stored identity; not the extraction plan, which every extraction run rewrites with a new
+  timestamp);
 - `prompts`, `responses`, `target_identity`: what the boundary check renders and the source-answers arm
   trains on (prompts.parquet, the stored answers a turn row rebuilds its prompt from, target.json);
 - `settings`: the acceptance section, and the target and hidden_states sections (the engine that serves the
@@ -57,6 +58,13 @@ def _sources_version(paths: tuple[Path, ...]) -> str:
 GATE_CODE_VERSION = _sources_version(GATE_SOURCES)
 
 
+def states_files(layout: DatasetLayout) -> list[Path]:
+    """What the gate reads of hidden_states/: the index and the safetensors files (shards, the final norm),
+    not the extraction plan, which every extraction run rewrites with its own timestamp."""
+    folder = layout.hidden_states_dir
+    return [layout.hidden_states_index, *sorted(folder.glob("*.safetensors"))]
+
+
 def gate_inputs_version(
     layout: DatasetLayout, cfg: ProjectConfig, template_fingerprint: str, code: str = GATE_CODE_VERSION
 ) -> InputsVersion:
@@ -64,7 +72,7 @@ def gate_inputs_version(
     base = layout.dir
     return InputsVersion.of(
         {
-            "hidden_states": files_version([layout.hidden_states_dir], base),
+            "hidden_states": files_version(states_files(layout), base),
             "prompts": files_version([layout.prompts], base),
             "responses": files_version([layout.responses_dir], base),
             "target_identity": files_version([layout.target_identity], base),
