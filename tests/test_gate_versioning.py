@@ -192,10 +192,10 @@ def test_the_stored_report_is_reused_only_for_the_same_inputs(partition) -> None
 # -- the real gate through Dagster ---------------------------------------------------------------------------
 # Tiny: the verdict does not matter here, only whether the gate trains.
 GATE = {
-    "train_prompts": 6,
-    "heldout_prompts": 3,
-    "max_new_tokens": 16,
-    "train_steps": 20,
+    "train_prompts": 4,
+    "heldout_prompts": 2,
+    "max_new_tokens": 8,
+    "train_steps": 8,
     "compare_source_answers": False,
 }
 
@@ -206,7 +206,7 @@ def _project(root, gate: dict):
         json.dumps(
             {
                 "storage": {"root": "data"},
-                "datasets": {"B3": {"source": "B3.jsonl", "format": "instruction", "max_tokens": 32}},
+                "datasets": {"B3": {"source": "B3.jsonl", "format": "instruction", "max_tokens": 24}},
                 "acceptance": gate,
             }
         )
@@ -226,6 +226,7 @@ def _gate_run(defs, instance):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two gates and a no-op on 2 busy cores
 def test_a_rerun_with_nothing_changed_does_not_train(tmp_path) -> None:
     shutil.copy(REPO / "prompts" / "B3.jsonl", tmp_path / "B3.jsonl")
     defs = _project(tmp_path, GATE)
@@ -233,7 +234,7 @@ def test_a_rerun_with_nothing_changed_does_not_train(tmp_path) -> None:
     checkpoint = layout.draft_dir / "model.safetensors"
     with dg.instance_for_test() as instance:
         for job, run_config in (
-            (TRAINING_DATA_JOB, {"ops": {"responses": {"config": {"limit": 10}}}}),
+            (TRAINING_DATA_JOB, {"ops": {"responses": {"config": {"limit": 8}}}}),
             (HIDDEN_STATES_JOB, None),
         ):
             result = defs.resolve_job_def(job).execute_in_process(
@@ -267,7 +268,7 @@ def test_a_rerun_with_nothing_changed_does_not_train(tmp_path) -> None:
         print(f"gate: trained and measured in {trained_s:.1f} s; no-op rerun {noop_s:.1f} s")
 
         # A setting changed: it trains again.
-        changed = _project(tmp_path, {**GATE, "train_steps": 21})
+        changed = _project(tmp_path, {**GATE, "train_steps": 9})
         third, logs, _ = _gate_run(changed, instance)
         assert any("draft training step" in m for m in logs)
         assert checkpoint.stat().st_mtime_ns != stamp
