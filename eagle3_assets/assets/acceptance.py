@@ -147,8 +147,13 @@ def _status(outcome: GateOutcome) -> str:
     version, at = outcome.recorded.inputs.version, outcome.recorded.recorded_at
     if outcome.reused:
         return f"unchanged since {at}, inputs {version}: the stored report, nothing trained or measured"
-    why = ", ".join(outcome.changed) if outcome.changed else "nothing changed (the previous run failed)"
-    return f"computed at {at} from inputs {version} (changed: {why})"
+    if not outcome.had_record:
+        why = "no earlier record: a first run, or the last one did not finish"
+    elif outcome.changed:
+        why = f"changed: {', '.join(outcome.changed)}"
+    else:
+        why = "inputs unchanged, but the stored report or draft was missing"
+    return f"computed at {at} from inputs {version} ({why})"
 
 
 def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:

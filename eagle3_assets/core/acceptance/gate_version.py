@@ -121,6 +121,7 @@ class GateOutcome:
     recorded: RecordedVersion
     reused: bool
     changed: list[str] = field(default_factory=list)  # the inputs that changed since the last record
+    had_record: bool = True  # False: no earlier record (a first run, or the last one died halfway)
 
 
 def versioned_gate(
@@ -136,4 +137,4 @@ def versioned_gate(
     report = run()
     recorded = record_inputs_version(layout.acceptance_dir, inputs)
     changed = inputs.changed(previous.inputs if previous is not None else None)
-    return GateOutcome(report, recorded, reused=False, changed=changed)
+    return GateOutcome(report, recorded, reused=False, changed=changed, had_record=previous is not None)
