@@ -168,7 +168,9 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         code_version=GATE_CODE_VERSION,
         description="Trains a small EAGLE-3 draft on the partition's hidden states and measures it against "
         "the target with greedy speculative decoding (acceptance/report.json, the draft in SGLang/SpecForge "
-        "layout beside it). Check acceptance_gate: the draft fits its training prompts and beats an "
+        "layout beside it). A rerun whose inputs did not change (states, prompts, answers, settings, "
+        "template, code: metadata `inputs`) re-reports the stored report without training. Check "
+        "acceptance_gate: the draft fits its training prompts and beats an "
         "untrained one on heldout prompts.",
     )
     def acceptance(
