@@ -96,6 +96,10 @@ def test_the_targets_own_answers_pass_the_gate_and_the_draft_loads_back(gated):
         assert len(p["per_position"]) == k and 1.0 <= p["acceptance_length"] <= k + 1
     assert report["train"]["acceptance_length"] >= 0.8 * (k + 1)
     assert report["heldout"]["acceptance_length"] > report["untrained"]["acceptance_length"]
+    # The acceptance length the heldout step accuracy implies, beside the served one.
+    sim = report["simulated"]
+    assert 0 < sim["acceptance_length"] <= k + 1 and len(sim["per_position"]) == k
+    assert sim["served_acceptance_length"] == report["heldout"]["acceptance_length"]
     assert (
         report["heldout"]["n_prompts"] == 3 and report["train"]["n_prompts"] == 3
     )  # a quarter of 14 held out

@@ -12,9 +12,16 @@ from resources import Project, Storage, Target
 from ..config import ProjectConfig
 from ..core.acceptance.gate import GateEngines, run_gate
 from ..core.acceptance.gate_report import GateReport, read_report
+from ..core.acceptance.gate_version import (
+    GATE_CODE_VERSION,
+    GateOutcome,
+    gate_inputs_version,
+    versioned_gate,
+)
 from ..core.acceptance.measure import DraftTarget, PartMeasure
 from ..core.hidden_states.extraction import ExtractionSettings, load_target_model
 from ..core.hidden_states.reader import StoredStates
+from ..core.storage.data_version import recorded_inputs_version
 from ..core.storage.layout import DatasetLayout
 from ..core.storage.versions import content_version
 from ..core.target_model.chat import ChatTokenizer
@@ -97,6 +104,21 @@ def _part(name: str, part: PartMeasure) -> dict:
     return {f"{name}_acceptance_length": part.acceptance_length, f"{name}_prompts": part.n_prompts}
 
 
+def _simulated(r: GateReport) -> dict:
+    """The acceptance length the heldout step accuracy implies, beside the served one and their ratio."""
+    s = r.simulated
+    if s is None:
+        return {}
+    return {
+        "simulated_acceptance_length": s.acceptance_length,
+        "served_heldout_acceptance_length": s.served_acceptance_length,
+        "served_over_simulated": (
+            s.served_over_simulated if s.served_over_simulated is not None else dg.MetadataValue.null()
+        ),
+        "simulated_per_position": dg.MetadataValue.json(s.per_position),
+    }
+
+
 def _metadata(r: GateReport) -> dict:
     """The report's figures on the asset's page."""
     source = r.source_heldout_acceptance_length
@@ -113,9 +135,25 @@ def _metadata(r: GateReport) -> dict:
         "gate_passed": r.passed,
         "gate_reasons": dg.MetadataValue.json(r.reasons),
         "training": dg.MetadataValue.json(r.training.model_dump()),
+        **_simulated(r),
         "seconds": r.seconds["total"],
         "device": r.device,
     }
+
+
+def _status(outcome: GateOutcome) -> str:
+    """What this run did: re-reported the stored report (nothing trained or measured), or computed it and
+    why."""
+    version, at = outcome.recorded.inputs.version, outcome.recorded.recorded_at
+    if outcome.reused:
+        return f"unchanged since {at}, inputs {version}: the stored report, nothing trained or measured"
+    if not outcome.had_record:
+        why = "no earlier record: a first run, or the last one did not finish"
+    elif outcome.changed:
+        why = f"changed: {', '.join(outcome.changed)}"
+    else:
+        why = "inputs unchanged, but the stored report or draft was missing"
+    return f"computed at {at} from inputs {version} ({why})"
 
 
 def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
@@ -127,10 +165,12 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         pool="gpu",
         op_tags=GPU_STEP_TAGS,
         kinds={"pytorch"},
-        code_version="1",
+        code_version=GATE_CODE_VERSION,
         description="Trains a small EAGLE-3 draft on the partition's hidden states and measures it against "
         "the target with greedy speculative decoding (acceptance/report.json, the draft in SGLang/SpecForge "
-        "layout beside it). Check acceptance_gate: the draft fits its training prompts and beats an "
+        "layout beside it). A rerun whose inputs did not change (states, prompts, answers, settings, "
+        "template, code: metadata `inputs`) re-reports the stored report without training. Check "
+        "acceptance_gate: the draft fits its training prompts and beats an "
         "untrained one on heldout prompts.",
     )
     def acceptance(
@@ -139,16 +179,27 @@ def build_acceptance_asset(partitions: dg.PartitionsDefinition) -> dg.AssetsDefi
         storage: dg.ResourceParam[Storage],
         target: dg.ResourceParam[Target],
     ) -> dg.MaterializeResult:
-        cfg = project.cfg
+        cfg, key = project.cfg, context.partition_key
         chat = target.chat_tokenizer()
-        with storage.stage(context.partition_key, "acceptance") as layout:
-            refuse_another_targets_answers(layout, cfg, context.partition_key)  # before any training
-            engines = gate_engines(cfg, layout, chat, context.log.info)
-            report = run_gate(layout, cfg.acceptance, engines, chat, log=context.log.info)
+        with storage.stage(key, "acceptance") as layout:
+            refuse_another_targets_answers(layout, cfg, key)  # before any training
+            inputs = gate_inputs_version(layout, cfg, chat.fingerprint())
+
+            def run() -> GateReport:
+                engines = gate_engines(cfg, layout, chat, context.log.info)
+                return run_gate(layout, cfg.acceptance, engines, chat, log=context.log.info)
+
+            outcome = versioned_gate(layout, inputs, run)
+        report = outcome.report
+        context.log.info(f"{key}: acceptance {_status(outcome)}")
         return dg.MaterializeResult(
             data_version=dg.DataVersion(content_version(report.model_dump(exclude={"seconds", "device"}))),
             metadata={
                 **_metadata(report),
+                "inputs_version": outcome.recorded.inputs.version,
+                "inputs": dg.MetadataValue.json(outcome.recorded.inputs.parts),
+                "computed_at": outcome.recorded.recorded_at,
+                "status": _status(outcome),
                 "report_json": dg.MetadataValue.path(str(layout.acceptance_report)),
                 "draft": dg.MetadataValue.path(str(layout.draft_dir)),
             },
@@ -169,12 +220,16 @@ def build_acceptance_checks(partitions: dg.PartitionsDefinition) -> list[dg.Asse
     def acceptance_gate(
         context: dg.AssetCheckExecutionContext, storage: dg.ResourceParam[Storage]
     ) -> dg.AssetCheckResult:
-        report = read_report(storage.checkout(context.partition_key, "acceptance"))
+        layout = storage.checkout(context.partition_key, "acceptance")
+        report = read_report(layout)
         if report is None:
             return MISSING
+        recorded = recorded_inputs_version(layout.acceptance_dir)
         return dg.AssetCheckResult(
             passed=report.passed,
             metadata={
+                "inputs_version": recorded.inputs.version if recorded else dg.MetadataValue.null(),
+                **_simulated(report),
                 "reasons": dg.MetadataValue.json(report.reasons),
                 "train_acceptance_length": report.train.acceptance_length,
                 "heldout_acceptance_length": report.heldout.acceptance_length,

@@ -45,6 +45,7 @@ from ..hidden_states.draft_format import (
     vocab_mapping,
 )
 from ..hidden_states.layer_ids import decoder_output_ids
+from .simulated import implied_acceptance_length
 
 
 class RMSNorm(nn.Module):
@@ -379,10 +380,30 @@ def train(
         if (i + 1) % max(1, optimizer_steps // 5) == 0:
             log(
                 f"acceptance: draft training step {i + 1}/{optimizer_steps}: loss {final:.3f}, "
-                f"step accuracy {', '.join(f'{a:.2f}' for a in accs)}"
+                f"step accuracy {', '.join(f'{a:.2f}' for a in accs)} (implied acceptance length "
+                f"{implied_acceptance_length(accs):.2f})"
             )
     model.eval()
     return TrainStats(optimizer_steps, seen, first, final, accs, time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def step_accuracy(
+    model: Eagle3Draft, samples: Sequence[TrainSample], steps: int, max_batch_tokens: int
+) -> list[float]:
+    """Each TTT step's accuracy over every counted position of `samples` (teacher-forced, no gradient),
+    in packs of up to `max_batch_tokens`; NaN for a step with no counted position."""
+    was_training = model.training
+    model.eval()
+    right, counted = [0] * steps, [0] * steps
+    for pack in batches(samples, max_batch_tokens, np.random.default_rng(0)):
+        for o in ttt_forward(model, pack, steps):
+            if o.counted.any():
+                logits = model.logits(o.states[o.counted])
+                right[o.step] += int((logits.argmax(-1) == o.target[o.counted]).sum())
+                counted[o.step] += int(o.counted.sum())
+    model.train(was_training)
+    return [r / c if c else float("nan") for r, c in zip(right, counted, strict=True)]
 
 
 SGLANG_CONFIG = "config.sglang.json"  # the same draft's config with the layer ids as SGLang reads them

@@ -50,8 +50,17 @@ from .gate_report import (
     TrainingSummary,
     gate_verdict,
 )
-from .measure import DraftMeasurer, DraftTarget, FeatureSource, Measured, PromptSet, greedy_differences
+from .measure import (
+    DraftMeasurer,
+    DraftTarget,
+    FeatureSource,
+    Measured,
+    PartMeasure,
+    PromptSet,
+    greedy_differences,
+)
 from .samples import GateInputs, as_train_samples, gate_inputs, source_samples
+from .simulated import SimulatedAcceptance, implied_acceptance_length, simulated_beside_served
 
 
 @dataclass
@@ -218,6 +227,8 @@ class GateRun:
                 "heldout": data.heldout_prompts,
             }
             trained = bench.measure(draft, self.layout.draft_dir, parts, "trained draft")
+        with self.timed("simulate"):
+            simulated = self.simulated(draft, trained["heldout"].part)
         with self.timed("greedy_check"):
             checked = data.heldout_prompts.head(settings.vllm.greedy_check_prompts)
             drafted = trained["heldout"].outputs[: len(checked.ids)]
@@ -247,6 +258,9 @@ class GateRun:
                 final_loss=round(stats.final_loss, 4),
                 final_step_accuracy=[round(a, 4) for a in stats.final_step_accuracy],
                 draft_vocab_size=bench.shape.draft_vocab_size,
+                simulated_acceptance_length=round(
+                    implied_acceptance_length(stats.final_step_accuracy, settings.draft_tokens), 4
+                ),
             ),
             boundaries=boundaries,
             draft=draft_location(self.layout, bench.layer_ids),
@@ -255,7 +269,26 @@ class GateRun:
             device=self.engines.measurer.device,
             seconds=self.seconds,
             gate=gate_verdict(settings, train, heldout, untrained.part, boundaries, stats.steps),
+            simulated=simulated,
         )
+
+    def simulated(self, draft: Any, served: PartMeasure) -> SimulatedAcceptance:
+        """The acceptance length the heldout samples' step accuracy implies (teacher-forced through the
+        trained draft), beside the one the engine measured on the same prompts."""
+        from .drafter import step_accuracy
+
+        s = self.bench.settings
+        heldout = as_train_samples(self.data.heldout, self.data.window)
+        k = s.draft_tokens
+        rates = step_accuracy(draft, heldout, k, s.batch_tokens)
+        out = simulated_beside_served(rates, k, len(heldout), served.acceptance_length)
+        self.bench.log(
+            "acceptance: simulated from heldout step accuracy "
+            f"{', '.join(f'{a:.2f}' for a in out.per_position)}: {out.acceptance_length:.2f} tokens per "
+            f"target forward; served {served.acceptance_length:.2f} (served / simulated "
+            f"{out.served_over_simulated})"
+        )
+        return out
 
     def source_answers(self) -> SourceAnswersSkipped | SourceAnswersMeasured:
         """The same draft trained on the dataset's own answers, measured on the same heldout prompts."""

@@ -9,6 +9,7 @@ from ...config import AcceptanceConfig
 from ..storage.files import write_json
 from ..storage.layout import DatasetLayout
 from .measure import GreedyCheck, PartMeasure
+from .simulated import SimulatedAcceptance
 
 
 class SourceAnswersSkipped(BaseModel):
@@ -32,6 +33,8 @@ class TrainingSummary(BaseModel):
     final_loss: float
     final_step_accuracy: list[float]
     draft_vocab_size: int
+    # implied by the last training batch's step accuracy (optimistic: see core.acceptance.simulated)
+    simulated_acceptance_length: float | None = None
 
 
 class BoundaryCheck(BaseModel):
@@ -84,6 +87,9 @@ class GateReport(BaseModel):
     device: str
     seconds: dict[str, float]  # by phase, and the total
     gate: GateVerdict
+    # the acceptance length the heldout samples' step accuracy implies, beside the served one (None in a
+    # report written before it existed)
+    simulated: SimulatedAcceptance | None = None
 
     @property
     def passed(self) -> bool:

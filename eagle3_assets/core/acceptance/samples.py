@@ -169,7 +169,8 @@ def gate_inputs(
         )
     window = settings.max_new_tokens + (settings.ttt_steps or settings.draft_tokens) + 1
     train = load_samples(layout, train_ids, reader, aux_window=window, chat=chat)
-    heldout = load_samples(layout, heldout_ids, reader, chat=chat)
+    # Heldout samples keep their window too: the simulated acceptance is computed on them.
+    heldout = load_samples(layout, heldout_ids, reader, aux_window=window, chat=chat)
     prompts = rendered_prompts(chat, train + heldout)
     return GateInputs(
         train,

@@ -189,3 +189,9 @@ def unchanged_since(folder: Path, inputs: InputsVersion) -> RecordedVersion | No
     """The record in `folder` if it was computed from exactly `inputs`, else None (compute again)."""
     rec = recorded_inputs_version(folder)
     return rec if rec is not None and rec.inputs.version == inputs.version else None
+
+
+def forget_inputs_version(folder: Path) -> None:
+    """Remove the record before an output is recomputed: a computation that dies halfway leaves no record
+    naming inputs that the output in the folder no longer matches."""
+    (Path(folder) / INPUTS_VERSION).unlink(missing_ok=True)
