@@ -17,6 +17,7 @@ from ..core.data_value.suite import load_suite, refuse_overlaps
 from ..core.data_value.value_report import DATA_VALUE_DIR, FLOOR, DataValueReport, table
 from ..core.storage.data_version import (
     InputsVersion,
+    forget_inputs_version,
     record_inputs_version,
     recorded_inputs_version,
     unchanged_since,
@@ -111,7 +112,7 @@ def measure_value(
     if skipped:
         log(f"data_value: no hidden states yet for {', '.join(skipped)}: left out of every draft")
     folder = storage.root / DATA_VALUE_DIR
-    inputs = value_inputs(cfg, with_states)
+    inputs = value_inputs(cfg, with_states, chat.fingerprint())
     stored = read_value_report(storage)
     if stored is not None and unchanged_since(folder, inputs) is not None:
         log(
@@ -122,6 +123,7 @@ def measure_value(
     previous = recorded_inputs_version(folder)
     changed = inputs.changed(previous.inputs if previous else None)
     log(f"data_value: measuring; changed since the stored report: {', '.join(changed)}")
+    forget_inputs_version(folder)  # a run that dies halfway leaves no record naming inputs it did not finish
     data: dict[str, PartitionData] = {}
     for k, lay in with_states.items():
         refuse_another_targets_answers(lay, cfg, k)
@@ -138,7 +140,7 @@ def measure_value(
         cfg.data_value.leave_one_out,
         log,
     )
-    record_inputs_version(folder, inputs)  # last: a failed run leaves no record, so it reruns
+    record_inputs_version(folder, inputs)  # last: only a finished report is named by its inputs
     return Measured(report, inputs, False, changed)
 
 
@@ -186,7 +188,12 @@ def build_data_value_asset() -> dg.AssetsDefinition:
 
 def read_value_report(storage: Storage) -> DataValueReport | None:
     path = storage.root / DATA_VALUE_DIR / "report.json"
-    return DataValueReport.model_validate_json(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return DataValueReport.model_validate_json(path.read_text())
+    except ValueError:  # an older shape or a hand edit: measured again, never a failing asset
+        return None
 
 
 def build_data_value_checks() -> list[dg.AssetChecksDefinition]:

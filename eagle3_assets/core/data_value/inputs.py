@@ -9,10 +9,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ...config import ProjectConfig
+from ..acceptance.gate_version import GATE_CODE_VERSION, states_files
 from ..storage.data_version import InputsVersion, files_version, settings_version, sources_version
 from ..storage.layout import DatasetLayout
 
 CORE = Path(__file__).resolve().parents[1]
+# What computes the report beyond the gate's own sources: this package, the loop flags, the suite's ingest.
+VALUE_CODE_VERSION = GATE_CODE_VERSION + sources_version(CORE / "data_value")
+VALUE_SOURCES = (CORE / "tokens" / "answer_quality.py", CORE / "prompts" / "ingest.py")
 
 
 def suite_file(cfg: ProjectConfig) -> Path:
@@ -21,12 +25,16 @@ def suite_file(cfg: ProjectConfig) -> Path:
     return cfg.resolve_path(cfg.dataset(s.dataset).source if s.dataset is not None else str(s.source))
 
 
-def value_inputs(cfg: ProjectConfig, layouts: Mapping[str, DatasetLayout]) -> InputsVersion:
-    """The inputs version of a report over `layouts` (the partitions with stored states)."""
+def value_inputs(
+    cfg: ProjectConfig, layouts: Mapping[str, DatasetLayout], template_fingerprint: str
+) -> InputsVersion:
+    """The inputs version of a report over `layouts` (the partitions with stored states). States as the gate
+    reads them (not the extraction plan, which every extraction run rewrites); the template, which renders the
+    suite and the turn prompts."""
     assert cfg.data_value is not None
     parts = {
         f"partition:{k}": files_version(
-            [lay.hidden_states_dir, lay.prompts, lay.responses_dir, lay.target_identity], lay.root
+            [*states_files(lay), lay.prompts, lay.responses_dir, lay.target_identity], lay.root
         )
         for k, lay in layouts.items()
     }
@@ -42,5 +50,6 @@ def value_inputs(cfg: ProjectConfig, layouts: Mapping[str, DatasetLayout]) -> In
             else None,
         }
     )
-    parts["code"] = sources_version(CORE / "data_value") + sources_version(CORE / "acceptance")
+    parts["template"] = template_fingerprint
+    parts["code"] = VALUE_CODE_VERSION + files_version(list(VALUE_SOURCES), CORE)
     return InputsVersion.of(parts)

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import polars as pl
-
 from ..storage.layout import DatasetLayout
+from ..storage.tables import RESPONSE_SCHEMA, JournalTable
 
 # The step of acceptance length a price is quoted for: "dollars per 0.1 of acceptance length".
 PRICE_STEP = 0.1
@@ -27,13 +26,12 @@ class BoughtAnswers:
 
     @classmethod
     def read(cls, layout: DatasetLayout) -> BoughtAnswers:
-        files = sorted(layout.responses_dir.glob("*.parquet")) if layout.responses_dir.exists() else []
-        if not files:
+        if not layout.responses_dir.exists():
             return cls()
-        df = pl.concat(
-            [pl.read_parquet(f, columns=["id", "cost_usd", "completion_tokens"]) for f in files],
-            how="vertical_relaxed",
-        ).unique("id", keep="last")
+        # As every report reads the journal: one row per id (the first copy), cut-short parts skipped.
+        df = JournalTable(layout.responses_dir, RESPONSE_SCHEMA).read(keep="first")
+        if df.height == 0:
+            return cls()
         return cls(
             answers=df.height,
             cost_usd=float(df["cost_usd"].fill_null(0.0).sum()),
