@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...config import AcceptanceConfig
+from ...config.data_value import ALL_DRAFT, LEAVE_ONE_OUT_PREFIX
 from ..acceptance.gate import DraftBench
 from ..acceptance.measure import DraftMeasurer, DraftTarget, PromptSet
 from ..acceptance.samples import as_train_samples, load_samples, split_ids
@@ -29,7 +30,7 @@ from .pricing import BoughtAnswers, price_of_gain
 from .suite import Suite
 from .value_report import FLOOR, DataValueReport, DraftRow, SuiteSummary
 
-ALL = "all"
+ALL = ALL_DRAFT
 COST_BASIS = (
     "the whole bought set of the draft's datasets: every stored answer's cost_usd (responses/*.parquet), "
     "not only the answers the draft trained on"
@@ -78,7 +79,7 @@ def draft_plans(keys: Sequence[str], leave_one_out: bool) -> list[DraftPlan]:
     plans = [DraftPlan(k, (k,)) for k in keys]
     plans.append(DraftPlan(ALL, tuple(keys)))
     if leave_one_out and len(keys) > 1:
-        plans += [DraftPlan(f"all-but-{k}", tuple(x for x in keys if x != k)) for k in keys]
+        plans += [DraftPlan(f"{LEAVE_ONE_OUT_PREFIX}{k}", tuple(x for x in keys if x != k)) for k in keys]
     return plans
 
 
@@ -269,6 +270,7 @@ def run_data_value(
             held_out_dataset=suite.held_out_dataset,
             n_source_prompts=suite.n_source_prompts,
             looping_prompt_ids=floor.looping,
+            quarantined=suite.quarantined,
         ),
         rows=rows,
         floor_acceptance_length=floor.acceptance_length,

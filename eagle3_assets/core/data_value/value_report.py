@@ -7,10 +7,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from ...config.data_value import FLOOR_DRAFT
 from ..storage.files import write_json, write_text
 
 DATA_VALUE_DIR = "data_value"
-FLOOR = "untrained"  # the row of the untrained draft: the floor every price is measured from
+FLOOR = FLOOR_DRAFT  # the row of the untrained draft: the floor every price is measured from
 
 
 class SuiteSummary(BaseModel):
@@ -20,6 +21,7 @@ class SuiteSummary(BaseModel):
     held_out_dataset: str | None = None
     n_source_prompts: int = 0
     looping_prompt_ids: list[str] = []  # suite prompts whose decoded output loops (see flags)
+    quarantined: dict[str, str] = {}  # suite rows left out before training (too long, malformed): reason
 
 
 class DraftRow(BaseModel):
