@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from resources import Project, Storage, Target
+from resources import Inference, Project, Storage, Target
 
 from ..config import ProjectConfig
 from ..core.data_value.inputs import value_inputs
 from ..core.data_value.run import Engines, PartitionData, read_partition, run_data_value
 from ..core.data_value.store import publish, pull, read_stored, stored_files, value_layout
-from ..core.data_value.suite import load_suite, refuse_overlaps, suite_guard
+from ..core.data_value.suite import Suite, load_suite, refuse_overlaps, suite_guard
+from ..core.data_value.suite_answers import SuiteAnswers, answer_suite
 from ..core.data_value.value_report import FLOOR, DataValueReport, table
 from ..core.prompts.context import PromptGuard
 from ..core.storage.data_version import (
@@ -86,6 +87,46 @@ def _metadata(r: DataValueReport) -> dict:
     }
 
 
+def answer_the_suite(
+    cfg: ProjectConfig,
+    suite: Suite,
+    storage: Storage,
+    inference: Inference,
+    chat: ChatTokenizer,
+    log: Callable[[str], None],
+) -> SuiteAnswers:
+    """The suite answered like a partition, in `<root>/data_value/suite/`: with an object-store root its
+    journal is pulled first, pushed at every flush and after, and one process answers it at a time (a lease
+    in the store; a file lock locally)."""
+    layout = value_layout(cfg)
+    journal = layout.suite.ensure()
+    remote, key = storage.remote, layout.name
+    if remote is None:
+        return answer_suite(
+            cfg, suite, journal, inference.create_backend(chat), chat, inference.engine_settings(), log
+        )
+    prefix = [layout.suite_prefix()]
+    remote.pull(key, prefix)
+
+    def push() -> None:
+        remote.push(key, prefix)
+
+    try:
+        return answer_suite(
+            cfg,
+            suite,
+            journal,
+            inference.create_backend(chat),
+            chat,
+            inference.engine_settings(),
+            log,
+            lock=lambda what: remote.lease(key, what),
+            on_flush=push,
+        )
+    finally:  # what was paid for is stored, after a failure too (the journal is append-only)
+        push()
+
+
 @dataclass
 class Measured:
     report: DataValueReport
@@ -100,7 +141,8 @@ def measure_value(
     chat: ChatTokenizer,
     instance: dg.DagsterInstance,
     log: Callable[[str], None],
-    guard: PromptGuard | None = None,
+    guard: PromptGuard | None,
+    inference: Inference,
 ) -> Measured:
     """The suite (its prompts too long for the target quarantined, and refused where it overlaps a training
     prompt: before any training), the inputs version (the stored report re-reported where it is unchanged),
@@ -118,6 +160,7 @@ def measure_value(
     with_states = {k: lay for k, lay in layouts.items() if lay.hidden_states_index.exists()}
     if not with_states:
         raise ValueError("data_value: no partition has stored hidden states; materialise hidden_states first")
+    answers = answer_the_suite(cfg, suite, storage, inference, chat, log)  # resumed: nothing bought twice
     skipped = sorted(set(layouts) - set(with_states))
     if skipped:
         log(f"data_value: no hidden states yet for {', '.join(skipped)}: left out of every draft")
@@ -126,7 +169,7 @@ def measure_value(
     files = stored_files(cfg)
     if cfg.storage_is_remote:
         pull(files, layout)
-    inputs = value_inputs(cfg, with_states, chat.fingerprint())
+    inputs = value_inputs(cfg, with_states, chat.fingerprint(), layout.suite)
     stored = read_value_report(cfg)
     if stored is not None and unchanged_since(folder, inputs) is not None:
         log(
@@ -153,6 +196,7 @@ def measure_value(
         folder,
         cfg.data_value.leave_one_out,
         log,
+        answers,
     )
     record_inputs_version(folder, inputs)  # last: only a finished report is named by its inputs
     if cfg.storage_is_remote:
@@ -179,6 +223,7 @@ def build_data_value_asset() -> dg.AssetsDefinition:
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
         target: dg.ResourceParam[Target],
+        inference: dg.ResourceParam[Inference],
     ) -> dg.MaterializeResult:
         cfg = project.cfg
         if cfg.data_value is None:
@@ -192,6 +237,7 @@ def build_data_value_asset() -> dg.AssetsDefinition:
             context.instance,
             context.log.info,
             suite_guard(target.context_guard(), a.max_new_tokens + a.draft_tokens),
+            inference,
         )
         report, layout = got.report, value_layout(cfg)
         files = stored_files(cfg)

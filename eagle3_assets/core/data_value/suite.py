@@ -48,6 +48,9 @@ class Suite:
     # Suite rows left out before any training, with the prompts stage's reason: too long for the target's
     # context (less the measured output), or malformed.
     quarantined: dict[str, str] = field(default_factory=dict)
+    # The suite's rows as the prompts stage stores a partition's (prompts.parquet's columns): what the target
+    # is asked, as any partition's prompts are (`suite_answers`).
+    frame: pl.DataFrame | None = None
 
     @property
     def ids(self) -> list[str]:
@@ -111,7 +114,7 @@ def load_suite(cfg: ProjectConfig, guard: PromptGuard | None = None) -> Suite:
         )
         for r in rows.head(s.max_prompts).iter_rows(named=True)
     ]
-    return Suite(origin, prompts, s.dataset, rows.height, quarantined)
+    return Suite(origin, prompts, s.dataset, rows.height, quarantined, rows.head(s.max_prompts))
 
 
 def suite_guard(target_guard: ContextGuard, new_tokens: int) -> ContextGuard:

@@ -252,6 +252,16 @@ class DataValueLayout:
         return self.dir / INPUTS_VERSION
 
     @property
+    def suite(self) -> DatasetLayout:
+        """The suite stored as a partition is (prompts.parquet, the answer journal, the target's record), in
+        this folder: answered by the generation stage's machinery like any partition."""
+        return DatasetLayout(self.dir, "suite")
+
+    def suite_prefix(self) -> str:
+        """The suite's folder as an object-store working copy of key `name` names it."""
+        return f"{self.suite.key}/"
+
+    @property
     def drafts_scratch(self) -> Path:
         """Drafts served while they are measured, removed after (never stored)."""
         return self.dir / ".drafts"
