@@ -2,7 +2,8 @@
 a draft of the report are refused while data_value is configured; suite prompts too long for the target's
 context (less the measured output) are quarantined before any training; with an s3:// root the report, its
 markdown, the suite's answers and the inputs record are published to the store and read back from it (moto's
-S3 server), the store winning over a stale working copy."""
+S3 server), the store winning over a stale working copy; and the suite's answers, bought once, are in the
+store for the next machine."""
 
 from __future__ import annotations
 
@@ -124,3 +125,38 @@ def test_an_object_store_root_holds_the_report_and_wins_over_the_working_copy(tm
     pull(stored_files(store_empty), other)
     assert not other.report_json.exists() and not other.report_md.exists()
     assert read_value_report(store_empty) is None
+
+
+def test_the_suite_is_answered_once_into_the_object_store(tmp_path, s3_server, aws_env, chat):
+    """The embedded target answers the suite into `data_value/suite/` in the store; a second machine (a
+    wiped working copy) finds the answers there and sends nothing."""
+    from eagle3_assets.assets.data_value import answer_the_suite
+    from resources import Inference, Storage
+
+    write_jsonl(tmp_path / "suite.jsonl", user_rows(["Name a colour.", "Say hello."]))
+    storage_section = s3_storage(s3_server, "answers", tmp_path / "cache")
+    cfg = load_config(
+        _project(
+            tmp_path,
+            ("B1",),
+            {"suite": SUITE},
+            storage=storage_section,
+            acceptance={"max_new_tokens": 6, "draft_tokens": 2},
+        )
+    )
+    suite = load_suite(cfg)
+    first = answer_the_suite(cfg, suite, Storage(cfg), Inference(cfg), chat, lambda m: None)
+    assert first.sent_this_run == 2 and first.backend == "local" and first.greedy
+    assert sorted(first.answers) == ["p000", "p001"]
+    assert all(a.output_ids and len(a.output_ids) <= 6 for a in first.answers.values())
+    store = root_files(f"s3://{BUCKET}/answers", s3_options(s3_server), remote=True)
+    assert store.parquet_files("data_value/suite/responses")  # the journal is in the store
+
+    shutil.rmtree(tmp_path / "cache")
+    logs: list[str] = []
+    again = answer_the_suite(cfg, suite, Storage(cfg), Inference(cfg), chat, logs.append)
+    assert again.sent_this_run == 0 and again.bought.answers == 2
+    assert {k: a.output_ids for k, a in again.answers.items()} == {
+        k: a.output_ids for k, a in first.answers.items()
+    }
+    assert any("nothing to send" in m for m in logs)
