@@ -160,3 +160,51 @@ def test_the_suite_is_answered_once_into_the_object_store(tmp_path, s3_server, a
         k: a.output_ids for k, a in first.answers.items()
     }
     assert any("nothing to send" in m for m in logs)
+
+
+def test_the_demo_extracts_the_value_partitions_and_prints_the_matrix(tmp_path):
+    """`make demo` with a data_value section: B1, B3 and B4's states (not the suite's dataset), none without
+    the section; the matrix read from the stored report, best first, floor last, flags by name."""
+    from eagle3_assets.core.data_value.value_report import DraftRow
+    from eagle3_assets.demo import _value_rows, value_keys
+
+    keys = ["B1", "B2", "B3", "B4"]
+    write_jsonl(tmp_path / "suite.jsonl", user_rows(["A held-out question?"]))
+    with_section = load_config(_project(tmp_path, tuple(keys), {"suite": SUITE}))
+    assert value_keys(with_section, keys) == ["B1", "B3", "B4"]
+    assert value_keys(load_config(_project(tmp_path, tuple(keys), None)), keys) == []
+    held_out = load_config(_project(tmp_path, tuple(keys), {"suite": {"dataset": "B4"}}))
+    assert value_keys(held_out, keys) == ["B1", "B3"]
+
+    assert _value_rows(with_section) == []  # no report yet
+    report = _report(1)
+
+    def row(draft: str, al: float, usd: float | None, flags: list[str]) -> DraftRow:
+        return DraftRow(
+            draft=draft,
+            datasets=[] if draft == "untrained" else [draft],
+            acceptance_length=al,
+            per_position=[0.5],
+            cost_usd=0.0 if usd is None else 0.01,
+            completion_tokens=10,
+            gpu_seconds=3.0,
+            usd_per_0_1_acceptance=usd,
+            flags=flags,
+            gain_over_floor=al - 1.0,
+            n_train_samples=1,
+            answers_bought=1,
+            extraction_seconds=1.0,
+            training_seconds=2.0,
+            measure_seconds=1.0,
+        )
+
+    report.rows = [
+        row("untrained", 1.0, None, ["floor: the untrained draft"]),
+        row("B1", 1.2, None, ["no-cost: nothing paid", "degenerate-loop: 1 of 1 loop"]),
+        row("B3", 1.5, 0.002, []),
+    ]
+    report.write(value_layout(with_section).dir)
+    got = _value_rows(with_section)
+    assert [r["draft"] for r in got] == ["B3", "B1", "untrained"]
+    assert got[0]["$/0.1"] == "0.0020" and got[0]["gain over floor"] == "+0.500" and got[0]["flags"] == "-"
+    assert got[1]["$/0.1"] == "-" and got[1]["flags"] == "no-cost, degenerate-loop"
