@@ -156,6 +156,9 @@ def answer_suite(
         sampling=sampling,
         rules=suite_rules(cfg, sampling),
         target=TargetIdentity.from_config(cfg),
+        # Answers of an earlier target are no reference for this one's drafts: set aside, asked again (only
+        # where the recorded target conflicts; the same target's answers stand and are never bought twice).
+        fresh_answers=True,
     )
     t0 = time.perf_counter()
     summary = generate_responses(layout, plan, backend, chat, settings, log, lock=lock, on_flush=on_flush)
