@@ -106,7 +106,7 @@ def project(tmp_path_factory):
 
 
 def test_report_has_a_row_per_partition_all_and_all_but_each(project):
-    root, _, _, result, _ = project
+    root, _, instance, result, _ = project
     report = json.loads((root / "data" / "data_value" / "report.json").read_text())
     assert report["suite"]["n_prompts"] == 2 and report["suite"]["source"] == "suite.jsonl"
     rows = {r["draft"]: r for r in report["rows"]}
@@ -126,6 +126,15 @@ def test_report_has_a_row_per_partition_all_and_all_but_each(project):
         assert len(r["per_position"]) == ACCEPTANCE["draft_tokens"]
         assert 1.0 <= r["acceptance_length"] <= ACCEPTANCE["draft_tokens"] + 1
     assert rows["all-but-B1"]["datasets"] == ["B3"] and rows["all"]["datasets"] == ["B1", "B3"]
+    # All but B1 is B3's own draft: reported under both names, trained and measured once.
+    same = rows["all-but-B1"]
+    assert same["acceptance_length"] == rows["B3"]["acceptance_length"]
+    assert same["training_seconds"] == rows["B3"]["training_seconds"]
+    assert any(f.startswith("same-data: the draft of B3") for f in same["flags"])
+    assert not any(f.startswith("same-data") for f in rows["all"]["flags"])
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert any("data_value all:" in m for m in logs)  # what the gate's bench logs while it trains a draft
+    assert not any("data_value all-but-B1:" in m or "data_value all-but-B3:" in m for m in logs)
     # A trained draft beats the untrained one on a suite it never saw.
     floor = report["floor_acceptance_length"]
     assert rows["all"]["acceptance_length"] > floor

@@ -76,7 +76,8 @@ class DraftPlan:
 
 def draft_plans(keys: Sequence[str], leave_one_out: bool) -> list[DraftPlan]:
     """A draft per partition, one on all of them, and with `leave_one_out` one on all but each (where at least
-    two partitions are left to train on: with two, all-but-one is the other's own draft, trained again)."""
+    two partitions are left to train on: with two, all-but-one is the other's own draft, reported under both
+    names, `draft_row`)."""
     plans = [DraftPlan(k, (k,)) for k in keys]
     plans.append(DraftPlan(ALL, tuple(keys)))
     if leave_one_out and len(keys) > 1:
@@ -288,6 +289,20 @@ def loop_flags(m: Measurement, n_prompts: int) -> list[str]:
     ]
 
 
+def draft_row(
+    run: ValueRun, plan: DraftPlan, floor: float, by_data: dict[tuple[str, ...], DraftRow]
+) -> DraftRow:
+    """The plan's row; a plan on exactly the data of an earlier one (`all` over one partition, `all-but-A`
+    over two) is that draft (same samples, vocabulary and seed): its row under this name, trained and
+    measured once, flagged `same-data`."""
+    same = by_data.get(plan.keys)
+    if same is None:
+        by_data[plan.keys] = row = run.row(plan, floor)
+        return row
+    flag = f"same-data: the draft of {same.draft} (the same training data), trained and measured once"
+    return same.model_copy(update={"draft": plan.name, "flags": [*same.flags, flag]})
+
+
 def run_data_value(
     suite: Suite,
     data: Mapping[str, PartitionData],
@@ -310,8 +325,9 @@ def run_data_value(
     try:
         floor_row, floor = run.floor()
         rows = [floor_row]
+        by_data: dict[tuple[str, ...], DraftRow] = {}
         for plan in draft_plans(list(data), leave_one_out):
-            rows.append(run.row(plan, floor.acceptance_length))
+            rows.append(draft_row(run, plan, floor.acceptance_length, by_data))
             log(f"data_value: {plan.name}: acceptance length {rows[-1].acceptance_length:.3f}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
