@@ -14,7 +14,7 @@ from ..config import ProjectConfig
 from ..core.data_value.inputs import value_inputs
 from ..core.data_value.run import Engines, PartitionData, read_partition, run_data_value
 from ..core.data_value.suite import load_suite, refuse_overlaps
-from ..core.data_value.value_report import DATA_VALUE_DIR, FLOOR, DataValueReport, table
+from ..core.data_value.value_report import FLOOR, DataValueReport, table
 from ..core.storage.data_version import (
     InputsVersion,
     forget_inputs_version,
@@ -22,7 +22,7 @@ from ..core.storage.data_version import (
     recorded_inputs_version,
     unchanged_since,
 )
-from ..core.storage.layout import DatasetLayout
+from ..core.storage.layout import DATA_VALUE_DIR, DATA_VALUE_REPORT, DatasetLayout
 from ..core.storage.versions import content_version
 from ..core.target_model.chat import ChatTokenizer
 from .acceptance import gate_engines
@@ -187,7 +187,7 @@ def build_data_value_asset() -> dg.AssetsDefinition:
 
 
 def read_value_report(storage: Storage) -> DataValueReport | None:
-    path = storage.root / DATA_VALUE_DIR / "report.json"
+    path = storage.root / DATA_VALUE_REPORT
     if not path.exists():
         return None
     try:

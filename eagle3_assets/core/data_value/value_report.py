@@ -9,7 +9,6 @@ from pydantic import BaseModel
 
 from ..storage.files import write_json, write_text
 
-DATA_VALUE_DIR = "data_value"
 FLOOR = "untrained"  # the row of the untrained draft: the floor every price is measured from
 
 

@@ -13,6 +13,9 @@ from .quarantine import QUARANTINE_DIR, QUARANTINE_STAGES, RECORDS
 HIDDEN_STATES_INDEX = "index.parquet"
 FINAL_NORM = "final_norm.safetensors"
 EXTRACTION_PLAN = "plan.json"
+# At the storage root, beside the partitions: the unpartitioned data_value asset's folder and report.
+DATA_VALUE_DIR = "data_value"
+DATA_VALUE_REPORT = f"{DATA_VALUE_DIR}/report.json"
 
 
 def check_key(key: str) -> str:
