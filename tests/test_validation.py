@@ -89,7 +89,7 @@ def test_degenerate_answers_are_detected():
     pages = "\n\n".join(page.read_text() for page in sorted((REPO / "docs").glob("*.md")))
     paragraphs = [p for p in pages.split("\n\n") if not p.lstrip().startswith(("|", "```"))]
     long_prose = "\n\n".join(p for p in paragraphs if len(p) > 200)[:12000]
-    code = (REPO / "eagle3_assets" / "core" / "target" / "chat.py").read_text()[:12000]
+    code = (REPO / "eagle3_assets" / "core" / "target_model" / "chat.py").read_text()[:12000]
     assert len(long_prose) > 5000 and not is_degenerate(long_prose) and not is_degenerate(code)
     loop = "I will check the answer again. "
     for share, expected in ((0.5, False), (0.7, False), (0.9, True), (0.97, True)):

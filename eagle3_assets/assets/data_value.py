@@ -25,7 +25,7 @@ from ..core.storage.data_version import (
     recorded_inputs_version,
     unchanged_since,
 )
-from ..core.storage.layout import DatasetLayout
+from ..core.storage.layout import DATA_VALUE_DIR, DatasetLayout
 from ..core.storage.root_files import RootFiles
 from ..core.storage.versions import content_version
 from ..core.target_model.chat import ChatTokenizer
@@ -100,7 +100,7 @@ def answer_the_suite(
     in the store; a file lock locally)."""
     layout = value_layout(cfg)
     journal = layout.suite.ensure()
-    remote, key = storage.remote, layout.name
+    remote, key = storage.remote, DATA_VALUE_DIR
     if remote is None:
         return answer_suite(
             cfg, suite, journal, inference.create_backend(chat), chat, inference.engine_settings(), log

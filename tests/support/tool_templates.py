@@ -23,6 +23,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from .tokenizer_families import _smollm2_json, llama3
+
 QWEN_TOOLS_TEMPLATE = """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -91,12 +93,6 @@ LLAMA31_TOOLS_TEMPLATE = """\
 """
 
 
-def _smollm2_json() -> dict:
-    from eagle3_assets.core.target_model.loading import builtin_dir
-
-    return json.loads((builtin_dir("smollm2") / "tokenizer.json").read_text())
-
-
 def qwen_tools() -> PreTrainedTokenizerFast:
     tok = Tokenizer.from_str(json.dumps(_smollm2_json()))  # ChatML: <|im_start|>, <|im_end|> are special
     tok.add_tokens(
@@ -119,25 +115,16 @@ LLAMA3_PATTERN = (
 
 
 def llama31_tools() -> PreTrainedTokenizerFast:
-    tok = Tokenizer.from_str(json.dumps(_smollm2_json()))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
+    """The Llama-3 family's tokenizer with Llama-3's own pre-tokenizer split and the tools template."""
+    tok = llama3()
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    tok.add_special_tokens(
-        [
-            AddedToken(t, special=True)
-            for t in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
-        ]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-        chat_template=LLAMA31_TOOLS_TEMPLATE,
-    )
+    tok.chat_template = LLAMA31_TOOLS_TEMPLATE
+    return tok
 
 
 def kimi_tools(folder: Path):

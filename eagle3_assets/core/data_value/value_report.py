@@ -10,7 +10,6 @@ from pydantic import BaseModel
 from ...config.data_value import FLOOR_DRAFT
 from ..storage.files import write_json, write_text
 
-DATA_VALUE_DIR = "data_value"
 FLOOR = FLOOR_DRAFT  # the row of the untrained draft: the floor every price is measured from
 
 

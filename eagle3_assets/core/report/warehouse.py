@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 
 from ...config import ProjectConfig
-from ..storage.layout import DatasetLayout
+from ..storage.layout import DATA_VALUE_REPORT, DatasetLayout
 from ..storage.root_files import RootFiles, root_files
 from ..storage.tables import FAILURE_SCHEMA, RESPONSE_SCHEMA, SET_ASIDE_SCHEMA
 from .warehouse_acceptance import ACCEPTANCE_COLUMNS, acceptance_rows
@@ -28,7 +28,6 @@ from .warehouse_acceptance import ACCEPTANCE_COLUMNS, acceptance_rows
 if TYPE_CHECKING:
     import duckdb
 
-DATA_VALUE_REPORT = "data_value/report.json"  # the data_value asset's report (design page, section 4)
 
 # What each view holds, for `eagle3 sql` (docs/warehouse.md lists the columns).
 VIEWS: dict[str, str] = {

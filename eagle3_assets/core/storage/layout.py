@@ -14,6 +14,9 @@ from .quarantine import QUARANTINE_DIR, QUARANTINE_STAGES, RECORDS
 HIDDEN_STATES_INDEX = "index.parquet"
 FINAL_NORM = "final_norm.safetensors"
 EXTRACTION_PLAN = "plan.json"
+# At the storage root, beside the partitions: the unpartitioned data_value asset's folder and report.
+DATA_VALUE_DIR = "data_value"
+DATA_VALUE_REPORT = f"{DATA_VALUE_DIR}/report.json"
 
 
 def check_key(key: str) -> str:
@@ -229,15 +232,14 @@ class DataValueLayout:
     dataset key). `rel` names a file as the root's store does (`RootFiles`), relative to the root."""
 
     root: Path
-    name: str = "data_value"
 
     @property
     def dir(self) -> Path:
-        return self.root / self.name
+        return self.root / DATA_VALUE_DIR
 
     @property
     def report_json(self) -> Path:
-        return self.dir / "report.json"
+        return self.root / DATA_VALUE_REPORT
 
     @property
     def report_md(self) -> Path:
