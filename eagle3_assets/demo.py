@@ -1,4 +1,6 @@
-"""`make demo`: the main job over every partition on the embedded model, then a summary table.
+"""`make demo`: the main job over every partition on the embedded model, then a summary table; with a
+`data_value` section (the shipped config has one), hidden states for a few partitions and what each buys on
+the held-out suite, as a second table.
 
 Runs are recorded in the Dagster instance of DAGSTER_HOME (the Makefile points it at .dagster/), so `make dev`
 shows them afterwards with their metadata, checks and lineage.
@@ -18,9 +20,12 @@ from resources import Storage
 from .config import config_path, get_config
 from .core.hidden_states.exports.export import export
 from .core.storage.layout import DatasetLayout
-from .definitions import ACCEPTANCE_JOB, HIDDEN_STATES_JOB, TRAINING_DATA_JOB, defs
+from .definitions import ACCEPTANCE_JOB, DATA_VALUE_JOB, HIDDEN_STATES_JOB, TRAINING_DATA_JOB, defs
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+# The partitions whose hidden states data_value's drafts train on in the demo: chat, code and math, three
+# kinds the suite asks about, at about three CPU minutes of extraction each (the gate runs for B3 only).
+VALUE_KEYS = ("B1", "B3", "B4")
 
 
 def _instance() -> dg.DagsterInstance:
@@ -148,12 +153,63 @@ def _acceptance(definitions: dg.Definitions, key: str, instance, root) -> tuple[
     return passed == total, f"{' / '.join(parts)}, {verdict}"
 
 
+def value_keys(cfg, keys: list[str]) -> list[str]:
+    """The partitions data_value trains on in the demo: VALUE_KEYS among `keys` (none without a data_value
+    section; never the dataset held out as the suite)."""
+    if cfg.data_value is None:
+        return []
+    held_out = cfg.data_value.suite.dataset
+    return [k for k in VALUE_KEYS if k in keys and k != held_out]
+
+
+def _data_value(definitions: dg.Definitions, instance, cfg) -> tuple[bool, float]:
+    """The data_value asset (not partitioned) over the partitions with stored states."""
+    t0 = time.monotonic()
+    result = definitions.resolve_job_def(DATA_VALUE_JOB).execute_in_process(
+        instance=instance, raise_on_error=False, run_config=QUIET_LOGS, tags={"eagle3/source": "make demo"}
+    )
+    if not result.success:
+        for e in result.all_events:
+            if e.is_failure and e.message:
+                print(f"data_value: {e.message[:2000]}")
+    return result.success, time.monotonic() - t0
+
+
+def _value_rows(cfg) -> list[dict]:
+    """data_value's matrix, best acceptance first and the floor last, each flag by its name only (the report
+    spells each out)."""
+    from .assets.data_value import read_value_report
+    from .core.data_value.value_report import FLOOR
+
+    report = read_value_report(cfg)
+    if report is None:
+        return []
+    rows = sorted(report.rows, key=lambda x: (x.draft == FLOOR, -x.acceptance_length))
+    return [
+        {
+            "draft": r.draft,
+            "datasets": "+".join(r.datasets) or "-",
+            "acceptance length": f"{r.acceptance_length:.3f}",
+            "gain over floor": f"{r.gain_over_floor:+.3f}",
+            "$": f"{r.cost_usd:.4f}",
+            "$/0.1": "-" if r.usd_per_0_1_acceptance is None else f"{r.usd_per_0_1_acceptance:.4f}",
+            "completion tokens": r.completion_tokens,
+            "GPU s": f"{r.gpu_seconds:.0f}",
+            "flags": ", ".join(f.split(":", 1)[0] for f in r.flags) or "-",
+        }
+        for r in rows
+    ]
+
+
 def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) -> int:
     cfg = get_config()
     keys = keys or list(cfg.datasets)
-    # Hidden states on CPU are slow beside everything else: one partition shows the whole path (B3, code, by
-    # default).
-    hidden_keys = hidden_keys if hidden_keys is not None else ["B3" if "B3" in keys else keys[0]]
+    # Hidden states on CPU are slow beside everything else: one partition shows the whole path with the gate
+    # (B3, code, by default); with data_value configured, its partitions' states too (without the gate).
+    gate_key = "B3" if "B3" in keys else keys[0]
+    valued = value_keys(cfg, keys) if hidden_keys is None else []
+    if hidden_keys is None:
+        hidden_keys = [gate_key, *(k for k in valued if k != gate_key)]
     instance = _instance()
     storage = Storage(cfg)
     definitions = defs()
@@ -171,7 +227,7 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
         ok, hidden, gate = result.success, "-", "-"
         if ok and key in hidden_keys:
             ok, hidden, _ = _hidden_states(definitions, key, instance, storage)
-            if ok:
+            if ok and key == gate_key:
                 ok, gate = _acceptance(definitions, key, instance, cfg.storage_root)
         rows.append(
             _row(
@@ -196,8 +252,27 @@ def main(keys: list[str] | None = None, hidden_keys: list[str] | None = None) ->
             f"export in {cfg.storage_root}/{key}/exports/speculators/; the acceptance gate's report and "
             f"draft in {cfg.storage_root}/{key}/acceptance/"
         )
+    value_ok = True
+    if valued and cfg.data_value and all(r["run"] == "ok" for r in rows if r["dataset"] in valued):
+        from .core.data_value.store import value_layout
+
+        suite = cfg.data_value.suite
+        value_ok, secs = _data_value(definitions, instance, cfg)
+        matrix = _value_rows(cfg) if value_ok else []
+        print(
+            f"\nwhat each dataset buys (data_value: drafts on {', '.join(valued)} measured on the held-out "
+            f"suite {suite.source or suite.dataset}; {secs:.0f} s"
+            f"{'' if value_ok else ', FAILED'}):"
+        )
+        if matrix:
+            print()
+            _print_table(matrix)
+            print(
+                f"report: {value_layout(cfg).report_md} (each flag spelled out; $ is the bought "
+                "answers' cost, 0 on the embedded model)"
+            )
     print("inspect runs, lineage and checks with `make dev`, then open http://127.0.0.1:3000")
-    return 0 if all(r["run"] == "ok" for r in rows) else 1
+    return 0 if all(r["run"] == "ok" for r in rows) and value_ok else 1
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def shipped_b3(tmp_path_factory) -> ShippedRun:
         success=result.success,
         failures=[e.message for e in result.all_events if e.is_failure],
         materialized={
-            m.asset_key.to_user_string() for m in result.asset_materializations_for_node("responses")
+            e.asset_key.to_user_string() for e in result.get_asset_materialization_events() if e.asset_key
         },
         checks={
             e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data

@@ -106,7 +106,7 @@ def project(tmp_path_factory):
 
 
 def test_report_has_a_row_per_partition_all_and_all_but_each(project):
-    root, _, _, result, _ = project
+    root, _, instance, result, _ = project
     report = json.loads((root / "data" / "data_value" / "report.json").read_text())
     assert report["suite"]["n_prompts"] == 2 and report["suite"]["source"] == "suite.jsonl"
     rows = {r["draft"]: r for r in report["rows"]}
@@ -126,14 +126,36 @@ def test_report_has_a_row_per_partition_all_and_all_but_each(project):
         assert len(r["per_position"]) == ACCEPTANCE["draft_tokens"]
         assert 1.0 <= r["acceptance_length"] <= ACCEPTANCE["draft_tokens"] + 1
     assert rows["all-but-B1"]["datasets"] == ["B3"] and rows["all"]["datasets"] == ["B1", "B3"]
+    # All but B1 is B3's own draft: reported under both names, trained and measured once.
+    same = rows["all-but-B1"]
+    assert same["acceptance_length"] == rows["B3"]["acceptance_length"]
+    assert same["training_seconds"] == rows["B3"]["training_seconds"]
+    assert any(f.startswith("same-data: the draft of B3") for f in same["flags"])
+    assert not any(f.startswith("same-data") for f in rows["all"]["flags"])
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert any("data_value all:" in m for m in logs)  # what the gate's bench logs while it trains a draft
+    assert not any("data_value all-but-B1:" in m or "data_value all-but-B3:" in m for m in logs)
     # A trained draft beats the untrained one on a suite it never saw.
     floor = report["floor_acceptance_length"]
     assert rows["all"]["acceptance_length"] > floor
     assert rows["B1"]["training_seconds"] > 0 and rows["B1"]["gpu_seconds"] >= rows["B1"]["training_seconds"]
     assert rows["B1"]["extraction_seconds"] > 0  # read from hidden_states' materialisations
-    # The suite's answers by the target, and the markdown report and the UI table.
-    answers = (root / "data" / "data_value" / "suite_answers.jsonl").read_text().splitlines()
-    assert [json.loads(a)["id"] for a in answers] == ["s0", "s1"]
+    # The suite answered by the target like a partition (its own journal, the configured backend), and
+    # every greedy speculative output equal to the target's answer.
+    answers = [
+        json.loads(a) for a in (root / "data" / "data_value" / "suite_answers.jsonl").read_text().splitlines()
+    ]
+    assert [a["id"] for a in answers] == ["s0", "s1"] and {a["source"] for a in answers} == {"target"}
+    journal = pl.read_parquet(root / "data" / "data_value" / "suite" / "responses" / "*.parquet")
+    assert sorted(journal["id"]) == ["s0", "s1"] and set(journal["backend"]) == {"local"}
+    assert [a["text"] for a in answers] == [
+        journal.filter(pl.col("id") == a["id"])["content"].item() for a in answers
+    ]
+    cost = report["suite"]["answers"]
+    assert cost["answers"] == 2 and cost["sent_this_run"] == 2 and cost["backend"] == "local"
+    assert cost["greedy"] is True and cost["completion_tokens"] == int(journal["completion_tokens"].sum())
+    for r in rows.values():
+        assert r["differs_from_target"] == [], (r["draft"], r["flags"])
     md = (root / "data" / "data_value" / "report.md").read_text()
     assert "| all |" in md and "| untrained |" in md
     meta = result.asset_materializations_for_node("data_value")[-1].metadata
@@ -266,13 +288,25 @@ def test_a_rerun_with_nothing_changed_trains_nothing_and_re_reports(project):
     logs = [e.user_message for e in instance.all_logs(result.run_id)]
     assert any("inputs unchanged" in m for m in logs)
     assert not any("data_value all:" in m for m in logs)  # no draft was trained
+    assert any("all 2 prompts are answered" in m for m in logs)  # the suite's answers were not bought again
 
 
 def test_a_changed_input_reruns(project):
-    """One more answer's cost in B3 (its answers changed) and one suite prompt fewer: both name themselves,
-    and the report is computed again."""
+    """One more answer's cost in B3 (its answers changed), one suite prompt fewer, and the target's stored
+    answer to s0 edited: each names itself, the report is computed again, nothing is bought again, and the
+    drafts' outputs are compared with the edited answer (flagged: not the target's)."""
     root, _, instance, _, paid = project
     _set_costs(DatasetLayout(root / "data", "B3"), 2 * COSTS["B3"])
+    suite_journal = DatasetLayout(root / "data" / "data_value", "suite").responses_dir
+    for f in sorted(suite_journal.glob("*.parquet")):
+        df = pl.read_parquet(f)
+        edited = df.with_columns(
+            pl.when(pl.col("id") == "s0")
+            .then(pl.col("output_ids").list.eval(pl.element() + 1))
+            .otherwise(pl.col("output_ids"))
+            .alias("output_ids")
+        )
+        edited.write_parquet(f)
     path = _config(
         root,
         {"source": "suite.jsonl", "format": "messages", "max_prompts": 1},
@@ -283,11 +317,14 @@ def test_a_changed_input_reruns(project):
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     meta = result.asset_materializations_for_node("data_value")[-1].metadata
     assert meta["reused"].value is False
-    assert set(meta["inputs_changed"].value) == {"partition:B3", "settings"}
+    assert set(meta["inputs_changed"].value) == {"partition:B3", "settings", "suite_answers"}
     report = json.loads((root / "data" / "data_value" / "report.json").read_text())
-    assert report["suite"]["n_prompts"] == 1
+    assert report["suite"]["n_prompts"] == 1 and report["suite"]["answers"]["sent_this_run"] == 0
     rows = {r["draft"]: r for r in report["rows"]}
     assert set(rows) == {"untrained", "B1", "B3", "all"}
+    for r in rows.values():
+        assert r["differs_from_target"] == ["s0"]
+        assert any(f.startswith("differs-from-target: 1 of 1") for f in r["flags"])
     assert rows["B3"]["cost_usd"] == pytest.approx(2 * paid["B3"][0])
 
 

@@ -7,6 +7,7 @@ embedded target: a run that trains, a no-op rerun, and a rerun after a setting c
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import time
@@ -21,6 +22,7 @@ from eagle3_assets.config import load_config
 from eagle3_assets.core.acceptance.gate_report import GateReport
 from eagle3_assets.core.acceptance.gate_version import (
     GATE_CODE_VERSION,
+    GATE_SOURCES,
     gate_inputs_version,
     stored_gate,
     versioned_gate,
@@ -147,6 +149,30 @@ def _report() -> GateReport:
             "gate": {"passed": True, "reasons": [], "min_train_acceptance_length": 2.4},
         }
     )
+
+
+def test_the_code_version_covers_every_core_module_the_gate_imports() -> None:
+    """An edit to code the gate runs must rerun it: every module of the core that the acceptance package
+    imports is under GATE_SOURCES (a module left out would keep a stale verdict after its edit). The storage
+    package is the one exception: it says where files lie and versions them, it computes nothing reported."""
+    core = REPO / "eagle3_assets" / "core"
+    package = core / "acceptance"
+    covered = {f for p in GATE_SOURCES for f in (p.rglob("*.py") if p.is_dir() else [p])}
+    missing = set()
+    for source in package.glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
+                if node.module.startswith("storage."):
+                    continue
+                target = core.joinpath(*node.module.split("."))
+                module = (
+                    target.with_suffix(".py")
+                    if target.with_suffix(".py").exists()
+                    else target / "__init__.py"
+                )
+                if module.resolve() not in {c.resolve() for c in covered}:
+                    missing.add(f"{source.name} imports {node.module}")
+    assert not missing, sorted(missing)
 
 
 def test_the_stored_report_is_reused_only_for_the_same_inputs(partition) -> None:

@@ -15,7 +15,7 @@ from eagle3_assets.core.hidden_states.exports.export import export
 @pytest.mark.slow
 def test_the_shipped_config_materialises_every_asset_and_exports(shipped_b3, tmp_path):
     assert shipped_b3.success, shipped_b3.failures
-    assert "responses" in shipped_b3.materialized
+    assert {"responses", "hidden_states", "acceptance", "data_value"} <= shipped_b3.materialized
     checks = shipped_b3.checks
     expected = {
         "responses_unique_ids",
@@ -44,3 +44,22 @@ def test_the_shipped_config_materialises_every_asset_and_exports(shipped_b3, tmp
         15,
         27,
     ]
+
+
+@pytest.mark.slow
+def test_the_shipped_data_value_section_measures_drafts_on_the_suite(shipped_b3):
+    """The shipped data_value section, run by the same job over B3 alone: the suite answered by the embedded
+    target, B3's draft and the floor measured on it, and `all` (the same data as B3) reported without a second
+    training."""
+    from eagle3_assets.assets.data_value import read_value_report
+    from eagle3_assets.config import load_config
+
+    report = read_value_report(load_config(shipped_b3.root / "eagle3.yaml"))
+    assert report is not None
+    rows = {r.draft: r for r in report.rows}
+    assert set(rows) == {"B3", "all", "untrained"}
+    assert report.suite.n_prompts == 8 and report.suite.answers is not None
+    assert report.suite.answers.answers == 8
+    assert any(f.startswith("same-data") for f in rows["all"].flags)
+    assert rows["all"].acceptance_length == rows["B3"].acceptance_length
+    assert all(len(r.per_position) > 0 for r in rows.values())

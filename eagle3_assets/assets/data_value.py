@@ -8,13 +8,16 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from resources import Project, Storage, Target
+from resources import Inference, Project, Storage, Target
 
 from ..config import ProjectConfig
 from ..core.data_value.inputs import value_inputs
 from ..core.data_value.run import Engines, PartitionData, read_partition, run_data_value
-from ..core.data_value.suite import load_suite, refuse_overlaps
+from ..core.data_value.store import publish, pull, read_stored, stored_files, value_layout
+from ..core.data_value.suite import Suite, load_suite, refuse_overlaps, suite_guard
+from ..core.data_value.suite_answers import SuiteAnswers, answer_suite
 from ..core.data_value.value_report import FLOOR, DataValueReport, table
+from ..core.prompts.context import PromptGuard
 from ..core.storage.data_version import (
     InputsVersion,
     forget_inputs_version,
@@ -22,7 +25,8 @@ from ..core.storage.data_version import (
     recorded_inputs_version,
     unchanged_since,
 )
-from ..core.storage.layout import DATA_VALUE_DIR, DATA_VALUE_REPORT, DatasetLayout
+from ..core.storage.layout import DATA_VALUE_DIR, DatasetLayout
+from ..core.storage.root_files import RootFiles
 from ..core.storage.versions import content_version
 from ..core.target_model.chat import ChatTokenizer
 from .acceptance import gate_engines
@@ -83,6 +87,46 @@ def _metadata(r: DataValueReport) -> dict:
     }
 
 
+def answer_the_suite(
+    cfg: ProjectConfig,
+    suite: Suite,
+    storage: Storage,
+    inference: Inference,
+    chat: ChatTokenizer,
+    log: Callable[[str], None],
+) -> SuiteAnswers:
+    """The suite answered like a partition, in `<root>/data_value/suite/`: with an object-store root its
+    journal is pulled first, pushed at every flush and after, and one process answers it at a time (a lease
+    in the store; a file lock locally)."""
+    layout = value_layout(cfg)
+    journal = layout.suite.ensure()
+    remote, key = storage.remote, DATA_VALUE_DIR
+    if remote is None:
+        return answer_suite(
+            cfg, suite, journal, inference.create_backend(chat), chat, inference.engine_settings(), log
+        )
+    prefix = [layout.suite_prefix()]
+    remote.pull(key, prefix)
+
+    def push() -> None:
+        remote.push(key, prefix)
+
+    try:
+        return answer_suite(
+            cfg,
+            suite,
+            journal,
+            inference.create_backend(chat),
+            chat,
+            inference.engine_settings(),
+            log,
+            lock=lambda what: remote.lease(key, what),
+            on_flush=push,
+        )
+    finally:  # what was paid for is stored, after a failure too (the journal is append-only)
+        push()
+
+
 @dataclass
 class Measured:
     report: DataValueReport
@@ -97,23 +141,36 @@ def measure_value(
     chat: ChatTokenizer,
     instance: dg.DagsterInstance,
     log: Callable[[str], None],
+    guard: PromptGuard | None,
+    inference: Inference,
 ) -> Measured:
-    """The suite (refused where it overlaps a training prompt: before any training), the inputs version (the
-    stored report re-reported where it is unchanged), each partition's training samples and cost, the gate's
-    engines, then every draft."""
+    """The suite (its prompts too long for the target quarantined, and refused where it overlaps a training
+    prompt: before any training), the inputs version (the stored report re-reported where it is unchanged),
+    each partition's training samples and cost, the gate's engines, then every draft. With an object-store
+    root the stored files are pulled first and published after."""
     assert cfg.data_value is not None
-    suite = load_suite(cfg)
+    suite = load_suite(cfg, guard)
+    if suite.quarantined:
+        log(
+            f"data_value: {len(suite.quarantined)} suite prompt(s) quarantined, never measured: "
+            + "; ".join(f"{k}: {v}" for k, v in list(suite.quarantined.items())[:10])
+        )
     layouts = partitions_with_states(cfg, storage, suite.held_out_dataset)
     refuse_overlaps(suite, {k: lay.prompts for k, lay in layouts.items()})
     with_states = {k: lay for k, lay in layouts.items() if lay.hidden_states_index.exists()}
     if not with_states:
         raise ValueError("data_value: no partition has stored hidden states; materialise hidden_states first")
+    answers = answer_the_suite(cfg, suite, storage, inference, chat, log)  # resumed: nothing bought twice
     skipped = sorted(set(layouts) - set(with_states))
     if skipped:
         log(f"data_value: no hidden states yet for {', '.join(skipped)}: left out of every draft")
-    folder = storage.root / DATA_VALUE_DIR
-    inputs = value_inputs(cfg, with_states, chat.fingerprint())
-    stored = read_value_report(storage)
+    layout = value_layout(cfg)
+    folder = layout.dir
+    files = stored_files(cfg)
+    if cfg.storage_is_remote:
+        pull(files, layout)
+    inputs = value_inputs(cfg, with_states, chat.fingerprint(), layout.suite)
+    stored = read_value_report(cfg)
     if stored is not None and unchanged_since(folder, inputs) is not None:
         log(
             f"data_value: inputs unchanged (version {inputs.version}): the stored report stands; nothing "
@@ -139,8 +196,11 @@ def measure_value(
         folder,
         cfg.data_value.leave_one_out,
         log,
+        answers,
     )
     record_inputs_version(folder, inputs)  # last: only a finished report is named by its inputs
+    if cfg.storage_is_remote:
+        log(f"data_value: stored {', '.join(publish(files, layout))}")
     return Measured(report, inputs, False, changed)
 
 
@@ -163,13 +223,24 @@ def build_data_value_asset() -> dg.AssetsDefinition:
         project: dg.ResourceParam[Project],
         storage: dg.ResourceParam[Storage],
         target: dg.ResourceParam[Target],
+        inference: dg.ResourceParam[Inference],
     ) -> dg.MaterializeResult:
         cfg = project.cfg
         if cfg.data_value is None:
             context.log.warning(f"data_value: {NOT_CONFIGURED}")
             return dg.MaterializeResult(metadata={"status": NOT_CONFIGURED})
-        got = measure_value(cfg, storage, target.chat_tokenizer(), context.instance, context.log.info)
-        report, folder = got.report, storage.root / DATA_VALUE_DIR
+        a = cfg.acceptance
+        got = measure_value(
+            cfg,
+            storage,
+            target.chat_tokenizer(),
+            context.instance,
+            context.log.info,
+            suite_guard(target.context_guard(), a.max_new_tokens + a.draft_tokens),
+            inference,
+        )
+        report, layout = got.report, value_layout(cfg)
+        files = stored_files(cfg)
         return dg.MaterializeResult(
             data_version=dg.DataVersion(content_version(report.model_dump(exclude={"seconds", "device"}))),
             metadata={
@@ -178,20 +249,28 @@ def build_data_value_asset() -> dg.AssetsDefinition:
                 "inputs_version": got.inputs.version,
                 "inputs_changed": dg.MetadataValue.json(got.changed),
                 **_metadata(report),
-                "report_json": dg.MetadataValue.path(str(folder / "report.json")),
-                "report_md": dg.MetadataValue.path(str(folder / "report.md")),
+                "suite_quarantined": dg.MetadataValue.json(report.suite.quarantined),
+                "report_json": dg.MetadataValue.path(stored_path(files, layout.rel(layout.report_json))),
+                "report_md": dg.MetadataValue.path(stored_path(files, layout.rel(layout.report_md))),
             },
         )
 
     return data_value
 
 
-def read_value_report(storage: Storage) -> DataValueReport | None:
-    path = storage.root / DATA_VALUE_REPORT
-    if not path.exists():
+def stored_path(files: RootFiles, rel: str) -> str:
+    """Where `rel` is stored, as a reader names it (a local path, or the object's URL)."""
+    return files.sql_path(rel) or rel
+
+
+def read_value_report(cfg: ProjectConfig) -> DataValueReport | None:
+    """The stored report (in the object store for an object-store root), None where there is none."""
+    layout = value_layout(cfg)
+    text = read_stored(stored_files(cfg), layout, layout.report_json)
+    if text is None:
         return None
     try:
-        return DataValueReport.model_validate_json(path.read_text())
+        return DataValueReport.model_validate_json(text)
     except ValueError:  # an older shape or a hand edit: measured again, never a failing asset
         return None
 
@@ -202,13 +281,11 @@ def build_data_value_checks() -> list[dg.AssetChecksDefinition]:
         description="Every trained draft beats the untrained floor on the suite (one that does not bought "
         "nothing measurable with its data); fails while data_value is not configured or not measured.",
     )
-    def data_value_drafts_beat_floor(
-        project: dg.ResourceParam[Project], storage: dg.ResourceParam[Storage]
-    ) -> dg.AssetCheckResult:
+    def data_value_drafts_beat_floor(project: dg.ResourceParam[Project]) -> dg.AssetCheckResult:
         warn = dg.AssetCheckSeverity.WARN
         if project.cfg.data_value is None:
             return dg.AssetCheckResult(passed=False, severity=warn, metadata={"reason": NOT_CONFIGURED})
-        report = read_value_report(storage)
+        report = read_value_report(project.cfg)
         if report is None:
             return dg.AssetCheckResult(
                 passed=False, severity=warn, metadata={"reason": "no report.json: materialise data_value"}

@@ -12,6 +12,17 @@ from pydantic import Field, model_validator
 from .base import Strict
 from .datasets import InstructionFields
 
+# The report's draft names beside the dataset keys: a dataset key spelled like one would make two rows one.
+ALL_DRAFT = "all"
+FLOOR_DRAFT = "untrained"
+LEAVE_ONE_OUT_PREFIX = "all-but-"
+
+
+def reserved_draft_name(key: str) -> bool:
+    """Whether dataset key `key` is spelled like a data_value draft that is not a dataset's own."""
+    k = key.lower()
+    return k in (ALL_DRAFT, FLOOR_DRAFT) or k.startswith(LEAVE_ONE_OUT_PREFIX)
+
 
 class SuiteConfig(Strict):
     """The held-out suite: a prompt file (the formats and field options of a dataset), or a configured dataset

@@ -19,7 +19,7 @@ from .base import (
     Strict,
     dataset_key_problem,
 )
-from .data_value import DataValueConfig
+from .data_value import DataValueConfig, reserved_draft_name
 from .datasets import ChecksConfig, DatasetConfig, TokensConfig
 from .hidden_states import HiddenStatesConfig
 from .k8s import K8sStepsConfig
@@ -217,12 +217,19 @@ class ProjectConfig(Strict):
         return v
 
     @model_validator(mode="after")
-    def _suite_dataset_is_configured(self) -> ProjectConfig:
+    def _data_value_fits_the_datasets(self) -> ProjectConfig:
         suite = self.data_value.suite if self.data_value else None
         if suite is not None and suite.dataset is not None and suite.dataset not in self.datasets:
             raise ValueError(
                 f"data_value.suite.dataset {suite.dataset!r} is not a configured dataset "
                 f"({', '.join(self.datasets)})"
+            )
+        clash = [k for k in self.datasets if reserved_draft_name(k)] if self.data_value else []
+        if clash:
+            raise ValueError(
+                f"dataset key(s) {', '.join(repr(k) for k in clash)} are reserved while data_value is "
+                "configured: its report names drafts `all`, `untrained` and `all-but-<key>` beside the "
+                "datasets' own; rename the dataset"
             )
         return self
 

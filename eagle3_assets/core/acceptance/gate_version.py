@@ -41,11 +41,16 @@ from .gate_report import GateReport, read_report
 
 _CORE = Path(__file__).resolve().parents[1]
 # What computes the report: this package (split, training, decoding, measurement, verdict), the draft's shape
-# and vocabulary, the states reader, and the vLLM engine's measurer.
+# and vocabulary, the states reader, how a row's prompts and answers are rendered into ids (the turns, the chat
+# tokenizer and its tool calls: the template's fingerprint covers the template, not the code that applies it),
+# and the vLLM engine's measurer.
 GATE_SOURCES = (
     _CORE / "acceptance",
     _CORE / "hidden_states" / "draft_format.py",
     _CORE / "hidden_states" / "reader.py",
+    _CORE / "hidden_states" / "layer_ids.py",
+    _CORE / "tokens" / "turns.py",
+    _CORE / "target_model",
     _CORE.parents[1] / "resources" / "vllm" / "acceptance.py",
 )
 

@@ -26,11 +26,15 @@ def suite_file(cfg: ProjectConfig) -> Path:
 
 
 def value_inputs(
-    cfg: ProjectConfig, layouts: Mapping[str, DatasetLayout], template_fingerprint: str
+    cfg: ProjectConfig,
+    layouts: Mapping[str, DatasetLayout],
+    template_fingerprint: str,
+    suite_answers: DatasetLayout | None = None,
 ) -> InputsVersion:
     """The inputs version of a report over `layouts` (the partitions with stored states). States as the gate
     reads them (not the extraction plan, which every extraction run rewrites); the template, which renders the
-    suite and the turn prompts."""
+    suite and the turn prompts; the target's stored answers to the suite (`suite_answers`, the suite's
+    journal), which every draft is compared with."""
     assert cfg.data_value is not None
     parts = {
         f"partition:{k}": files_version(
@@ -40,6 +44,8 @@ def value_inputs(
     }
     source = suite_file(cfg)
     parts["suite"] = files_version([source], source.parent)
+    if suite_answers is not None:
+        parts["suite_answers"] = files_version([suite_answers.responses_dir], suite_answers.dir)
     parts["settings"] = settings_version(
         {
             "data_value": cfg.data_value.model_dump(mode="json"),

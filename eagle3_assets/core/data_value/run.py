@@ -18,18 +18,20 @@ from typing import Any
 import numpy as np
 
 from ...config import AcceptanceConfig
+from ...config.data_value import ALL_DRAFT, LEAVE_ONE_OUT_PREFIX
 from ..acceptance.gate import DraftBench
 from ..acceptance.measure import DraftMeasurer, DraftTarget, PromptSet
 from ..acceptance.samples import as_train_samples, load_samples, split_ids
 from ..hidden_states.reader import HiddenStatesReader, StoredStates
 from ..storage.layout import DatasetLayout
 from ..target_model.chat import ChatTokenizer
-from .loops import looping_prompts
+from .loops import is_loop, looping_prompts
 from .pricing import BoughtAnswers, price_of_gain
 from .suite import Suite
+from .suite_answers import SuiteAnswers
 from .value_report import FLOOR, DataValueReport, DraftRow, SuiteSummary
 
-ALL = "all"
+ALL = ALL_DRAFT
 COST_BASIS = (
     "the whole bought set of the draft's datasets: every stored answer's cost_usd (responses/*.parquet), "
     "not only the answers the draft trained on"
@@ -74,11 +76,12 @@ class DraftPlan:
 
 def draft_plans(keys: Sequence[str], leave_one_out: bool) -> list[DraftPlan]:
     """A draft per partition, one on all of them, and with `leave_one_out` one on all but each (where at least
-    two partitions are left to train on: with two, all-but-one is the other's own draft, trained again)."""
+    two partitions are left to train on: with two, all-but-one is the other's own draft, reported under both
+    names, `draft_row`)."""
     plans = [DraftPlan(k, (k,)) for k in keys]
     plans.append(DraftPlan(ALL, tuple(keys)))
     if leave_one_out and len(keys) > 1:
-        plans += [DraftPlan(f"all-but-{k}", tuple(x for x in keys if x != k)) for k in keys]
+        plans += [DraftPlan(f"{LEAVE_ONE_OUT_PREFIX}{k}", tuple(x for x in keys if x != k)) for k in keys]
     return plans
 
 
@@ -99,6 +102,9 @@ class Measurement:
     seconds: float
     without_loops: float | None = None
     looping: list[str] = field(default_factory=list)
+    # Suite ids whose greedy speculative output differs from the target's greedy answer (None: not compared,
+    # the suite was sampled or answered without token ids).
+    differs: list[str] | None = None
 
 
 class ValueRun:
@@ -114,8 +120,14 @@ class ValueRun:
         chat: ChatTokenizer,
         scratch: Path,
         log: Callable[[str], None],
+        answers: SuiteAnswers | None = None,
     ):
-        self.suite, self.prompts, self.data = suite, prompts, data
+        self.suite, self.prompts, self.data, self.answers = suite, prompts, data, answers
+        # Loops judged on the target's own answers (the reference every draft is measured against): a
+        # property of the suite, the same for every draft. Without answers, on each draft's output.
+        self.reference_loops = None
+        if answers is not None:
+            self.reference_loops = [sid for sid in prompts.ids if is_loop(answers.answers[sid].text)]
         self.settings, self.engines, self.chat, self.scratch, self.log = (
             settings,
             engines,
@@ -155,7 +167,13 @@ class ValueRun:
             "suite"
         ]
         m = Measurement(got.part.acceptance_length, got.part.per_position, got.outputs, 0.0)
-        m.looping = looping_prompts(self.prompts.ids, got.outputs, self.decode)
+        m.looping = (
+            list(self.reference_loops)
+            if self.reference_loops is not None
+            else looping_prompts(self.prompts.ids, got.outputs, self.decode)
+        )
+        if self.answers is not None and self.answers.greedy:
+            m.differs = differing_from_target(self.prompts.ids, got.outputs, self.answers)
         clean = [i for i, sid in enumerate(self.prompts.ids) if sid not in m.looping]
         if m.looping and clean:
             part = PromptSet([self.prompts.ids[i] for i in clean], [self.prompts.prompts[i] for i in clean])
@@ -183,6 +201,7 @@ class ValueRun:
             flags=[
                 "floor: the untrained draft every price is measured from",
                 *loop_flags(m, len(self.prompts.ids)),
+                *target_flags(m, len(self.prompts.ids)),
             ],
             gain_over_floor=0.0,
             n_train_samples=0,
@@ -191,6 +210,7 @@ class ValueRun:
             training_seconds=0.0,
             measure_seconds=round(m.seconds, 1),
             acceptance_length_without_loops=m.without_loops,
+            differs_from_target=m.differs,
         )
         return row, m
 
@@ -213,7 +233,12 @@ class ValueRun:
             completion_tokens=bought.completion_tokens,
             gpu_seconds=round(extraction + training, 1),
             usd_per_0_1_acceptance=price.usd_per_0_1_acceptance,
-            flags=[*price.flags, *loop_flags(m, len(self.prompts.ids))],
+            flags=[
+                *price.flags,
+                *loop_flags(m, len(self.prompts.ids)),
+                *target_flags(m, len(self.prompts.ids)),
+            ],
+            differs_from_target=m.differs,
             gain_over_floor=round(m.acceptance_length - floor, 4),
             n_train_samples=len(samples),
             answers_bought=bought.answers,
@@ -223,6 +248,34 @@ class ValueRun:
             final_loss=round(stats.final_loss, 4),
             acceptance_length_without_loops=m.without_loops,
         )
+
+
+def differing_from_target(
+    ids: Sequence[str], outputs: Sequence[Sequence[int]], answers: SuiteAnswers
+) -> list[str] | None:
+    """The suite ids whose decoded output is not the target's greedy answer over their common length (an
+    answer may stop at its end of turn before the decoded span ends); None where no answer has token ids."""
+    compared, differ = 0, []
+    for sid, out in zip(ids, outputs, strict=True):
+        ref = answers.answers[sid].output_ids
+        if ref is None:
+            continue
+        n = min(len(ref), len(out))
+        compared += 1
+        if list(out[:n]) != list(ref[:n]):
+            differ.append(sid)
+    return differ if compared else None
+
+
+def target_flags(m: Measurement, n_prompts: int) -> list[str]:
+    """A flag where greedy speculative decoding did not reproduce the target's greedy answer: the draft
+    changed what the target says (an engine fault), or the two sides ran at other precisions."""
+    if not m.differs:
+        return []
+    return [
+        f"differs-from-target: {len(m.differs)} of {n_prompts} greedy outputs are not the target's answer "
+        f"({', '.join(m.differs[:5])})"
+    ]
 
 
 def loop_flags(m: Measurement, n_prompts: int) -> list[str]:
@@ -236,6 +289,20 @@ def loop_flags(m: Measurement, n_prompts: int) -> list[str]:
     ]
 
 
+def draft_row(
+    run: ValueRun, plan: DraftPlan, floor: float, by_data: dict[tuple[str, ...], DraftRow]
+) -> DraftRow:
+    """The plan's row; a plan on exactly the data of an earlier one (`all` over one partition, `all-but-A`
+    over two) is that draft (same samples, vocabulary and seed): its row under this name, trained and
+    measured once, flagged `same-data`."""
+    same = by_data.get(plan.keys)
+    if same is None:
+        by_data[plan.keys] = row = run.row(plan, floor)
+        return row
+    flag = f"same-data: the draft of {same.draft} (the same training data), trained and measured once"
+    return same.model_copy(update={"draft": plan.name, "flags": [*same.flags, flag]})
+
+
 def run_data_value(
     suite: Suite,
     data: Mapping[str, PartitionData],
@@ -245,19 +312,22 @@ def run_data_value(
     folder: Path,
     leave_one_out: bool,
     log: Callable[[str], None] = print,
+    answers: SuiteAnswers | None = None,
 ) -> DataValueReport:
-    """Train and measure every draft, write folder/report.json and report.md."""
+    """Train and measure every draft against the target's `answers` to the suite, write folder/report.json,
+    report.md and suite_answers.jsonl."""
     if not data:
         raise ValueError("data_value: no partition has stored hidden states; materialise hidden_states first")
     t_start = time.perf_counter()
     scratch = folder / ".drafts"
     prompts = suite.rendered(chat)
-    run = ValueRun(suite, prompts, data, settings, engines, chat, scratch, log)
+    run = ValueRun(suite, prompts, data, settings, engines, chat, scratch, log, answers)
     try:
         floor_row, floor = run.floor()
         rows = [floor_row]
+        by_data: dict[tuple[str, ...], DraftRow] = {}
         for plan in draft_plans(list(data), leave_one_out):
-            rows.append(run.row(plan, floor.acceptance_length))
+            rows.append(draft_row(run, plan, floor.acceptance_length, by_data))
             log(f"data_value: {plan.name}: acceptance length {rows[-1].acceptance_length:.3f}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -269,6 +339,8 @@ def run_data_value(
             held_out_dataset=suite.held_out_dataset,
             n_source_prompts=suite.n_source_prompts,
             looping_prompt_ids=floor.looping,
+            quarantined=suite.quarantined,
+            answers=answers.cost() if answers is not None else None,
         ),
         rows=rows,
         floor_acceptance_length=floor.acceptance_length,
@@ -281,21 +353,32 @@ def run_data_value(
         device=engines.measurer.device,
     )
     report.write(folder)
-    write_suite_answers(folder, prompts, floor.outputs, run.decode)
+    write_suite_answers(folder, prompts, floor.outputs, run.decode, answers)
     return report
 
 
 def write_suite_answers(
-    folder: Path, prompts: PromptSet, outputs: Sequence[Sequence[int]], decode: Callable[[list[int]], str]
+    folder: Path,
+    prompts: PromptSet,
+    outputs: Sequence[Sequence[int]],
+    decode: Callable[[list[int]], str],
+    answers: SuiteAnswers | None = None,
 ) -> None:
-    """The target's answers to the suite (its greedy output, which speculative decoding leaves unchanged), as
-    the measurement decoded them: `suite_answers.jsonl`, one row per suite prompt."""
+    """`suite_answers.jsonl`, one row per suite prompt: the target's stored answer (`source: target`) and
+    the untrained draft's greedy speculative output beside it; without answers, that output alone
+    (`source: engine greedy`)."""
     import json
 
     from ..storage.files import write_text
 
-    lines = [
-        json.dumps({"id": sid, "prompt_tokens": len(p), "output_ids": list(o), "text": decode(list(o))})
-        for sid, p, o in zip(prompts.ids, prompts.prompts, outputs, strict=True)
-    ]
+    lines = []
+    for sid, p, o in zip(prompts.ids, prompts.prompts, outputs, strict=True):
+        row: dict[str, Any] = {"id": sid, "prompt_tokens": len(p)}
+        a = answers.answers[sid] if answers is not None else None
+        if a is not None:
+            row |= {"source": "target", "output_ids": a.output_ids, "text": a.text}
+            row["speculative_output_ids"] = list(o)
+        else:
+            row |= {"source": "engine greedy", "output_ids": list(o), "text": decode(list(o))}
+        lines.append(json.dumps(row))
     write_text("\n".join(lines) + "\n", folder / "suite_answers.jsonl")

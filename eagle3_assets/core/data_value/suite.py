@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import polars as pl
 from ...config import DatasetConfig, ProjectConfig
 from ..acceptance.measure import PromptSet
 from ..acceptance.samples import GateSample, rendered_prompts
+from ..prompts.context import ContextGuard, PromptGuard
 from ..prompts.fingerprints import prompt_fingerprint
 from ..prompts.ingest import ingest, read_prompts
 from ..target_model.chat import ChatTokenizer
@@ -44,6 +45,12 @@ class Suite:
     prompts: list[SuitePrompt]
     held_out_dataset: str | None = None  # the dataset that is the suite: no draft trains on it
     n_source_prompts: int = 0  # prompts the source holds (the suite takes the first max_prompts)
+    # Suite rows left out before any training, with the prompts stage's reason: too long for the target's
+    # context (less the measured output), or malformed.
+    quarantined: dict[str, str] = field(default_factory=dict)
+    # The suite's rows as the prompts stage stores a partition's (prompts.parquet's columns): what the target
+    # is asked, as any partition's prompts are (`suite_answers`).
+    frame: pl.DataFrame | None = None
 
     @property
     def ids(self) -> list[str]:
@@ -58,9 +65,10 @@ class Suite:
         return PromptSet(self.ids, rendered_prompts(chat, samples))
 
 
-def load_suite(cfg: ProjectConfig) -> Suite:
-    """The configured suite's first `max_prompts` prompts, ingested as the prompts stage ingests a dataset
-    (malformed rows are left out, as that stage quarantines them)."""
+def load_suite(cfg: ProjectConfig, guard: PromptGuard | None = None) -> Suite:
+    """The configured suite's first `max_prompts` usable prompts, ingested as the prompts stage ingests a
+    dataset: malformed rows, and with `guard` the prompts it refuses (too long for the target), are
+    quarantined (named in `Suite.quarantined`), never measured."""
     if cfg.data_value is None:
         raise ValueError("data_value is not configured")
     s = cfg.data_value.suite
@@ -88,9 +96,15 @@ def load_suite(cfg: ProjectConfig) -> Suite:
         raise FileNotFoundError(
             f"data_value.suite: {path} does not exist; fix data_value.suite in the config"
         )
-    rows = ingest(Path(path), fmt, fields, system, None, tools).prompts
+    got = ingest(Path(path), fmt, fields, system, guard, tools)
+    rows = got.prompts
+    quarantined = {
+        str(pid if pid is not None else f"row {n}"): reason
+        for pid, n, reason in got.quarantine.select("id", "source_row", "reason").iter_rows()
+    }
     if rows.height == 0:
-        raise ValueError(f"data_value.suite: {path} holds no usable prompt")
+        why = "; ".join(f"{k}: {v}" for k, v in quarantined.items())
+        raise ValueError(f"data_value.suite: {path} holds no usable prompt" + (f" ({why})" if why else ""))
     has_tools = "tools" in rows.columns
     prompts = [
         SuitePrompt(
@@ -100,7 +114,20 @@ def load_suite(cfg: ProjectConfig) -> Suite:
         )
         for r in rows.head(s.max_prompts).iter_rows(named=True)
     ]
-    return Suite(origin, prompts, s.dataset, rows.height)
+    return Suite(origin, prompts, s.dataset, rows.height, quarantined, rows.head(s.max_prompts))
+
+
+def suite_guard(target_guard: ContextGuard, new_tokens: int) -> ContextGuard:
+    """The prompts stage's context guard (`Target.context_guard`) with room kept for the `new_tokens` every
+    draft decodes after each suite prompt (`acceptance.max_new_tokens` + the draft's tokens): a prompt that
+    fits the context but not its measured output would be cut by the engine, and every row with it."""
+    room = max(1, target_guard.context - new_tokens)
+    return replace(
+        target_guard,
+        context=room,
+        source=f"{target_guard.source or 'target context'} {target_guard.context:,} less {new_tokens} "
+        "measured new tokens",
+    )
 
 
 def normalised_text(messages: list[dict[str, Any]]) -> str:

@@ -7,9 +7,24 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from ...config.data_value import FLOOR_DRAFT
 from ..storage.files import write_json, write_text
 
-FLOOR = "untrained"  # the row of the untrained draft: the floor every price is measured from
+FLOOR = FLOOR_DRAFT  # the row of the untrained draft: the floor every price is measured from
+
+
+class SuiteCost(BaseModel):
+    """What the target's answers to the suite cost: every stored suite answer (whichever run bought it), and
+    what this run sent (0 where every answer stood: never paid twice)."""
+
+    backend: str  # the backend of this run ("" where the report was computed without answering)
+    answers: int
+    cost_usd: float
+    completion_tokens: int
+    priced_answers: int
+    sent_this_run: int
+    seconds: float
+    greedy: bool  # sampling was greedy: each draft's output is compared with the target's answer
 
 
 class SuiteSummary(BaseModel):
@@ -19,6 +34,8 @@ class SuiteSummary(BaseModel):
     held_out_dataset: str | None = None
     n_source_prompts: int = 0
     looping_prompt_ids: list[str] = []  # suite prompts whose decoded output loops (see flags)
+    quarantined: dict[str, str] = {}  # suite rows left out before training (too long, malformed): reason
+    answers: SuiteCost | None = None  # None: measured against the engine's own greedy output (no answers)
 
 
 class DraftRow(BaseModel):
@@ -39,6 +56,8 @@ class DraftRow(BaseModel):
     measure_seconds: float
     final_loss: float | None = None
     acceptance_length_without_loops: float | None = None  # on the suite prompts that do not loop
+    # Suite ids whose greedy output is not the target's stored answer; None: not compared (sampled suite).
+    differs_from_target: list[str] | None = None
 
 
 class DataValueReport(BaseModel):

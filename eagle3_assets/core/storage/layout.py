@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import dataset_key_problem
+from .data_version import INPUTS_VERSION
 from .quarantine import QUARANTINE_DIR, QUARANTINE_STAGES, RECORDS
 
 # Inside the hidden_states folder (the shard format's own files; shards are `shard-*.safetensors`).
@@ -223,3 +224,53 @@ class DatasetLayout:
     def _rel(self, path: Path) -> str:
         name = str(path.relative_to(self.dir))
         return name if path.suffix else name + "/"
+
+
+@dataclass(frozen=True)
+class DataValueLayout:
+    """`<root>/data_value/`: the data_value asset's files (not a partition's: the folder name is a reserved
+    dataset key). `rel` names a file as the root's store does (`RootFiles`), relative to the root."""
+
+    root: Path
+
+    @property
+    def dir(self) -> Path:
+        return self.root / DATA_VALUE_DIR
+
+    @property
+    def report_json(self) -> Path:
+        return self.root / DATA_VALUE_REPORT
+
+    @property
+    def report_md(self) -> Path:
+        return self.dir / "report.md"
+
+    @property
+    def suite_answers(self) -> Path:
+        return self.dir / "suite_answers.jsonl"
+
+    @property
+    def inputs_version(self) -> Path:
+        return self.dir / INPUTS_VERSION
+
+    @property
+    def suite(self) -> DatasetLayout:
+        """The suite stored as a partition is (prompts.parquet, the answer journal, the target's record), in
+        this folder: answered by the generation stage's machinery like any partition."""
+        return DatasetLayout(self.dir, "suite")
+
+    def suite_prefix(self) -> str:
+        """The suite's folder as an object-store working copy of key `name` names it."""
+        return f"{self.suite.key}/"
+
+    @property
+    def drafts_scratch(self) -> Path:
+        """Drafts served while they are measured, removed after (never stored)."""
+        return self.dir / ".drafts"
+
+    def stored(self) -> list[Path]:
+        """What the asset stores, the inputs record last: a store never names inputs of a report it lacks."""
+        return [self.report_json, self.report_md, self.suite_answers, self.inputs_version]
+
+    def rel(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
