@@ -20,7 +20,9 @@ FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 def anchors(page: Path) -> set[str]:
     text = FENCE.sub("", page.read_text())
-    return {slugify(re.sub(r"[`*_]", "", h), "-") for h in HEADING.findall(text)}
+    # Markup marks go, as the page renders: backticks, asterisks, and underscores that open or close
+    # emphasis (an underscore inside a word, `data_value`, stays in the anchor).
+    return {slugify(re.sub(r"[`*]|(?<!\w)_+|_+(?!\w)", "", h), "-") for h in HEADING.findall(text)}
 
 
 def problems(readme: Path) -> list[str]:

@@ -41,9 +41,9 @@ from .gate_report import GateReport, read_report
 
 _CORE = Path(__file__).resolve().parents[1]
 # What computes the report: this package (split, training, decoding, measurement, verdict), the draft's shape
-# and vocabulary, the states reader, how a row's prompts and answers are rendered into ids (the turns, the chat
-# tokenizer and its tool calls: the template's fingerprint covers the template, not the code that applies it),
-# and the vLLM engine's measurer.
+# and vocabulary, the states reader, how a row's prompts and answers are rendered into ids (the turns, the
+# chat tokenizer and its tool calls: the template's fingerprint covers the template, not the code that
+# applies it), and the vLLM engine's measurer.
 GATE_SOURCES = (
     _CORE / "acceptance",
     _CORE / "hidden_states" / "draft_format.py",
