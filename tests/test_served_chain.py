@@ -3,7 +3,8 @@
 step starts vLLM itself with each draft as EAGLE-3). A guard fails the test when hidden_states or acceptance
 loads the whole target or runs a forward of it here; only pieces of the checkpoint (the embedding, the first
 layers) may be. Run on each tested vLLM version (`cpu_build.TESTED_VLLM_VERSIONS`): the extraction server and
-the acceptance step's servers are that version's CPU build.
+the acceptance step's servers are that version's CPU build. On the newest, data_value follows with the same
+engine (its drafts served by vLLM; the suite answered by the shipped embedded backend, outside the guard).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def _eagle3_servers() -> list[int]:
     return found
 
 
-@pytest.mark.timeout(
-    2400
-)  # four vLLM starts and a draft's training on two cores, beside the suite's other servers
+# Four vLLM starts and a draft's training on two cores, beside the suite's other servers; on the newest
+# version data_value's two more starts and its draft.
+@pytest.mark.timeout(3000)
 def test_hidden_states_and_acceptance_run_with_the_target_served_only(
     server, vllm_version, tmp_path, monkeypatch
 ):
@@ -67,6 +68,7 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(
     from eagle3_assets.config import load_config
     from eagle3_assets.definitions import (
         ACCEPTANCE_JOB,
+        DATA_VALUE_JOB,
         HIDDEN_STATES_JOB,
         TRAINING_DATA_JOB,
         build_definitions,
@@ -92,13 +94,23 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(
             partition_key="B3", instance=instance, run_config={"ops": {"responses": {"config": {"limit": 8}}}}
         )
         assert run.success
-        guard = FullTargetGuard(monkeypatch)
         results = {}
-        for job in (HIDDEN_STATES_JOB, ACCEPTANCE_JOB):
-            results[job] = defs.resolve_job_def(job).execute_in_process(
-                partition_key="B3", instance=instance, raise_on_error=False
+        with pytest.MonkeyPatch.context() as guarded:
+            guard = FullTargetGuard(guarded)
+            for job in (HIDDEN_STATES_JOB, ACCEPTANCE_JOB):
+                results[job] = defs.resolve_job_def(job).execute_in_process(
+                    partition_key="B3", instance=instance, raise_on_error=False
+                )
+                assert results[job].success, [e.message for e in results[job].all_events if e.is_failure]
+        gate_servers = len(started)
+        if vllm_version == vllm_server.NEWEST:
+            # data_value with the same engine: the shipped suite answered by the shipped (embedded) backend,
+            # which is why it runs outside the guard; B3's draft and the floor served by vLLM as EAGLE-3.
+            value = defs.resolve_job_def(DATA_VALUE_JOB).execute_in_process(
+                instance=instance, raise_on_error=False
             )
-            assert results[job].success, [e.message for e in results[job].all_events if e.is_failure]
+            assert value.success, [e.message for e in value.all_events if e.is_failure]
+            _assert_served_data_value(config, started[gate_servers:], vllm_version)
     assert max(guard.depths, default=0) < L, guard.depths  # no forward of the whole target
     assert guard.depths, "the spot check recomputed nothing"
 
@@ -138,4 +150,21 @@ def test_hidden_states_and_acceptance_run_with_the_target_served_only(
     sglang = json.loads((draft / "config.sglang.json").read_text())
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     assert _eagle3_servers() == []  # every server the step started is gone, engine core and workers included
-    assert len(started) >= 3 and set(started) == {vllm_version}, started  # the drafts served by that version
+    assert gate_servers >= 3 and set(started) == {vllm_version}, started  # the drafts served by that version
+
+
+def _assert_served_data_value(config, started: list[str | None], vllm_version: str) -> None:
+    """data_value's report measured by vLLM: the floor, B3's draft and `all` (the same data, measured once),
+    each with counters from the engine, every server it started gone."""
+    from eagle3_assets.assets.data_value import read_value_report
+
+    report = read_value_report(config)
+    assert report is not None and report.engine == "vllm"
+    rows = {r.draft: r for r in report.rows}
+    assert set(rows) == {"B3", "all", "untrained"}
+    assert all(len(r.per_position) == report.draft_tokens for r in rows.values())
+    assert all(r.acceptance_length >= 1.0 for r in rows.values())
+    assert rows["all"].acceptance_length == rows["B3"].acceptance_length
+    assert report.suite.answers is not None and report.suite.answers.answers == report.suite.n_prompts
+    assert len(started) >= 2 and set(started) == {vllm_version}, started  # floor and B3's draft, served
+    assert _eagle3_servers() == []
