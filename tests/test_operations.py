@@ -69,7 +69,8 @@ def test_steps_carry_their_pools_and_gpu_requests(tmp_path):
     assert {k: s.group_name for k, s in specs.items()} == dict.fromkeys(stages, "eagle3")
     gate = defs.resolve_assets_def("acceptance").op  # the gate trains and runs the target: a GPU step
     assert gate.pool == "gpu" and json.loads(gate.tags["dagster-k8s/config"]) == k8s
-    assert defs.resolve_assets_def("data_value").op.pool == "gpu"  # trains and measures drafts too
+    value = defs.resolve_assets_def("data_value").op  # trains and measures drafts too: sized as the gate
+    assert value.pool == "gpu" and json.loads(value.tags["dagster-k8s/config"]) == k8s
     assert all(s.description for s in specs.values()) and all(s.kinds for s in specs.values())
 
 
