@@ -4,7 +4,9 @@ common held-out suite with the gate's engine, beside the dollars, tokens and GPU
 (`core.data_value`); and its check `data_value_drafts_beat_floor`."""
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 
 import dagster as dg
 
@@ -100,31 +102,24 @@ def answer_the_suite(
     in the store; a file lock locally)."""
     layout = value_layout(cfg)
     journal = layout.suite.ensure()
-    remote, key = storage.remote, DATA_VALUE_DIR
-    if remote is None:
-        return answer_suite(
-            cfg, suite, journal, inference.create_backend(chat), chat, inference.engine_settings(), log
-        )
-    prefix = [layout.suite_prefix()]
-    remote.pull(key, prefix)
+    remote, key, prefix = storage.remote, DATA_VALUE_DIR, [layout.suite_prefix()]
+    lock: Callable[[str], AbstractContextManager] | None = None
+    push: Callable[[], None] | None = None
+    if remote is not None:
+        remote.pull(key, prefix)
+        lock = partial(remote.lease, key)
 
-    def push() -> None:
-        remote.push(key, prefix)
+        def push() -> None:
+            remote.push(key, prefix)
 
     try:
+        backend = inference.create_backend(chat)
         return answer_suite(
-            cfg,
-            suite,
-            journal,
-            inference.create_backend(chat),
-            chat,
-            inference.engine_settings(),
-            log,
-            lock=lambda what: remote.lease(key, what),
-            on_flush=push,
+            cfg, suite, journal, backend, chat, inference.engine_settings(), log, lock=lock, on_flush=push
         )
     finally:  # what was paid for is stored, after a failure too (the journal is append-only)
-        push()
+        if push is not None:
+            push()
 
 
 @dataclass

@@ -29,7 +29,7 @@ def pull(files: RootFiles, layout: DataValueLayout) -> None:
     """The local copies replaced by the stored ones; a local file the store lacks is removed (a working copy
     that was never published must not pass for the stored report)."""
     for path in layout.stored():
-        text = files.read_text(layout.rel(path))
+        text = read_stored(files, layout, path)
         if text is None:
             path.unlink(missing_ok=True)
         else:
@@ -44,4 +44,5 @@ def publish(files: RootFiles, layout: DataValueLayout) -> list[str]:
 
 
 def read_stored(files: RootFiles, layout: DataValueLayout, path: Path) -> str | None:
+    """The stored text of the layout's file `path`; None where the store lacks it."""
     return files.read_text(layout.rel(path))

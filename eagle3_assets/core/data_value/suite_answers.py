@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from ...config import DatasetConfig, ProjectConfig, SamplingConfig
-from ..generation.binding import IMPORTED, AnswerRules, backend_knobs, served_models, settings_fingerprint
+from ..generation.binding import AnswerRules, sampling_fingerprints, served_models
 from ..generation.engine_settings import EngineSettings
 from ..generation.identity import TargetIdentity
 from ..generation.protocol import InferenceBackend
@@ -58,12 +58,7 @@ def suite_dataset(cfg: ProjectConfig) -> DatasetConfig:
 def suite_rules(cfg: ProjectConfig, sampling: SamplingConfig) -> AnswerRules:
     """What a stored suite answer must match to stand (as `AnswerRules.from_config` for a dataset): the
     sampling and template it was asked with, per backend, and the target's served names."""
-    template = cfg.target.chat_template_kwargs
-    settings: dict[str, str | None] = {
-        name: settings_fingerprint(sampling, template, knobs) for name, knobs in backend_knobs(cfg).items()
-    }
-    settings[IMPORTED] = None
-    return AnswerRules("last", settings, served_models(cfg))
+    return AnswerRules("last", sampling_fingerprints(cfg, sampling), served_models(cfg))
 
 
 def store_suite_prompts(suite: Suite, layout: DatasetLayout) -> None:

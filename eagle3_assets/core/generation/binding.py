@@ -78,7 +78,13 @@ def backend_knobs(cfg: ProjectConfig) -> dict[str, dict[str, Any]]:
 def settings_fingerprints(cfg: ProjectConfig, key: str) -> dict[str, str | None]:
     """Backend name -> the settings fingerprint its requests for dataset `key` carry under `cfg`; imported
     rows name no settings (None: not compared)."""
-    sampling, template = cfg.sampling_for(key), cfg.target.chat_template_kwargs
+    return sampling_fingerprints(cfg, cfg.sampling_for(key))
+
+
+def sampling_fingerprints(cfg: ProjectConfig, sampling: SamplingConfig) -> dict[str, str | None]:
+    """As `settings_fingerprints`, for requests asked with `sampling` (a plan that is no configured dataset:
+    the data_value suite)."""
+    template = cfg.target.chat_template_kwargs
     out: dict[str, str | None] = {
         name: settings_fingerprint(sampling, template, knobs) for name, knobs in backend_knobs(cfg).items()
     }

@@ -260,7 +260,7 @@ class DataValueLayout:
         return DatasetLayout(self.dir, "suite")
 
     def suite_prefix(self) -> str:
-        """The suite's folder as an object-store working copy of key `name` names it."""
+        """The suite's folder as the object-store working copy of key DATA_VALUE_DIR names it."""
         return f"{self.suite.key}/"
 
     @property
